@@ -1,0 +1,1 @@
+"""CAT: recipes and a shared library for end-to-end Mandarin ASR on large corpora."""

@@ -1,0 +1,115 @@
+"""Small I/O helpers shared by every stage: atomic writes and Kaldi text tables.
+
+A Kaldi "table" is a UTF-8 text file with one `<key> <value>` line per entry
+(`wav.scp`, `text`, `utt2spk`, `segments`, `utt2num_frames`, `feats.scp` ...).
+Readers here fail with the file name and line number on malformed input;
+writers never leave a partial file under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+PathLike = str | os.PathLike
+
+
+class TableError(ValueError):
+    """A Kaldi table is malformed; the message names the file and line."""
+
+
+@contextlib.contextmanager
+def atomic_write(path: PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """Open `path.tmp` for writing and rename it to `path` only if the block succeeds.
+
+    Usage::
+
+        with atomic_write("data/train/text") as f:
+            f.write("utt1 你好\\n")
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    if "b" in mode:
+        encoding = None
+    try:
+        with open(tmp, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def iter_table(path: PathLike, allow_empty_value: bool = False) -> Iterator[tuple[str, str]]:
+    """Yield `(key, value)` for each line of a Kaldi table.
+
+    The key is the first whitespace-delimited field and the value the rest of
+    the line (stripped). Blank lines are errors, as in Kaldi. An empty value is
+    an error unless `allow_empty_value` (e.g. `text` with empty transcripts,
+    which the caller then reports).
+    """
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            parts = line.split(maxsplit=1)
+            if not parts:
+                raise TableError(f"{path}:{lineno}: empty line")
+            if line[0].isspace():
+                raise TableError(f"{path}:{lineno}: line starts with whitespace: {line!r}")
+            value = parts[1].strip() if len(parts) > 1 else ""
+            if not value and not allow_empty_value:
+                raise TableError(f"{path}:{lineno}: key {parts[0]!r} has no value")
+            yield parts[0], value
+
+
+def read_table(path: PathLike, allow_empty_value: bool = False) -> dict[str, str]:
+    """Read a Kaldi table into a dict; duplicate keys are an error naming both lines."""
+    table: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    for lineno, (key, value) in enumerate(iter_table(path, allow_empty_value), 1):
+        if key in table:
+            raise TableError(f"{path}:{lineno}: duplicate key {key!r} (first on line {lines[key]})")
+        table[key] = value
+        lines[key] = lineno
+    return table
+
+
+def write_table(path: PathLike, items: Iterable[tuple[str, object]], sort: bool = True) -> int:
+    """Write `(key, value)` pairs as a Kaldi table, atomically; returns the line count.
+
+    Keys are sorted in byte order (Kaldi's `LC_ALL=C sort`) unless `sort=False`.
+    """
+    rows = [(str(k), str(v)) for k, v in items]
+    if sort:
+        rows.sort(key=lambda kv: kv[0].encode("utf-8"))
+    for key, _ in rows:
+        if not key or any(c.isspace() for c in key):
+            raise TableError(f"{path}: invalid key {key!r} (empty or containing whitespace)")
+    with atomic_write(path) as f:
+        for key, value in rows:
+            f.write(f"{key} {value}\n" if value != "" else f"{key}\n")
+    return len(rows)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Log to stderr with a timestamp and the module name (idempotent)."""
+    root = logging.getLogger()
+    if root.handlers:
+        root.setLevel(logging.DEBUG if verbose else logging.INFO)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s (%(module)s:%(lineno)d) %(levelname)s: %(message)s",
+                          "%Y-%m-%d %H:%M:%S")
+    )
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)

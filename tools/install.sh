@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Idempotent installer: system packages (espeak-ng, sox) and a Python virtual
+# environment holding the pinned requirements.
+#
+# Usage: bash tools/install.sh          # runtime requirements
+#        bash tools/install.sh --dev    # plus test, lint and benchmark tools
+#
+# Re-running is cheap: the virtual environment is reused, and pip only runs
+# again when a requirements file changed since the last successful install.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=$root/tools/venv
+python=${PYTHON:-python3}
+dev=false
+[ "${1:-}" = "--dev" ] && dev=true
+
+log() { echo "$(date '+%Y-%m-%d %H:%M:%S') (install.sh:${BASH_LINENO[0]}) $*" >&2; }
+
+# --- system packages --------------------------------------------------------
+# espeak-ng speaks the synthetic corpus; sox converts its audio.
+apt_packages=(espeak-ng sox)
+missing=()
+for pkg in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    log "installing Debian packages: ${missing[*]}"
+    # Refresh the package lists only when the cache is empty (a fresh machine).
+    if [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)" ]; then
+      apt-get update -qq
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }
+  else
+    echo "ERROR: missing system packages: ${missing[*]}." >&2
+    echo "Install them as root, e.g.: sudo apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+fi
+
+# --- python environment -----------------------------------------------------
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || { echo "ERROR: $python is older than Python 3.10" >&2; exit 1; }
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating virtual environment $venv"
+  "$python" -m venv "$venv"
+fi
+
+req=$root/requirements.txt
+$dev && req=$root/requirements-dev.txt
+stamp=$root/tools/.installed-$(basename "$req" .txt)
+want=$(cat "$root/requirements.txt" "$req" | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "installing Python requirements from $(basename "$req")"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
+  echo "$want" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
+fi
+log "environment ready: $venv"
