@@ -1,0 +1,225 @@
+"""RNN-T (transducer) model: encoder, predictor, joiner and the RNN-T loss (blank = 0).
+
+Components:
+  * Predictors (the "decoder" of config.json) turn label histories into
+    vectors. `forward(labels [B, U]) -> [B, U+1, output_dim]` scores the
+    history `<blank>, y1, ..., yU` (blank doubles as start symbol). For search,
+    `initial_state(n, device)` and `step(tokens [n], state) -> (out [n, output_dim],
+    state)` advance one token at a time. A state is a tuple of tensors whose
+    first dimension indexes hypotheses, so it can be gathered or selected with
+    `torch.where` generically.
+      - `LSTMPredictor`: embedding -> LSTM (state: hidden and cell).
+      - `StatelessPredictor`: embedding of the last `context_size` tokens mixed by
+        a per-channel 1-D convolution (state: the last tokens).
+  * `JointNet`: `out(tanh(enc_proj(enc) + pred_proj(pred)))`. The projections are
+    exposed separately so search projects each encoder frame / history once.
+  * `TransducerModel`: the common model interface (see `cat.ctc.model`):
+    `forward(feats, feat_lens, labels, label_lens) -> (loss, stats)` and
+    `decode(feats, feat_lens, method="greedy"|"beam", beam_size=...)`.
+
+Memory: the joint network materialises `[B, T', U+1, hdim]` activations and
+`[B, T', U+1, V]` logits, and `rnnt_loss` computes the logit gradients (same
+size) during its forward pass, so a batch holds about
+`B * T' * (U+1) * (hdim + 2V) * 4` bytes (float32), plus transient buffers of
+similar size during backward. Example: 32 utterances of 10 s (T' = 250 after x4
+subsampling), U = 40 characters, V = 4232, hdim = 320 need
+32*250*41*(320+8464)*4 bytes, about 11.5 GB. Batches are trimmed to their
+longest T' and U; bound batches by `B * T' * U` (sorting by length helps), or
+raise the encoder's time reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torchaudio
+from torch import nn
+
+from cat.ctc.model import LOSS_NORMALIZATIONS, check_batch, on_device
+from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
+from cat.shared.specaug import SpecAugment
+
+BLANK = 0
+State = tuple[torch.Tensor, ...]
+
+
+class LSTMPredictor(nn.Module):
+    """Embedding -> dropout -> LSTM -> dropout; the start symbol is blank (0)."""
+
+    def __init__(self, num_classes: int, embed_dim: int = 256, hdim: int = 320,
+                 num_layers: int = 1, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(num_classes, embed_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.lstm = nn.LSTM(embed_dim, hdim, num_layers=num_layers, batch_first=True,
+                            dropout=dropout if num_layers > 1 else 0.0)
+        self.output_dim = hdim
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        """`labels` [B, U] -> [B, U+1, hdim] for histories `<blank>, y1..yU`."""
+        history = nn.functional.pad(labels, (1, 0), value=BLANK)
+        out, _ = self.lstm(self.dropout(self.embedding(history)))
+        return self.dropout(out)
+
+    def initial_state(self, batch_size: int, device: torch.device) -> State:
+        """Zero hidden and cell states, each [n, num_layers, hdim]."""
+        shape = (batch_size, self.lstm.num_layers, self.lstm.hidden_size)
+        return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+
+    def step(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """Feed one token per hypothesis: ([n, hdim], new state)."""
+        hidden, cell = (s.transpose(0, 1).contiguous() for s in state)
+        out, (hidden, cell) = self.lstm(self.dropout(self.embedding(tokens[:, None])),
+                                        (hidden, cell))
+        return self.dropout(out[:, 0]), (hidden.transpose(0, 1), cell.transpose(0, 1))
+
+
+class StatelessPredictor(nn.Module):
+    """Embedding of the last `context_size` tokens, mixed per channel, then ReLU.
+
+    The "stateless" predictor of Ghodsi et al. 2020 / icefall: no recurrence, so
+    its cost per step is constant. Histories shorter than the context are
+    left-padded with blank.
+    """
+
+    def __init__(self, num_classes: int, embed_dim: int = 256, context_size: int = 2) -> None:
+        super().__init__()
+        if context_size < 1:
+            raise ValueError(f"context_size must be >= 1, got {context_size}")
+        self.embedding = nn.Embedding(num_classes, embed_dim)
+        self.context_size = context_size
+        self.conv = (nn.Conv1d(embed_dim, embed_dim, context_size, groups=embed_dim, bias=False)
+                     if context_size > 1 else None)
+        self.output_dim = embed_dim
+
+    def _mix(self, embedded: torch.Tensor) -> torch.Tensor:
+        """[B, L + context_size - 1, E] -> [B, L, E]."""
+        if self.conv is not None:
+            embedded = self.conv(embedded.transpose(1, 2)).transpose(1, 2)
+        return torch.relu(embedded)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        """`labels` [B, U] -> [B, U+1, E] for histories `<blank>, y1..yU`."""
+        history = nn.functional.pad(labels, (self.context_size, 0), value=BLANK)
+        return self._mix(self.embedding(history))
+
+    def initial_state(self, batch_size: int, device: torch.device) -> State:
+        """The last `context_size - 1` tokens of each history (all blank): ([n, C-1],)."""
+        return (torch.full((batch_size, self.context_size - 1), BLANK, dtype=torch.long,
+                           device=device),)
+
+    def step(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """Feed one token per hypothesis: ([n, E], new state)."""
+        context = torch.cat([state[0], tokens[:, None]], dim=1)  # [n, C]
+        out = self._mix(self.embedding(context))[:, -1]
+        return out, (context[:, 1:],)
+
+
+class JointNet(nn.Module):
+    """`logits = out(activation(enc_proj(enc) + pred_proj(pred)))`."""
+
+    def __init__(self, encoder_dim: int, predictor_dim: int, num_classes: int, hdim: int = 320,
+                 activation: str = "tanh") -> None:
+        super().__init__()
+        activations = {"tanh": nn.Tanh, "relu": nn.ReLU}
+        if activation not in activations:
+            raise ValueError(f"joiner activation must be one of {sorted(activations)}, "
+                             f"got {activation!r}")
+        self.enc_proj = nn.Linear(encoder_dim, hdim)
+        self.pred_proj = nn.Linear(predictor_dim, hdim, bias=False)
+        self.activation = activations[activation]()
+        self.out = nn.Linear(hdim, num_classes)
+
+    def project_encoder(self, encoder_out: torch.Tensor) -> torch.Tensor:
+        """[..., encoder_dim] -> [..., hdim]."""
+        return self.enc_proj(encoder_out)
+
+    def project_predictor(self, predictor_out: torch.Tensor) -> torch.Tensor:
+        """[..., predictor_dim] -> [..., hdim]."""
+        return self.pred_proj(predictor_out)
+
+    def joint(self, encoder_proj: torch.Tensor, predictor_proj: torch.Tensor) -> torch.Tensor:
+        """Logits from projected inputs with broadcastable shapes [..., hdim] -> [..., V]."""
+        return self.out(self.activation(encoder_proj + predictor_proj))
+
+    def forward(self, encoder_out: torch.Tensor, predictor_out: torch.Tensor) -> torch.Tensor:
+        """`encoder_out` [B, T, E], `predictor_out` [B, U+1, P] -> logits [B, T, U+1, V]."""
+        return self.joint(self.project_encoder(encoder_out)[:, :, None],
+                          self.project_predictor(predictor_out)[:, None])
+
+
+class TransducerModel(nn.Module):
+    """RNN-T model trained with `torchaudio.functional.rnnt_loss` (blank = 0).
+
+    Args:
+        encoder: acoustic encoder with an `output_dim` attribute.
+        predictor: `LSTMPredictor` or `StatelessPredictor`.
+        joiner: `JointNet` built for the encoder/predictor output sizes.
+        specaug: optional SpecAugment applied in training mode.
+        loss_normalization: "utterance" or "token" (see `cat.ctc.model`).
+    """
+
+    def __init__(self, encoder: nn.Module, predictor: nn.Module, joiner: JointNet,
+                 specaug: SpecAugment | None = None,
+                 loss_normalization: str = "utterance") -> None:
+        super().__init__()
+        if loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
+                             f"got {loss_normalization!r}")
+        self.encoder = encoder
+        self.predictor = predictor
+        self.joiner = joiner
+        self.specaug = specaug
+        self.num_classes = joiner.out.out_features
+        self.loss_normalization = loss_normalization
+
+    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
+                label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Return (normalised loss, stats); see `cat.ctc.model` for the contract."""
+        feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
+        check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
+        if self.training and self.specaug is not None:
+            feats = self.specaug(feats, feat_lens)
+        encoder_out, lengths = self.encoder(feats, feat_lens)
+        max_frames = int(lengths.max()) if lengths.numel() else 0
+        max_labels = int(label_lens.max()) if label_lens.numel() else 0
+        # rnnt_loss needs the padded sizes to equal the longest lengths.
+        encoder_out = encoder_out[:, :max(max_frames, 1)]
+        labels = labels[:, :max_labels]
+        if max_frames == 0:
+            encoder_out = nn.functional.pad(encoder_out, (0, 0, 0, 1 - encoder_out.size(1)))
+        # Without frames nothing can be emitted: such utterances get loss 0.
+        infeasible = lengths < 1
+        logits = self.joiner(encoder_out, self.predictor(labels))
+        losses = torchaudio.functional.rnnt_loss(
+            logits.float().contiguous(), labels.int().contiguous(),
+            lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none")
+        losses = losses.masked_fill(infeasible, 0.0)
+        loss_sum = losses.sum()
+        num_tokens = int(label_lens.sum())
+        normalizer = float(labels.size(0) if self.loss_normalization == "utterance"
+                           else max(num_tokens, 1))
+        loss = loss_sum / normalizer
+        stats = {"loss": float(loss.detach()), "loss_sum": float(loss_sum.detach()),
+                 "normalizer": normalizer, "num_utts": float(labels.size(0)),
+                 "num_tokens": float(num_tokens), "num_frames": float(lengths.sum()),
+                 "num_infeasible": float(infeasible.sum())}
+        return loss, stats
+
+    @torch.no_grad()
+    def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
+               beam_size: int = 10, max_symbols_per_frame: int = 3) -> list[list[int]]:
+        """Decode a batch to token ids with greedy (batched) or modified beam search.
+
+        Uses the module's current mode: call `model.eval()` first.
+        `max_symbols_per_frame` applies to greedy search; beam search emits at most
+        one symbol per frame (see `cat.rnnt.search`).
+        """
+        encoder_out, lengths = self.encoder(feats, feat_lens.to(feats.device))
+        if method == "greedy":
+            return rnnt_greedy_search(self.predictor, self.joiner, encoder_out, lengths,
+                                      max_symbols_per_frame)
+        if method == "beam":
+            nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
+                                              beam_size)
+            return [hyps[0][0] if hyps else [] for hyps in nbest]
+        raise ValueError(f"unknown RNN-T decoding method {method!r}; allowed: greedy, beam")

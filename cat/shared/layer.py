@@ -1,0 +1,272 @@
+"""Building blocks of the Conformer encoder.
+
+Every block takes padded batches `[B, T, D]` together with a boolean padding
+mask `[B, T]` (True on padded frames) and keeps the outputs on valid frames
+independent of how much padding follows them, so that a batch gives the same
+results as its utterances run one by one (in eval mode).
+
+Blocks:
+  * `Conv2dSubsampling`: two stride-2 3x3 conv2d layers (time and frequency
+    reduced by 4) followed by a linear projection.
+  * `TimeReduction`: stacks `factor` consecutive frames and projects them back.
+  * `RelPositionalEncoding` + `RelPositionMultiHeadAttention`: Transformer-XL
+    style self-attention with relative positions and the global content and
+    position biases (u, v), as in ESPnet's `RelPositionMultiHeadedAttention`.
+  * `FeedForward`, `ConvolutionModule`, `ConformerBlock` (macaron FFN halves,
+    MHSA, convolution module, final LayerNorm).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def lengths_to_padding_mask(lengths: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
+    """Return a `[B, T]` bool mask that is True on padded positions (index >= length)."""
+    if max_length is None:
+        max_length = int(lengths.max()) if lengths.numel() else 0
+    positions = torch.arange(max_length, device=lengths.device)
+    return positions.unsqueeze(0) >= lengths.unsqueeze(1)
+
+
+class Conv2dSubsampling(nn.Module):
+    """Reduce the frame rate by 4 with two 3x3 stride-2 convolutions (no padding).
+
+    Output frame `t` only sees input frames `4t .. 4t+6`, so outputs on valid
+    frames do not depend on the padding. `T' = ((T - 1) // 2 - 1) // 2`: an
+    input shorter than 7 frames gives no output frame.
+    """
+
+    def __init__(self, idim: int, odim: int, channels: int | None = None) -> None:
+        super().__init__()
+        channels = channels or odim
+        self.conv = nn.Sequential(
+            nn.Conv2d(1, channels, kernel_size=3, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, kernel_size=3, stride=2),
+            nn.ReLU(),
+        )
+        freq = ((idim - 1) // 2 - 1) // 2
+        if freq < 1:
+            raise ValueError(f"feature dimension idim={idim} is too small for 4x conv subsampling")
+        self.out = nn.Linear(channels * freq, odim)
+
+    @staticmethod
+    def output_lengths(lengths: torch.Tensor) -> torch.Tensor:
+        """Number of output frames for inputs of `lengths` frames."""
+        return torch.div(torch.div(lengths - 1, 2, rounding_mode="floor") - 1, 2,
+                         rounding_mode="floor").clamp(min=0)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` [B, T, idim] -> ([B, T', odim], lengths [B])."""
+        out_lengths = self.output_lengths(lengths)
+        if x.size(1) < 7:
+            return x.new_zeros(x.size(0), 0, self.out.out_features), out_lengths
+        x = self.conv(x.unsqueeze(1))  # [B, C, T', F']
+        batch, channels, time, freq = x.shape
+        x = self.out(x.transpose(1, 2).reshape(batch, time, channels * freq))
+        return x, out_lengths
+
+
+class TimeReduction(nn.Module):
+    """Reduce the frame rate by `factor`: stack consecutive frames, project back to `dim`.
+
+    A trailing partial group is completed with zeros, so `T' = ceil(T / factor)`.
+    Padded input frames are zeroed first, which keeps the last valid group of a
+    padded utterance equal to the same utterance run alone.
+    """
+
+    def __init__(self, dim: int, factor: int) -> None:
+        super().__init__()
+        if factor < 2:
+            raise ValueError(f"time reduction factor must be >= 2, got {factor}")
+        self.factor = factor
+        self.proj = nn.Linear(dim * factor, dim)
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Number of output frames for inputs of `lengths` frames."""
+        return torch.div(lengths + self.factor - 1, self.factor, rounding_mode="floor")
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` [B, T, D] -> ([B, ceil(T / factor), D], lengths [B])."""
+        batch, time, dim = x.shape
+        x = x.masked_fill(lengths_to_padding_mask(lengths, time).unsqueeze(-1), 0.0)
+        remainder = (-time) % self.factor
+        if remainder:
+            x = nn.functional.pad(x, (0, 0, 0, remainder))
+        x = x.reshape(batch, (time + remainder) // self.factor, dim * self.factor)
+        return self.proj(x), self.output_lengths(lengths)
+
+
+class RelPositionalEncoding(nn.Module):
+    """Scale the input by sqrt(dim) and build sinusoidal relative position embeddings.
+
+    For a sequence of `T` frames the embeddings cover relative positions
+    `T-1, T-2, ..., 0, ..., -(T-1)` (row `T-1-r` holds position `r`), i.e. a
+    `[1, 2T-1, dim]` tensor. They are computed on the fly (cheap, no cached state).
+    """
+
+    def __init__(self, dim: int, dropout: float) -> None:
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"model dimension must be even for sinusoidal positions, got {dim}")
+        self.dim = dim
+        self.scale = math.sqrt(dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def position_embeddings(self, length: int, device: torch.device,
+                            dtype: torch.dtype) -> torch.Tensor:
+        """Embeddings of relative positions `length-1 .. -(length-1)`: [1, 2*length-1, dim]."""
+        count = max(2 * length - 1, 0)
+        positions = (length - 1) - torch.arange(count, device=device, dtype=torch.float32)
+        inverse_freq = torch.exp(
+            torch.arange(0, self.dim, 2, device=device, dtype=torch.float32)
+            * (-math.log(10000.0) / self.dim)
+        )
+        angles = positions.unsqueeze(1) * inverse_freq.unsqueeze(0)
+        embeddings = torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(count, self.dim)
+        return embeddings.unsqueeze(0).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` [B, T, D] -> (scaled x with dropout, position embeddings [1, 2T-1, D])."""
+        pos_emb = self.position_embeddings(x.size(1), x.device, x.dtype)
+        return self.dropout(x * self.scale), self.dropout(pos_emb)
+
+
+class RelPositionMultiHeadAttention(nn.Module):
+    """Multi-head self-attention with relative positional encoding (Transformer-XL).
+
+    The score of query `i` and key `j` in head `h` is
+    `((q_i + u_h) . k_j + (q_i + v_h) . W_pos p_{i-j}) / sqrt(d_head)`, where
+    `u`/`v` are learned global content/position biases and `p_r` the sinusoidal
+    embedding of relative position `r`.
+    """
+
+    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"hidden dimension {dim} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.linear_q = nn.Linear(dim, dim)
+        self.linear_k = nn.Linear(dim, dim)
+        self.linear_v = nn.Linear(dim, dim)
+        self.linear_out = nn.Linear(dim, dim)
+        self.linear_pos = nn.Linear(dim, dim, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.empty(num_heads, self.head_dim))
+        self.pos_bias_v = nn.Parameter(torch.empty(num_heads, self.head_dim))
+        nn.init.xavier_uniform_(self.pos_bias_u)
+        nn.init.xavier_uniform_(self.pos_bias_v)
+        self.dropout = nn.Dropout(dropout)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, _ = x.shape
+        return x.view(batch, time, self.num_heads, self.head_dim)
+
+    def scores(self, x: torch.Tensor, pos_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-softmax scores [B, H, T, T] and the value tensor [B, H, T, d_head]."""
+        time = x.size(1)
+        query = self._split_heads(self.linear_q(x))  # [B, T, H, d]
+        key = self._split_heads(self.linear_k(x)).transpose(1, 2)  # [B, H, T, d]
+        value = self._split_heads(self.linear_v(x)).transpose(1, 2)
+        position = self._split_heads(self.linear_pos(pos_emb)).transpose(1, 2)  # [1, H, 2T-1, d]
+        query_u = (query + self.pos_bias_u).transpose(1, 2)
+        query_v = (query + self.pos_bias_v).transpose(1, 2)
+        content = torch.matmul(query_u, key.transpose(-2, -1))  # [B, H, T, T]
+        by_position = torch.matmul(query_v, position.transpose(-2, -1))  # [B, H, T, 2T-1]
+        # Column j of query row i must read relative position i - j, stored at index T-1-i+j.
+        rows = torch.arange(time, device=x.device)
+        index = (time - 1) - rows.unsqueeze(1) + rows.unsqueeze(0)
+        by_position = by_position.gather(-1, index.expand(*by_position.shape[:2], time, time))
+        return (content + by_position) / math.sqrt(self.head_dim), value
+
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor,
+                padding_mask: torch.Tensor) -> torch.Tensor:
+        """`x` [B, T, D], `pos_emb` [1, 2T-1, D], `padding_mask` [B, T] -> [B, T, D]."""
+        scores, value = self.scores(x, pos_emb)
+        key_mask = padding_mask[:, None, None, :]
+        # A finite minimum (not -inf) keeps rows with no valid key free of NaN.
+        scores = scores.masked_fill(key_mask, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1).masked_fill(key_mask, 0.0)
+        context = torch.matmul(self.dropout(weights), value)  # [B, H, T, d]
+        batch, _, time, _ = context.shape
+        return self.linear_out(context.transpose(1, 2).reshape(batch, time, -1))
+
+
+class FeedForward(nn.Module):
+    """Linear -> Swish -> Dropout -> Linear -> Dropout."""
+
+    def __init__(self, dim: int, hidden_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(dim, hidden_dim), nn.SiLU(), nn.Dropout(dropout),
+            nn.Linear(hidden_dim, dim), nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [B, T, D]."""
+        return self.net(x)
+
+
+class ConvolutionModule(nn.Module):
+    """Pointwise conv (2D channels) -> GLU -> depthwise conv -> norm -> Swish -> pointwise conv.
+
+    `norm` is "batchnorm" (the Conformer paper; its training statistics include
+    the zeroed padding) or "layernorm" (independent of batch composition).
+    """
+
+    def __init__(self, dim: int, kernel_size: int, dropout: float, norm: str = "batchnorm") -> None:
+        super().__init__()
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (symmetric padding), got {kernel_size}")
+        if norm not in ("batchnorm", "layernorm"):
+            raise ValueError(f"conv norm must be 'batchnorm' or 'layernorm', got {norm!r}")
+        self.pointwise_in = nn.Conv1d(dim, 2 * dim, kernel_size=1)
+        self.depthwise = nn.Conv1d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+        self.norm_type = norm
+        self.norm = nn.BatchNorm1d(dim) if norm == "batchnorm" else nn.LayerNorm(dim)
+        self.activation = nn.SiLU()
+        self.pointwise_out = nn.Conv1d(dim, dim, kernel_size=1)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [B, T, D]; padded frames are zeroed before the depthwise conv."""
+        x = nn.functional.glu(self.pointwise_in(x.transpose(1, 2)), dim=1)  # [B, D, T]
+        x = x.masked_fill(padding_mask.unsqueeze(1), 0.0)
+        x = self.depthwise(x)
+        if self.norm_type == "batchnorm":
+            x = self.norm(x)
+        else:
+            x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        x = self.pointwise_out(self.activation(x))
+        return self.dropout(x.transpose(1, 2))
+
+
+class ConformerBlock(nn.Module):
+    """x + FFN/2 -> x + MHSA -> x + Conv -> x + FFN/2 -> LayerNorm (pre-norm residuals)."""
+
+    def __init__(self, dim: int, num_heads: int, ffn_dim: int, kernel_size: int, dropout: float,
+                 dropout_attn: float, conv_norm: str) -> None:
+        super().__init__()
+        self.norm_ffn_in = nn.LayerNorm(dim)
+        self.ffn_in = FeedForward(dim, ffn_dim, dropout)
+        self.norm_attn = nn.LayerNorm(dim)
+        self.attn = RelPositionMultiHeadAttention(dim, num_heads, dropout_attn)
+        self.dropout_attn_out = nn.Dropout(dropout)
+        self.norm_conv = nn.LayerNorm(dim)
+        self.conv = ConvolutionModule(dim, kernel_size, dropout, conv_norm)
+        self.norm_ffn_out = nn.LayerNorm(dim)
+        self.ffn_out = FeedForward(dim, ffn_dim, dropout)
+        self.norm_final = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor,
+                padding_mask: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [B, T, D]."""
+        x = x + 0.5 * self.ffn_in(self.norm_ffn_in(x))
+        x = x + self.dropout_attn_out(self.attn(self.norm_attn(x), pos_emb, padding_mask))
+        x = x + self.conv(self.norm_conv(x), padding_mask)
+        x = x + 0.5 * self.ffn_out(self.norm_ffn_out(x))
+        return self.norm_final(x)

@@ -1,0 +1,187 @@
+"""Tests of the RNN-T predictors, joiner, loss and training end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cat.rnnt.model import JointNet, LSTMPredictor, StatelessPredictor, TransducerModel
+from cat.shared.encoder import ConformerNet
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_transducer(num_classes: int = 6, predictor: str = "lstm",
+                    loss_normalization: str = "utterance") -> TransducerModel:
+    torch.manual_seed(0)
+    encoder = ConformerNet(idim=16, hdim=32, num_cells=1, num_heads=2, kernel_size=3,
+                           dropout=0.0, conv_norm="layernorm")
+    if predictor == "lstm":
+        pred = LSTMPredictor(num_classes, embed_dim=16, hdim=24, dropout=0.0)
+    else:
+        pred = StatelessPredictor(num_classes, embed_dim=24, context_size=2)
+    joiner = JointNet(encoder.output_dim, pred.output_dim, num_classes, hdim=24)
+    return TransducerModel(encoder, pred, joiner, loss_normalization=loss_normalization)
+
+
+def make_task(seed: int = 0, num_classes: int = 6):
+    generator = torch.Generator().manual_seed(seed)
+    feat_lens = torch.tensor([40, 36, 32, 28])
+    feats = torch.randn(4, 40, 16, generator=generator)
+    for index, length in enumerate(feat_lens.tolist()):
+        feats[index, length:] = 0.0
+    label_lens = torch.tensor([4, 3, 4, 2])
+    labels = torch.randint(1, num_classes, (4, 4), generator=generator)
+    for index, length in enumerate(label_lens.tolist()):
+        labels[index, length:] = 0
+    return feats, feat_lens, labels, label_lens
+
+
+@pytest.mark.parametrize("predictor", [
+    LSTMPredictor(7, embed_dim=8, hdim=12, num_layers=2, dropout=0.0),
+    StatelessPredictor(7, embed_dim=8, context_size=3),
+    StatelessPredictor(7, embed_dim=8, context_size=1),
+])
+def test_predictor_steps_match_full_forward(predictor):
+    predictor.eval()
+    labels = torch.tensor([[3, 1, 4, 1, 5], [2, 6, 5, 0, 0]])
+    with torch.no_grad():
+        full = predictor(labels)
+        assert full.shape == (2, 6, predictor.output_dim)
+        state = predictor.initial_state(2, torch.device("cpu"))
+        history = torch.zeros(2, dtype=torch.long)
+        for position in range(6):
+            out, state = predictor.step(history, state)
+            torch.testing.assert_close(out, full[:, position], rtol=1e-5, atol=1e-6)
+            if position < 5:
+                history = labels[:, position]
+
+
+def test_joiner_forward_equals_joint_of_projections():
+    torch.manual_seed(0)
+    joiner = JointNet(encoder_dim=5, predictor_dim=3, num_classes=4, hdim=6)
+    encoder_out, predictor_out = torch.randn(2, 7, 5), torch.randn(2, 3, 3)
+    logits = joiner(encoder_out, predictor_out)
+    assert logits.shape == (2, 7, 3, 4)
+    expected = joiner.joint(joiner.project_encoder(encoder_out[1, 4]),
+                            joiner.project_predictor(predictor_out[1, 2]))
+    torch.testing.assert_close(logits[1, 4, 2], expected)
+
+
+def brute_force_rnnt_loss(logits: torch.Tensor, labels: list[int]) -> float:
+    """-log P(labels) by the transducer forward recursion on logits [T, U+1, V]."""
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    frames, positions = log_probs.shape[0], len(labels) + 1
+    alpha = torch.full((frames, positions), float("-inf"), dtype=torch.float64)
+    alpha[0, 0] = 0.0
+    for t in range(frames):
+        for u in range(positions):
+            terms = []
+            if t > 0:
+                terms.append(alpha[t - 1, u] + log_probs[t - 1, u, 0])
+            if u > 0:
+                terms.append(alpha[t, u - 1] + log_probs[t, u - 1, labels[u - 1]])
+            if terms:
+                alpha[t, u] = torch.logsumexp(torch.stack(terms), 0)
+    return -float(alpha[-1, -1] + log_probs[-1, -1, 0])
+
+
+def test_loss_equals_forward_recursion_and_is_padding_independent():
+    model = tiny_transducer().eval()
+    feats, feat_lens, labels, label_lens = make_task()
+    loss, stats = model(feats, feat_lens, labels, label_lens)
+    with torch.no_grad():
+        encoder_out, lengths = model.encoder(feats, feat_lens)
+        expected = []
+        for index in range(4):
+            sequence = labels[index, :label_lens[index]]
+            logits = model.joiner(encoder_out[index:index + 1, :lengths[index]],
+                                  model.predictor(sequence[None]))[0]
+            expected.append(brute_force_rnnt_loss(logits, sequence.tolist()))
+    assert stats["loss_sum"] == pytest.approx(sum(expected), rel=1e-4)
+    assert loss.item() == pytest.approx(sum(expected) / 4, rel=1e-4)
+    assert stats["num_utts"] == 4
+    assert stats["num_tokens"] == 13
+    assert stats["num_frames"] == float(lengths.sum())
+    for index in range(4):
+        alone, _ = model(feats[index:index + 1, :feat_lens[index]], feat_lens[index:index + 1],
+                         labels[index:index + 1, :label_lens[index]], label_lens[index:index + 1])
+        assert alone.item() == pytest.approx(expected[index], rel=1e-4)
+
+
+def test_token_normalization():
+    feats, feat_lens, labels, label_lens = make_task()
+    loss, stats = tiny_transducer(loss_normalization="token").eval()(
+        feats, feat_lens, labels, label_lens)
+    assert stats["normalizer"] == 13
+    assert loss.item() == pytest.approx(stats["loss_sum"] / 13)
+
+
+def test_utterance_without_encoder_frames_is_counted_and_gets_no_loss():
+    model = tiny_transducer().eval()
+    feats = torch.randn(2, 40, 16)
+    labels = torch.tensor([[1, 2], [3, 0]])
+    loss, stats = model(feats, torch.tensor([40, 5]), labels, torch.tensor([2, 1]))
+    assert stats["num_infeasible"] == 1
+    alone, _ = model(feats[:1], torch.tensor([40]), labels[:1], torch.tensor([2]))
+    assert stats["loss_sum"] == pytest.approx(alone.item(), rel=1e-5)
+    assert torch.isfinite(loss)
+
+
+def test_empty_label_sequences_are_valid():
+    model = tiny_transducer().eval()
+    loss, stats = model(torch.randn(2, 40, 16), torch.tensor([40, 30]),
+                        torch.zeros(2, 3, dtype=torch.long), torch.tensor([0, 0]))
+    assert torch.isfinite(loss)
+    assert loss.item() > 0
+    assert stats["num_tokens"] == 0
+
+
+@pytest.mark.parametrize("predictor", ["lstm", "stateless"])
+def test_transducer_overfits_and_decoding_reproduces_labels(predictor):
+    model = tiny_transducer(predictor=predictor)
+    feats, feat_lens, labels, label_lens = make_task()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    model.train()
+    losses = []
+    for _ in range(120):
+        loss, stats = model(feats, feat_lens, labels, label_lens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(stats["loss"])
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.05 * losses[0]
+    model.eval()
+    expected = [labels[i, :n].tolist() for i, n in enumerate(label_lens.tolist())]
+    assert model.decode(feats, feat_lens, method="greedy") == expected
+    assert model.decode(feats, feat_lens, method="beam", beam_size=4) == expected
+
+
+def test_invalid_options_raise():
+    with pytest.raises(ValueError, match="activation"):
+        JointNet(4, 4, 5, activation="gelu")
+    with pytest.raises(ValueError, match="context_size"):
+        StatelessPredictor(5, context_size=0)
+    model = tiny_transducer().eval()
+    with pytest.raises(ValueError, match="allowed: greedy, beam"):
+        model.decode(torch.randn(1, 40, 16), torch.tensor([40]), method="sample")
+
+
+def test_batch_without_any_encoder_frame():
+    model = tiny_transducer()
+    feats, feat_lens = torch.randn(2, 6, 16), torch.tensor([6, 4])
+    loss, stats = model(feats, feat_lens, torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]))
+    assert loss.item() == 0.0
+    assert stats["num_infeasible"] == 2
+    loss.backward()
+    model.eval()
+    assert model.decode(feats, feat_lens, method="greedy") == [[], []]
+    assert model.decode(feats, feat_lens, method="beam") == [[], []]

@@ -1,0 +1,134 @@
+"""Tests of RNN-T greedy and modified beam search against reference implementations."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from cat.rnnt.model import JointNet, LSTMPredictor, StatelessPredictor
+from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def components(kind: str, num_classes: int, seed: int, blank_bias: float = 0.0):
+    """Random predictor + joiner; `blank_bias` shifts the blank logit."""
+    torch.manual_seed(seed)
+    if kind == "lstm":
+        predictor = LSTMPredictor(num_classes, embed_dim=8, hdim=8, dropout=0.0)
+    else:
+        predictor = StatelessPredictor(num_classes, embed_dim=8, context_size=2)
+    joiner = JointNet(6, predictor.output_dim, num_classes, hdim=8)
+    with torch.no_grad():
+        joiner.out.bias[0] += blank_bias
+    return predictor.eval(), joiner.eval()
+
+
+def reference_greedy(predictor, joiner, encoder_out, max_symbols):
+    """Unbatched greedy search written directly from the definition."""
+    hyp: list[int] = []
+    with torch.no_grad():
+        for t in range(encoder_out.size(0)):
+            for _ in range(max_symbols):
+                history = torch.tensor([[0, *hyp]])[:, 1:]
+                predictor_out = predictor(history)[0, -1]
+                logits = joiner(encoder_out[t][None, None], predictor_out[None, None])[0, 0, 0]
+                token = int(logits.argmax())
+                if token == 0:
+                    break
+                hyp.append(token)
+    return hyp
+
+
+@pytest.mark.parametrize("kind", ["lstm", "stateless"])
+@pytest.mark.parametrize("max_symbols", [1, 3])
+def test_batched_greedy_equals_reference(kind, max_symbols):
+    predictor, joiner = components(kind, num_classes=5, seed=0, blank_bias=-0.5)
+    generator = torch.Generator().manual_seed(1)
+    encoder_out = 2 * torch.randn(3, 9, 6, generator=generator)
+    lengths = torch.tensor([9, 6, 2])
+    hyps = rnnt_greedy_search(predictor, joiner, encoder_out, lengths, max_symbols)
+    expected = [reference_greedy(predictor, joiner, encoder_out[b, :n], max_symbols)
+                for b, n in enumerate(lengths.tolist())]
+    assert hyps == expected
+    assert any(len(h) > 0 for h in hyps)
+    assert all(len(h) <= max_symbols * n for h, n in zip(hyps, lengths.tolist(), strict=True))
+
+
+def brute_force_sequences(predictor, joiner, encoder_out) -> dict[tuple[int, ...], float]:
+    """Log-probability of every token sequence under one-symbol-per-frame alignments."""
+    frames = encoder_out.size(0)
+    num_classes = joiner.out.out_features
+    totals: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for path in itertools.product(range(num_classes), repeat=frames):
+            sequence: list[int] = []
+            score = torch.zeros((), dtype=torch.float64)
+            for t, token in enumerate(path):
+                predictor_out = predictor(torch.tensor([sequence], dtype=torch.long))[0, -1]
+                logits = joiner(encoder_out[t][None, None], predictor_out[None, None])[0, 0, 0]
+                score = score + torch.log_softmax(logits.double(), -1)[token]
+                if token != 0:
+                    sequence.append(token)
+            totals.setdefault(tuple(sequence), []).append(score)
+    return {seq: float(torch.logsumexp(torch.stack(scores), 0)) for seq, scores in totals.items()}
+
+
+@pytest.mark.parametrize("kind", ["lstm", "stateless"])
+def test_beam_search_with_full_beam_is_exact(kind):
+    predictor, joiner = components(kind, num_classes=3, seed=2)
+    encoder_out = torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(3))
+    exact = brute_force_sequences(predictor, joiner, encoder_out[0])
+    assert len(exact) == 1 + 2 + 4 + 8 + 16
+    nbest = rnnt_modified_beam_search(predictor, joiner, encoder_out, torch.tensor([4]),
+                                      beam_size=len(exact))[0]
+    found = {tuple(tokens): score for tokens, score in nbest}
+    assert set(found) == set(exact)
+    for sequence, score in exact.items():
+        assert found[sequence] == pytest.approx(score, abs=1e-4)
+    assert tuple(nbest[0][0]) == max(exact, key=exact.get)
+
+
+def test_beam_of_one_equals_greedy_with_one_symbol_per_frame():
+    predictor, joiner = components("lstm", num_classes=6, seed=4, blank_bias=-1.0)
+    encoder_out = 2 * torch.randn(3, 10, 6, generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([10, 7, 3])
+    beam = rnnt_modified_beam_search(predictor, joiner, encoder_out, lengths, beam_size=1)
+    greedy = rnnt_greedy_search(predictor, joiner, encoder_out, lengths, 1)
+    assert [nbest[0][0] for nbest in beam] == greedy
+
+
+def test_batch_results_equal_one_by_one_and_are_sorted():
+    predictor, joiner = components("stateless", num_classes=6, seed=6, blank_bias=-0.5)
+    encoder_out = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(7))
+    lengths = torch.tensor([8, 5, 0])
+    batch = rnnt_modified_beam_search(predictor, joiner, encoder_out, lengths, beam_size=4)
+    for index, length in enumerate(lengths.tolist()):
+        alone = rnnt_modified_beam_search(predictor, joiner, encoder_out[index:index + 1, :length],
+                                          torch.tensor([length]), beam_size=4)[0]
+        assert [t for t, _ in batch[index]] == [t for t, _ in alone]
+        for (_, a), (_, b) in zip(batch[index], alone, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        scores = [score for _, score in batch[index]]
+        assert scores == sorted(scores, reverse=True)
+    assert batch[2] == [([], 0.0)]
+    assert len(batch[0]) == 4
+    assert len({tuple(t) for t, _ in batch[0]}) == 4
+
+
+def test_invalid_arguments_raise():
+    predictor, joiner = components("lstm", num_classes=4, seed=0)
+    encoder_out, lengths = torch.randn(1, 3, 6), torch.tensor([3])
+    with pytest.raises(ValueError, match="beam_size"):
+        rnnt_modified_beam_search(predictor, joiner, encoder_out, lengths, beam_size=0)
+    with pytest.raises(ValueError, match="max_symbols_per_frame"):
+        rnnt_greedy_search(predictor, joiner, encoder_out, lengths, max_symbols_per_frame=0)
