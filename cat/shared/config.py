@@ -1,0 +1,222 @@
+"""Experiment configuration: load and validate `hyper-p.json` + `config.json`, fill defaults.
+
+An experiment directory `exp/<name>/` holds two JSON files:
+
+* `hyper-p.json` (pipeline; schema `cat/shared/schemas/hyper-p.schema.json`), with the
+  sections `data` (Kaldi feature dirs `train`/`dev`/`test`, frame range `filter`),
+  `tokenizer` (`type`, `option-train`, `file`), `env` (environment variables),
+  `train` (`bin` = `cat.ctc.train` | `cat.rnnt.train`, `option` = the manager's options)
+  and `inference` (`avgmodel`, `infer`, `er`). Every key is documented in the schema.
+* `config.json` (model; validated by `cat.shared.model.load_config`).
+
+Unknown or misspelled keys are errors naming the file, the key path and the allowed keys,
+e.g. ``hyper-p.json: train.option: unknown key 'large-dataset' (did you mean
+'large_dataset'?); allowed keys: amp, batch_size, ...``.
+
+`train.option` defaults come from the schema's `default` values; `null` placeholders are
+resolved here: `trset` -> `exp/<name>/pack/train.npz` (map-style only), `devset` ->
+`exp/<name>/pack/dev.npz`, `tokenizer` -> `tokenizer.file`, `filter` -> `data.filter`.
+Paths stay relative to the recipe directory (the working directory).
+
+`save_resolved` writes `exp/<name>/resolved.json`: the git commit of the code (or
+"unknown" outside a git checkout), the resolved `hyper-p.json` and the `config.json`.
+
+Usage:
+    experiment = load_experiment("exp/ctc-v1")
+    experiment.options.batch_size, experiment.config["encoder"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import cat
+from cat.shared.model import ConfigError, check_against_schema, load_config
+from cat.utils.io import PathLike, atomic_write
+
+HYPER_SCHEMA_PATH = Path(__file__).with_name("schemas") / "hyper-p.schema.json"
+HYPER_NAME = "hyper-p.json"
+CONFIG_NAME = "config.json"
+RESOLVED_NAME = "resolved.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    """`hyper-p.json:train.option` with every default filled (meanings: see the schema).
+
+    `trset` and `devset` are lists of paths or shard patterns; `filter` may be None.
+    """
+
+    large_dataset: bool
+    trset: list[str]
+    devset: list[str]
+    dev_large_dataset: bool
+    tokenizer: str
+    filter: str | None
+    batch_size: int
+    max_frames: int
+    seed: int
+    workers: int
+    prefetch: int
+    shuffle_buffer: int
+    sort_buffer: int
+    read_ahead_mb: int
+    utts_per_shard_estimate: int
+    strict_shards: bool
+    epochs: int
+    max_steps: int
+    grad_accum: int
+    grad_norm: float
+    amp: bool
+    check_freq: int
+    keep_checkpoints: int
+    time_budget_minutes: float
+    threads: int
+    log_interval: int
+    log_utterances: bool
+
+
+@dataclasses.dataclass
+class Experiment:
+    """One experiment: its directory, resolved `hyper-p.json`, `config.json` and options."""
+
+    directory: Path
+    hyper: dict[str, Any]
+    config: dict[str, Any]
+    options: TrainOptions
+    train_bin: str
+
+
+def load_hyper_schema() -> dict[str, Any]:
+    """The JSON Schema of `hyper-p.json`."""
+    with open(HYPER_SCHEMA_PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") \
+            from None
+
+
+def validate_hyper(hyper: Any, source: str = HYPER_NAME) -> None:
+    """Raise ConfigError naming the key when `hyper` does not follow the schema."""
+    if not isinstance(hyper, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object")
+    check_against_schema(hyper, load_hyper_schema(), source)
+
+
+def load_hyper(path: PathLike) -> dict[str, Any]:
+    """Read and validate a `hyper-p.json`."""
+    hyper = _read_json(Path(path))
+    validate_hyper(hyper, str(path))
+    return hyper
+
+
+def train_option_defaults() -> dict[str, Any]:
+    """Default value of every `train.option` key, from the schema."""
+    properties = load_hyper_schema()["$defs"]["trainOption"]["properties"]
+    return {key: spec["default"] for key, spec in properties.items()}
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def resolve_train_options(hyper: dict[str, Any], exp_dir: PathLike,
+                          source: str = HYPER_NAME) -> TrainOptions:
+    """Fill defaults and placeholders of `hyper["train"]["option"]` (see the module doc)."""
+    exp_dir = Path(exp_dir)
+    option = {**train_option_defaults(), **hyper.get("train", {}).get("option", {})}
+    where = f"{source}: train.option"
+    if option["trset"] is None:
+        if option["large_dataset"]:
+            raise ConfigError(f"{where}.trset: required when large_dataset is true "
+                              "(tar shard patterns such as 'data/wds/train/*/data-*.tar')")
+        option["trset"] = str(exp_dir / "pack" / "train.npz")
+    if option["devset"] is None:
+        if option["dev_large_dataset"]:
+            raise ConfigError(f"{where}.devset: required when dev_large_dataset is true")
+        option["devset"] = str(exp_dir / "pack" / "dev.npz")
+    option["trset"] = _as_list(option["trset"])
+    option["devset"] = _as_list(option["devset"])
+    for key, large in (("trset", "large_dataset"), ("devset", "dev_large_dataset")):
+        if not option[large] and len(option[key]) != 1:
+            raise ConfigError(f"{where}.{key}: a map-style set is one pack file, got "
+                              f"{len(option[key])} paths (set {large} for tar shards)")
+    if option["tokenizer"] is None:
+        option["tokenizer"] = hyper.get("tokenizer", {}).get("file")
+        if option["tokenizer"] is None:
+            raise ConfigError(f"{where}.tokenizer: not set, and tokenizer.file is missing too")
+    if option["filter"] is None:
+        option["filter"] = hyper.get("data", {}).get("filter")
+    return TrainOptions(**option)
+
+
+def load_experiment(exp_dir: PathLike, expected_bin: str | None = None) -> Experiment:
+    """Load, validate and resolve `exp_dir/hyper-p.json` and `exp_dir/config.json`.
+
+    With `expected_bin` (e.g. "cat.ctc.train"), `train.bin` must name it.
+    """
+    exp_dir = Path(exp_dir)
+    hyper_path = exp_dir / HYPER_NAME
+    hyper = load_hyper(hyper_path)
+    if "train" not in hyper:
+        raise ConfigError(f"{hyper_path}: train: missing (needed for training: "
+                          "{\"bin\": \"cat.ctc.train\", \"option\": {...}})")
+    train_bin = hyper["train"]["bin"]
+    if expected_bin is not None and train_bin != expected_bin:
+        raise ConfigError(f"{hyper_path}: train.bin is {train_bin!r}, but this is "
+                          f"{expected_bin}; run 'python -m {train_bin} {exp_dir}'")
+    options = resolve_train_options(hyper, exp_dir, str(hyper_path))
+    config = load_config(exp_dir / CONFIG_NAME)
+    resolved = json.loads(json.dumps(hyper))
+    resolved["train"]["option"] = dataclasses.asdict(options)
+    return Experiment(exp_dir, resolved, config, options, train_bin)
+
+
+def apply_env(hyper: dict[str, Any]) -> None:
+    """Export `hyper["env"]` into the process environment."""
+    for name, value in hyper.get("env", {}).items():
+        os.environ[name] = value
+
+
+def git_commit(directory: PathLike | None = None) -> str:
+    """Commit hash of the checkout holding `directory` (default: the `cat` package).
+
+    A `+dirty` suffix marks uncommitted changes to tracked files; "unknown" outside a
+    git checkout or without git.
+    """
+    directory = Path(directory or Path(cat.__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, check=True,
+                                capture_output=True, text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=directory, check=True, capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit}+dirty" if dirty else commit
+
+
+def save_resolved(experiment: Experiment, extra: dict[str, Any] | None = None) -> Path:
+    """Write `exp/<name>/resolved.json` (commit, resolved hyper-p.json, config.json)."""
+    path = experiment.directory / RESOLVED_NAME
+    document = {"commit": git_commit(), "hyper-p": experiment.hyper,
+                "config": experiment.config, **(extra or {})}
+    with atomic_write(path) as f:
+        json.dump(document, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+    return path

@@ -1,0 +1,113 @@
+"""Factories for tar shards: packed with the real stage-2 writer, uneven, corrupt, served.
+
+`write_uneven_shards` packs a feature corpus into one folder per shard (each with its own
+`index.jsonl`), so shards can have any sizes; `truncate_file` cuts a file short;
+`serve_directory` serves a folder over HTTP on 127.0.0.1 for `http://` shard tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import io
+import tarfile
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cat.data import prep_wds
+from cat.testing.features import FeatureCorpus
+from cat.utils.io import PathLike, write_table
+
+
+def write_corpus_subset(corpus: FeatureCorpus, keys: Sequence[str], directory: PathLike
+                        ) -> tuple[Path, Path]:
+    """A `feats.scp` + `text` of `keys` only (pointing into the corpus arks)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    scp = {}
+    with open(corpus.feats_scp, encoding="utf-8") as f:
+        for line in f:
+            key, location = line.rstrip("\n").split(" ", 1)
+            scp[key] = location
+    write_table(directory / "feats.scp", ((k, scp[k]) for k in keys))
+    write_table(directory / "text", ((k, corpus.transcripts[k]) for k in keys))
+    return directory / "feats.scp", directory / "text"
+
+
+def write_shards(corpus: FeatureCorpus, out: PathLike, utts_per_file: int,
+                 filter_group: Sequence[str] | None = None, seed: int = 0) -> list[Path]:
+    """Pack the whole corpus with `cat.data.prep_wds.pack_data`; returns the shard paths."""
+    out = Path(out)
+    prep_wds.pack_data(corpus.feats_scp, corpus.text, out, filter_group=filter_group,
+                       utts_per_file=utts_per_file, seed=seed)
+    return sorted(out.rglob("*.tar"))
+
+
+def write_uneven_shards(corpus: FeatureCorpus, out: PathLike, sizes: Sequence[int]
+                        ) -> list[Path]:
+    """Shards of the given sizes, `out/shard-<i>/data-00000.tar` (glob `out/*/data-*.tar`).
+
+    The corpus keys are used in order; `sum(sizes)` must not exceed the corpus size.
+    """
+    keys = corpus.keys
+    if sum(sizes) > len(keys):
+        raise ValueError(f"{sum(sizes)} utterances asked for, the corpus has {len(keys)}")
+    out = Path(out)
+    paths = []
+    start = 0
+    for index, size in enumerate(sizes):
+        folder = out / f"shard-{index:03d}"
+        scp, text = write_corpus_subset(corpus, keys[start:start + size], out / f".lists-{index}")
+        prep_wds.pack_data(scp, text, folder, utts_per_file=size)
+        paths.append(folder / (prep_wds.DEFAULT_FMT % 0))
+        start += size
+    return paths
+
+
+def write_raw_shard(path: PathLike, samples: Sequence[tuple[str, np.ndarray, str]]) -> Path:
+    """A tar of `(utterance id, features, transcript)` written member by member, without
+    the checks of the stage-2 writer (for malformed inputs: empty text, wrong dims)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for key, features, text in samples:
+            buffer = io.BytesIO()
+            np.save(buffer, features)
+            for extension, data in (("npy", buffer.getvalue()), ("txt", text.encode("utf-8"))):
+                info = tarfile.TarInfo(f"{prep_wds.encode_key(key)}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def truncate_file(path: PathLike, keep_fraction: float) -> int:
+    """Cut `path` to `keep_fraction` of its size; returns the new size."""
+    path = Path(path)
+    size = int(path.stat().st_size * keep_fraction)
+    with open(path, "r+b") as f:
+        f.truncate(size)
+    return size
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve_directory(directory: PathLike) -> Iterator[str]:
+    """Serve `directory` over HTTP on 127.0.0.1 (a free port); yields the base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

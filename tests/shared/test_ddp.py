@@ -1,0 +1,82 @@
+"""Two gloo ranks under torchrun: equal update counts, disjoint coverage, no hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import cat
+from cat.testing.shards import write_uneven_shards
+from cat.testing.training import write_tiny_experiment
+
+REPO_ROOT = Path(cat.__file__).resolve().parent.parent
+NAME = "exp/tiny"
+TIMEOUT_SECONDS = 240
+
+
+def _torchrun(root: Path) -> subprocess.CompletedProcess:
+    """Train with 2 CPU ranks; a run that outlives the timeout is killed and fails."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", "-m", "cat.ctc.train", NAME]
+    process = subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"training hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}") from None
+    assert process.returncode == 0, output[-3000:]
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def _epoch(experiment, epoch: int) -> tuple[dict, list[list[str]]]:
+    log = experiment.exp_dir / "log"
+    summary = json.loads((log / f"epoch-{epoch:03d}.json").read_text(encoding="utf-8"))
+    trained = [(log / f"utts/epoch-{epoch:03d}.rank-{rank}.txt").read_text().split()
+               for rank in (0, 1)]
+    return summary, trained
+
+
+def test_uneven_shards_end_every_epoch_on_all_ranks_together(tmp_path):
+    experiment = write_tiny_experiment(tmp_path, options={
+        "epochs": 2, "log_utterances": True, "workers": 1, "grad_accum": 2})
+    write_uneven_shards(experiment.train, tmp_path / "data/uneven", [1, 12, 2, 10, 1, 14])
+    experiment.set_options(large_dataset=True, trset="data/uneven/*/data-*.tar")
+    _torchrun(tmp_path)
+    orders, cut = [], []
+    for epoch in (1, 2):
+        summary, trained = _epoch(experiment, epoch)
+        ranks = summary["ranks"]
+        assert ranks[0]["updates"] == ranks[1]["updates"] == summary["steps"] > 0
+        assert not set(trained[0]) & set(trained[1])
+        assert all(len(keys) == len(set(keys)) for keys in trained)
+        assert [len(keys) for keys in trained] == [r["trained"] for r in ranks]
+        assert sum(r["expected"] for r in ranks) == 40 and summary["dropped"] == {}
+        assert summary["trained"] + summary["not_trained"] == 40
+        orders.append(trained)
+        cut.append(summary["not_trained"])
+    assert orders[0] != orders[1]
+    assert max(cut) > 0  # an epoch was cut when one rank ran out of data
+    checkpoint_list = json.loads((experiment.exp_dir / "check/checkpoints.json").read_text())
+    assert [r["step"] for r in checkpoint_list["checkpoints"]][-1] == \
+        sum(_epoch(experiment, e)[0]["steps"] for e in (1, 2))
+
+
+def test_map_style_ranks_get_equal_batches(tmp_path):
+    experiment = write_tiny_experiment(tmp_path, options={
+        "epochs": 1, "log_utterances": True, "max_frames": 250, "batch_size": 8,
+        "workers": 1})
+    _torchrun(tmp_path)
+    summary, trained = _epoch(experiment, 1)
+    ranks = summary["ranks"]
+    assert ranks[0]["updates"] == ranks[1]["updates"] == summary["steps"] > 0
+    assert not set(trained[0]) & set(trained[1])
+    remainder = summary["dropped"].get("epoch_remainder", 0)
+    assert len(trained[0]) + len(trained[1]) + remainder == 40
+    assert summary["not_trained"] == 0
