@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Environment for the recipes: source it, do not execute it.
 #   . ../../path.sh      (from egs/<corpus>/)
 # Activates the virtual environment made by tools/install.sh and puts the
@@ -8,6 +9,7 @@ export CAT_ROOT
 
 if [ ! -x "$CAT_ROOT/tools/venv/bin/python" ]; then
   echo "ERROR: no virtual environment at $CAT_ROOT/tools/venv; run: bash $CAT_ROOT/tools/install.sh" >&2
+  # shellcheck disable=SC2317  # exit is reached only when the file is executed
   return 1 2>/dev/null || exit 1
 fi
 # shellcheck disable=SC1091

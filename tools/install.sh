@@ -28,7 +28,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     log "installing Debian packages: ${missing[*]}"
     # Refresh the package lists only when the cache is empty (a fresh machine).
-    if [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial)" ]; then
+    if ! compgen -G "/var/lib/apt/lists/*_Packages*" >/dev/null; then
       apt-get update -qq
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Helpers for stage scripts; source it after path.sh.
 
 # log MESSAGE...: a timestamped line naming the calling script, line and function.
