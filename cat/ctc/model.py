@@ -28,6 +28,8 @@ SpecAugment, when configured, is applied only in training mode.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -66,6 +68,25 @@ def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tens
                          f"[1, {num_classes}) (0 is blank): {labels[row][valid[row]].tolist()}")
 
 
+def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:
+    """Make the output start with probability `blank_prob` for blank (0), the rest uniform.
+
+    From a near-uniform start, a CTC or RNN-T model first lowers its loss by emitting
+    blank everywhere, and the quickest way there is to make its output independent of
+    the input: a saddle it can take thousands of steps to leave, the longer the larger
+    the vocabulary. Starting at that point already leaves the first gradients to telling
+    the tokens apart. `blank_prob` 0 keeps PyTorch's default initialisation.
+    """
+    if not 0.0 <= blank_prob < 1.0:
+        raise ValueError(f"blank_init_prob must be in [0, 1), got {blank_prob}")
+    if blank_prob == 0.0:
+        return
+    num_tokens = head.out_features - 1
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[0] = math.log(blank_prob / (1.0 - blank_prob) * num_tokens)
+
+
 def ctc_min_frames(labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
     """Frames CTC needs for each label sequence: length + number of adjacent repeats."""
     valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
@@ -83,10 +104,12 @@ class CTCModel(nn.Module):
         specaug: optional SpecAugment applied to the features in training mode.
         dropout: dropout before the linear head.
         loss_normalization: "utterance" or "token" (see the module docstring).
+        blank_init_prob: initial blank probability of the head (see `init_blank_bias`).
     """
 
     def __init__(self, encoder: nn.Module, num_classes: int, specaug: SpecAugment | None = None,
-                 dropout: float = 0.0, loss_normalization: str = "utterance") -> None:
+                 dropout: float = 0.0, loss_normalization: str = "utterance",
+                 blank_init_prob: float = 0.5) -> None:
         super().__init__()
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
@@ -98,6 +121,7 @@ class CTCModel(nn.Module):
         self.num_classes = num_classes
         self.dropout = nn.Dropout(dropout)
         self.head = nn.Linear(encoder.output_dim, num_classes)
+        init_blank_bias(self.head, blank_init_prob)
         self.loss_normalization = loss_normalization
 
     def log_probs(self, feats: torch.Tensor,

@@ -34,7 +34,7 @@ import torch
 import torchaudio
 from torch import nn
 
-from cat.ctc.model import LOSS_NORMALIZATIONS, check_batch, on_device
+from cat.ctc.model import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 from cat.shared.specaug import SpecAugment
 
@@ -118,7 +118,7 @@ class JointNet(nn.Module):
     """`logits = out(activation(enc_proj(enc) + pred_proj(pred)))`."""
 
     def __init__(self, encoder_dim: int, predictor_dim: int, num_classes: int, hdim: int = 320,
-                 activation: str = "tanh") -> None:
+                 activation: str = "tanh", blank_init_prob: float = 0.5) -> None:
         super().__init__()
         activations = {"tanh": nn.Tanh, "relu": nn.ReLU}
         if activation not in activations:
@@ -128,6 +128,7 @@ class JointNet(nn.Module):
         self.pred_proj = nn.Linear(predictor_dim, hdim, bias=False)
         self.activation = activations[activation]()
         self.out = nn.Linear(hdim, num_classes)
+        init_blank_bias(self.out, blank_init_prob)
 
     def project_encoder(self, encoder_out: torch.Tensor) -> torch.Tensor:
         """[..., encoder_dim] -> [..., hdim]."""

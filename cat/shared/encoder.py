@@ -21,6 +21,32 @@ from cat.shared.layer import (
 )
 
 
+class FeatureNormalizer(nn.Module):
+    """Global mean and variance normalisation of the input features.
+
+    The statistics are buffers, saved in checkpoints; until `set_stats` is called they
+    are the identity (mean 0, scale 1) and `initialized` is False.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("inv_std", torch.ones(dim))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def set_stats(self, mean: torch.Tensor, std: torch.Tensor, floor: float = 1e-3) -> None:
+        """Use per-dimension `mean` and `std` (floored at `floor`) from now on."""
+        if mean.shape != self.mean.shape or std.shape != self.mean.shape:
+            raise ValueError(f"feature statistics of shape {tuple(mean.shape)}/"
+                             f"{tuple(std.shape)}, expected {tuple(self.mean.shape)}")
+        self.mean.copy_(mean)
+        self.inv_std.copy_(1.0 / std.clamp(min=floor))
+        self.initialized.fill_(True)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return (feats - self.mean) * self.inv_std
+
+
 class ConformerNet(nn.Module):
     """Conformer encoder (Gulati et al. 2020) with relative-position self-attention.
 
@@ -38,6 +64,9 @@ class ConformerNet(nn.Module):
         time_reduction_factor: extra frame-rate reduction (1 = none) by frame stacking.
         time_reduction_position: number of blocks run before the extra reduction
             (0 = right after the conv subsampling, which makes all blocks cheaper).
+        global_cmvn: normalise the input features with a global mean and standard
+            deviation held in the model (see `FeatureNormalizer`), so checkpoints carry
+            them to decoding. The trainer sets them from training data before step 0.
 
     Frame rate: 4x from the subsampling times `time_reduction_factor`.
     """
@@ -46,12 +75,13 @@ class ConformerNet(nn.Module):
                  kernel_size: int = 15, ffn_mult: int = 4, dropout: float = 0.1,
                  dropout_attn: float = 0.0, conv_norm: str = "batchnorm",
                  subsampling_channels: int | None = None, time_reduction_factor: int = 1,
-                 time_reduction_position: int = 0) -> None:
+                 time_reduction_position: int = 0, global_cmvn: bool = False) -> None:
         super().__init__()
         if not 0 <= time_reduction_position <= num_cells:
             raise ValueError(f"time_reduction_position={time_reduction_position} must be within "
                              f"[0, num_cells={num_cells}]")
         self.output_dim = hdim
+        self.normalizer = FeatureNormalizer(idim) if global_cmvn else None
         self.subsampling = Conv2dSubsampling(idim, hdim, subsampling_channels)
         self.positional = RelPositionalEncoding(hdim, dropout)
         self.cells = nn.ModuleList(
@@ -90,6 +120,8 @@ class ConformerNet(nn.Module):
     def forward(self, feats: torch.Tensor,
                 feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`feats` [B, T, idim] float, `feat_lens` [B] long -> ([B, T', hdim], lengths [B])."""
+        if self.normalizer is not None:
+            feats = self.normalizer(feats)
         x, lengths = self.subsampling(feats, feat_lens.to(feats.device))
         if x.size(1) == 0:
             # Every utterance is shorter than the subsampling window: nothing to encode.

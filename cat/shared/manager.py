@@ -83,7 +83,9 @@ from cat.shared.pipeline import (
     ShardStream,
     StreamConfig,
     StreamProgress,
+    decode_npy,
     load_shard_list,
+    read_shard,
 )
 from cat.shared.scheduler import build_scheduler
 from cat.shared.tokenizer import load as load_tokenizer
@@ -267,6 +269,13 @@ class MapTrainData:
                         "listed in %s", len(self.filtered), len(self.dataset),
                         log_dir / "drops" / "filtered-train.txt")
 
+    def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
+        """Feature matrices of up to `max_utts` utterances drawn with the run's seed."""
+        count = len(self.dataset.pack)
+        rng = np.random.default_rng(self.options.seed)
+        for index in np.sort(rng.choice(count, min(count, max_utts), replace=False)):
+            yield self.dataset.pack.features(int(index))
+
     def fingerprint(self) -> str:
         """Identifies the training set and its batching (checked on resume)."""
         return (f"{self.options.trset[0]}:{len(self.dataset)}:{len(self.sampler.indices)}:"
@@ -365,6 +374,17 @@ class StreamTrainData:
         self.last_steps: int | None = None
         self._drops = _Lines(Path())
         self._utts = _Lines(Path())
+
+    def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
+        """Feature matrices of the first `max_utts` utterances of the shards in list order."""
+        count = 0
+        for url in self.shards.urls:
+            for name, data in read_shard(url):
+                if name.endswith(".npy"):
+                    yield decode_npy(data)
+                    count += 1
+                    if count >= max_utts:
+                        return
 
     def fingerprint(self) -> str:
         """Identifies the shard list (checked on resume)."""
@@ -557,6 +577,8 @@ class Manager:
         self.threads = set_threads(self.options.threads, context)
         self._build_model()
         self._build_data()
+        if not resume:
+            self._init_feature_stats()
         self._build_optimizer()
         self.checkpoints = CheckpointManager(self.exp_dir / "check", self.options.keep_checkpoints)
         if resume:
@@ -608,6 +630,32 @@ class Manager:
                            "forms a batch of its own", longest, options.max_frames)
         dev_pack = None if options.dev_large_dataset else self._open_pack(options.devset[0])
         self.dev_data = DevData(options, self.feat_dim, self.context, dev_pack)
+
+    def _init_feature_stats(self, max_utts: int = 2000) -> None:
+        """Set the encoder's global CMVN (when configured) from training utterances.
+
+        Every rank computes the same statistics from the same utterances, so the models
+        stay identical; a resumed run takes them from the checkpoint instead.
+        """
+        normalizer = getattr(getattr(self.model, "encoder", None), "normalizer", None)
+        if normalizer is None or bool(normalizer.initialized):
+            return
+        total = np.zeros(self.feat_dim)
+        squares = np.zeros(self.feat_dim)
+        frames = 0
+        for feats in self.train_data.feature_samples(max_utts):
+            feats = np.asarray(feats, dtype=np.float64)
+            total += feats.sum(axis=0)
+            squares += np.square(feats).sum(axis=0)
+            frames += feats.shape[0]
+        if frames == 0:
+            raise ValueError(f"trset {self.options.trset}: no features to compute the "
+                             "global CMVN statistics from")
+        mean = total / frames
+        std = np.sqrt(np.maximum(squares / frames - np.square(mean), 0.0))
+        normalizer.set_stats(torch.as_tensor(mean, dtype=torch.float32),
+                             torch.as_tensor(std, dtype=torch.float32))
+        logger.info("global CMVN from %d frames of training data", frames)
 
     def _open_pack(self, path: str) -> MapPack:
         """The pack at `path`, checked to be encoded with this run's tokenizer."""

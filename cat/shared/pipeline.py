@@ -23,16 +23,19 @@ Each worker runs a flat list of generator stages, assembled in `ShardStream.pipe
 
     read_samples     stream each tar in order (own minimal tar reader: one read per member,
                      header checksums verified) with read-ahead across shard boundaries
-                     (`read_ahead_mb`): for local shards the kernel fetches the next shard
-                     in the background (posix_fadvise), for http(s)/pipe: shards a
-                     background thread streams the bytes; members are grouped into
-                     samples by key (`decode_key`)
+                     (`read_ahead_mb`): for local shards a helper thread has the kernel
+                     read the next shard into the page cache (`prefetch_file`), for
+                     http(s)/pipe: shards a background thread streams the bytes and opens
+                     each shard while the previous one is read; members are read into
+                     recycled buffers (`BufferPool`) and grouped into samples by key
+                     (`decode_key`)
     shuffle_samples  in-memory shuffle buffer (`shuffle_buffer` utterances)
     decode_features  .npy header parsed once, features are `np.frombuffer` views
     tokenize_labels  transcript -> ids with the experiment's tokenizer
     filter_lengths   `LengthFilter`: frame range and what the model can emit
     batch_by_frames  sort buffer (`sort_buffer`) cut into batches by padded frames
-    collate_batches  padding collate into `cat.shared.data.Batch`
+    collate_batches  padding collate into `cat.shared.data.Batch`; the samples' buffers
+                     go back to the pool
 
 Nothing is dropped silently: every utterance left out is reported as a
 `StreamEvents.dropped` entry (reasons `out_of_range`, `no_encoder_frames`,
@@ -58,6 +61,7 @@ Usage:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import glob
@@ -66,6 +70,7 @@ import io
 import json
 import logging
 import os
+import queue
 import random
 import re
 import shlex
@@ -344,13 +349,61 @@ def _pax_records(payload: bytes, where: str) -> dict[str, str]:
     return records
 
 
-def iter_tar_members(stream: BinaryIO, where: str) -> Iterator[tuple[str, bytes]]:
+class BufferPool:
+    """Byte buffers for tar members, handed out again once their sample is collated.
+
+    A shuffle buffer keeps thousands of feature members alive; reading each into fresh
+    memory costs the kernel a page fault per 4 KiB whenever the buffer fills anew (every
+    epoch when a worker's shards fit in it): measured at a quarter of a worker's time.
+    Recycled buffers are already mapped. Sizes are rounded up to one of 16 classes per
+    power of two (at most 1/16 wasted), so a freed buffer serves any member of its
+    class. Members under `min_bytes` (transcripts) are not pooled. One per thread.
+    """
+
+    def __init__(self, min_bytes: int = 1024) -> None:
+        self.min_bytes = min_bytes
+        self._free: dict[int, list[bytearray]] = collections.defaultdict(list)
+
+    @staticmethod
+    def _capacity(size: int) -> int:
+        step = 1 << max(0, size.bit_length() - 5)
+        return -(-size // step) * step
+
+    def take(self, size: int) -> bytearray:
+        """A buffer of at least `size` bytes (its contents are stale)."""
+        capacity = self._capacity(size)
+        free = self._free.get(capacity)
+        return free.pop() if free else bytearray(capacity)
+
+    def give_back(self, buffer: bytearray) -> None:
+        """Return a buffer from `take`; nothing may read it any more."""
+        self._free[len(buffer)].append(buffer)
+
+
+def _read_into(stream: BinaryIO, view: memoryview) -> int:
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:
+        data = _read_exact(stream, len(view))
+        view[:len(data)] = data
+        return len(data)
+    filled = 0
+    while filled < len(view):
+        count = readinto(view[filled:])
+        if not count:
+            break
+        filled += count
+    return filled
+
+
+def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = None
+                     ) -> Iterator[tuple[str, bytes | memoryview]]:
     """Yield `(name, data)` of the regular files of a tar stream, in order.
 
     Reads each member with one `read` (the stdlib `tarfile` stream mode copies every
     member through 10 KiB buffers: measured 3.5x slower on 160 KB feature members).
     Handles ustar, pax and GNU long names; header checksums are verified. Truncation
-    raises CorruptShardError.
+    raises CorruptShardError. With a `pool`, members of at least `pool.min_bytes` are
+    read into its buffers and yielded as memoryviews (`data.obj` is the buffer).
     """
     long_name: str | None = None
     pax: dict[str, str] = {}
@@ -371,10 +424,15 @@ def iter_tar_members(stream: BinaryIO, where: str) -> Iterator[tuple[str, bytes]
         if "size" in pax:
             size = int(pax["size"])
         kind = header[156:157]
-        data = _read_exact(stream, size)
-        if len(data) < size:
+        if pool is not None and size >= pool.min_bytes and kind in (b"0", b"\0", b"7"):
+            data = memoryview(pool.take(size))[:size]
+            received = _read_into(stream, data)
+        else:
+            data = _read_exact(stream, size)
+            received = len(data)
+        if received < size:
             raise CorruptShardError(f"{where}: member {name!r} truncated "
-                                    f"({len(data)} of {size} bytes)")
+                                    f"({received} of {size} bytes)")
         padding = -size % _BLOCK
         if padding and len(_read_exact(stream, padding)) < padding:
             raise CorruptShardError(f"{where}: member {name!r} truncated (padding)")
@@ -423,14 +481,36 @@ def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[Bina
         yield f
 
 
-def read_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[tuple[str, bytes]]:
-    """Members of one shard, streamed (errors name the shard)."""
+def read_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None
+               ) -> Iterator[tuple[str, bytes | memoryview]]:
+    """Members of one shard, streamed (errors name the shard; `pool`: see iter_tar_members)."""
     with open_shard(url, timeout) as stream:
-        yield from iter_tar_members(stream, url)
+        yield from iter_tar_members(stream, url, pool)
         if not isinstance(stream, (io.BufferedReader, io.FileIO)):
             # Let pipe commands and servers finish writing the archive's trailing blocks.
             while stream.read(1 << 16):
                 pass
+
+
+class _Abandoned(Exception):
+    """Leaves a pre-opened shard stream unread (a `pipe:` command is killed)."""
+
+
+class _OpenedShard:
+    """A shard stream opened ahead of its turn, or the error opening it raised."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.stack = contextlib.ExitStack()
+        self.stream: BinaryIO | None = None
+        self.error: OSError | None = None
+        try:
+            self.stream = self.stack.enter_context(open_shard(url, timeout))
+        except OSError as error:
+            self.error = error
+
+    def abandon(self) -> None:
+        """Close the stream without reading it."""
+        self.stack.__exit__(_Abandoned, _Abandoned(), None)
 
 
 class ReadAhead:
@@ -440,7 +520,9 @@ class ReadAhead:
     shard or `("error", shard, message)` when it cannot be read to its end. The thread
     only reads (in chunks of up to `max_bytes / 4`, at most 4 MiB), so it holds the GIL
     once per chunk; tar parsing stays in the consuming thread (a thread that parsed
-    members measured 1.7x slower than no thread at all, from GIL hand-overs).
+    members measured 1.7x slower than no thread at all, from GIL hand-overs). Each shard
+    is opened (its request sent, or its command started) while the previous one is read,
+    so a request's latency overlaps a transfer instead of adding to it.
     Closing the iterator stops the thread at its next chunk.
     """
 
@@ -468,10 +550,13 @@ class ReadAhead:
             self._condition.notify_all()
             return True
 
-    def _read(self, shard: int, url: str) -> bool:
+    def _read(self, shard: int, opened: _OpenedShard) -> bool:
+        if opened.error is not None:
+            error = opened.error
+            return self._put(("error", shard, f"{type(error).__name__}: {error}"))
         try:
-            with open_shard(url, self.timeout) as stream:
-                while chunk := stream.read(self.chunk_bytes):
+            with opened.stack:
+                while chunk := opened.stream.read(self.chunk_bytes):
                     if not self._put(("data", shard, chunk), len(chunk)):
                         return False
         except OSError as error:
@@ -479,13 +564,25 @@ class ReadAhead:
         return self._put(("end", shard))
 
     def _run(self) -> None:
+        pending: concurrent.futures.Future | None = None
+        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-open")
         try:
-            for shard, url in self.shards:
-                if not self._read(shard, url):
+            if self.shards:
+                pending = opener.submit(_OpenedShard, self.shards[0][1], self.timeout)
+            for position, (shard, _) in enumerate(self.shards):
+                opened = pending.result()
+                pending = None
+                if position + 1 < len(self.shards):
+                    pending = opener.submit(_OpenedShard, self.shards[position + 1][1],
+                                            self.timeout)
+                if not self._read(shard, opened):
                     return
         except BaseException as error:  # handed to the consumer, which re-raises it
             self._failure = error
         finally:
+            if pending is not None:
+                pending.add_done_callback(lambda future: future.result().abandon())
+            opener.shutdown(wait=False)
             with self._condition:
                 self._done = True
                 self._condition.notify_all()
@@ -550,6 +647,17 @@ class _ChunkStream:
         # Copy out of the chunk, so a kept member does not pin a whole chunk in memory.
         return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
 
+    def readinto(self, view: memoryview) -> int:
+        filled = 0
+        while filled < len(view):
+            if self.position >= len(self.view) and not self._next_chunk():
+                break
+            take = min(len(view) - filled, len(self.view) - self.position)
+            view[filled:filled + take] = self.view[self.position:self.position + take]
+            self.position += take
+            filled += take
+        return filled
+
     def skip_rest(self) -> None:
         while self._next_chunk():
             pass
@@ -558,8 +666,9 @@ class _ChunkStream:
 def advise_read_ahead(path: str, num_bytes: int) -> None:
     """Ask the kernel to read the first `num_bytes` of a local file into the page cache.
 
-    The read is asynchronous, so the disk works on the next shard while this process
-    decodes the current one, without a thread or an extra copy.
+    Only a hint, and asynchronous; Linux reads at most the device's read-ahead size per
+    call (measured: 8 MB of a 32 MB shard; `read_ahead_kb` is often 128 KB), so the
+    pipeline uses `prefetch_file`.
     """
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -573,43 +682,104 @@ def advise_read_ahead(path: str, num_bytes: int) -> None:
         os.close(fd)
 
 
+def prefetch_file(path: str, num_bytes: int) -> None:
+    """Read the first `num_bytes` of a local file into the page cache; returns when done.
+
+    The kernel hands the pages to /dev/null (`sendfile`), so nothing is copied into this
+    process and the GIL is released for the whole read. Where that is not supported,
+    falls back to the `advise_read_ahead` hint.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # reported when the shard itself is opened
+    try:
+        with open(os.devnull, "wb", buffering=0) as sink:
+            offset = 0
+            while offset < num_bytes:
+                sent = os.sendfile(sink.fileno(), fd, offset, num_bytes - offset)
+                if sent <= 0:
+                    break
+                offset += sent
+    except (OSError, AttributeError):
+        advise_read_ahead(path, num_bytes)
+    finally:
+        os.close(fd)
+
+
+class _Prefetcher:
+    """A daemon thread that runs `prefetch_file` on local shards, in the order given."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self._paths: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, path: str) -> None:
+        """Queue `path` (its first `num_bytes`) for reading into the page cache."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="shard-prefetch",
+                                            daemon=True)
+            self._thread.start()
+        self._paths.put(path)
+
+    def _run(self) -> None:
+        while (path := self._paths.get()) is not None and not self._stopped.is_set():
+            prefetch_file(path, self.num_bytes)
+
+    def close(self) -> None:
+        """Stop after the file being read (queued ones are dropped)."""
+        self._stopped.set()
+        self._paths.put(None)
+
+
 def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
-                       timeout: float) -> Iterator[tuple]:
-    for position, (shard, url) in enumerate(shards):
-        if read_ahead_bytes > 0:
-            if position == 0:
-                advise_read_ahead(url, read_ahead_bytes)
-            if position + 1 < len(shards):
-                advise_read_ahead(shards[position + 1][1], read_ahead_bytes)
-        try:
-            for name, data in read_shard(url, timeout):
-                yield ("member", shard, name, data)
-        except (OSError, CorruptShardError) as error:
-            yield ("error", shard, f"{type(error).__name__}: {error}")
-            continue
-        yield ("end", shard)
+                       timeout: float, pool: BufferPool | None) -> Iterator[tuple]:
+    # The disk reads the next shard (the first one: alongside) while this one is decoded.
+    prefetcher = _Prefetcher(read_ahead_bytes) if read_ahead_bytes > 0 else None
+    try:
+        for position, (shard, url) in enumerate(shards):
+            if prefetcher is not None:
+                ahead = shards[position:position + 2] if position == 0 else \
+                    shards[position + 1:position + 2]
+                for _, path in ahead:
+                    if not is_url(path):
+                        prefetcher.add(path)
+            try:
+                for name, data in read_shard(url, timeout, pool):
+                    yield ("member", shard, name, data)
+            except (OSError, CorruptShardError) as error:
+                yield ("error", shard, f"{type(error).__name__}: {error}")
+                continue
+            yield ("end", shard)
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
 
 
 def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 0,
-                     timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[tuple]:
+                     timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None
+                     ) -> Iterator[tuple]:
     """`("member", shard, name, data)` of each shard in order, then `("end", shard)`, or
     `("error", shard, message)` when a shard breaks off (its members so far are kept).
 
-    Read-ahead (`read_ahead_bytes` > 0): local shards are read in this thread while the
-    kernel is asked to fetch the next shard in the background (`advise_read_ahead`);
-    when any shard is an http(s) or pipe: URL, a `ReadAhead` thread streams the bytes.
-    Measured in page cache: a reading thread costs one extra copy per byte (~1.4x
-    slower), so it is kept for remote streams, where waiting dominates.
+    Read-ahead (`read_ahead_bytes` > 0): local shards are read in this thread while a
+    helper thread reads the next shard into the page cache (`prefetch_file`: the kernel
+    alone copies, so the GIL is not contended); when any shard is an http(s) or pipe:
+    URL, a `ReadAhead` thread streams the bytes. Measured in page cache: a reading thread
+    costs one extra copy per byte (~1.4x slower), so it is kept for remote streams, where
+    waiting dominates. `pool`: see `iter_tar_members`.
     """
     if read_ahead_bytes <= 0 or not any(is_url(url) for _, url in shards):
-        yield from _local_shard_items(shards, read_ahead_bytes, timeout)
+        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool)
         return
     chunks = iter(ReadAhead(shards, read_ahead_bytes, timeout))
     try:
         for shard, url in shards:
             stream = _ChunkStream(chunks, shard)
             try:
-                for name, data in iter_tar_members(stream, url):
+                for name, data in iter_tar_members(stream, url, pool):
                     yield ("member", shard, name, data)
             except CorruptShardError as error:
                 stream.skip_rest()
@@ -649,13 +819,15 @@ def decode_npy(data: bytes) -> np.ndarray:
 
 def read_samples(shards: Sequence[tuple[int, str]], events: StreamEvents, strict: bool,
                  read_ahead_bytes: int, expected: dict[int, int] | None = None,
-                 timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[dict[str, Any]]:
+                 timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None
+                 ) -> Iterator[dict[str, Any]]:
     """Stage 1: `{"key", "shard", "npy", "txt"}` samples of `shards`, read in order.
 
     `expected` gives the utterances a shard should hold (from the index); a shard that
-    ends with fewer is reported corrupt (it was cut at a member boundary).
+    ends with fewer is reported corrupt (it was cut at a member boundary). With a `pool`,
+    large members are memoryviews on its buffers (see `iter_tar_members`).
     """
-    items = iter_shard_items(shards, read_ahead_bytes, timeout)
+    items = iter_shard_items(shards, read_ahead_bytes, timeout, pool)
     urls = dict(shards)
     current: dict[str, Any] = {}
     count = collections.Counter()
@@ -724,10 +896,14 @@ def shuffle_samples(samples: Iterable[dict[str, Any]], size: int,
 
 def decode_features(samples: Iterable[dict[str, Any]], feat_dim: int, feat_dim_source: str,
                     urls: Sequence[str], events: StreamEvents) -> Iterator[dict[str, Any]]:
-    """Stage 3: `npy` bytes -> `features` [T, D] (a view on the bytes)."""
+    """Stage 3: `npy` bytes -> `features` [T, D] (a view on the bytes); a pooled buffer
+    under them is kept as `buffer`, for `collate_batches` to give back."""
     for sample in samples:
+        data = sample.pop("npy")
+        if isinstance(data, memoryview):
+            sample["buffer"] = data.obj
         try:
-            features = decode_npy(sample.pop("npy"))
+            features = decode_npy(data)
         except (ValueError, KeyError) as error:
             events.dropped.append((sample["key"], f"corrupt_features {error}", sample["shard"]))
             continue
@@ -744,7 +920,7 @@ def tokenize_labels(samples: Iterable[dict[str, Any]], encode: Callable[[str], l
     """Stage 4: `txt` bytes -> `label` ids (int32). An empty transcript is an error."""
     for sample in samples:
         try:
-            text = sample.pop("txt").decode("utf-8")
+            text = str(sample.pop("txt"), "utf-8")
         except UnicodeDecodeError as error:
             events.dropped.append((sample["key"], f"bad_text {error}", sample["shard"]))
             continue
@@ -801,11 +977,19 @@ def batch_by_frames(samples: Iterable[dict[str, Any]], sort_buffer: int, batch_s
 
 
 def collate_batches(groups: Iterable[list[dict[str, Any]]], events: StreamEvents,
-                    feat_dim: int) -> Iterator[Batch]:
-    """Stage 7: padding collate; events so far ride along; a final batch flushes them."""
+                    feat_dim: int, pool: BufferPool | None = None) -> Iterator[Batch]:
+    """Stage 7: padding collate; events so far ride along; a final batch flushes them.
+
+    The batch holds copies, so the samples' pooled buffers go back to `pool` here.
+    """
     for group in groups:
         utterances = [Utterance(s["key"], s["features"], s["label"], s["shard"]) for s in group]
-        yield collate(utterances, events.drain() if events else None)
+        batch = collate(utterances, events.drain() if events else None)
+        if pool is not None:
+            for sample in group:
+                if "buffer" in sample:
+                    pool.give_back(sample["buffer"])
+        yield batch
     if events:
         yield empty_batch(feat_dim, events.drain())
 
@@ -858,10 +1042,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._control = torch.zeros(1 + len(shards), dtype=torch.int64).share_memory_()
         self._control[0] = 1
         self._tokenizer = None
+        self._pool: tuple[int, BufferPool] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_tokenizer"] = None
+        state["_pool"] = None
         return state
 
     def set_epoch(self, epoch: int, skip: Iterable[int] = ()) -> None:
@@ -899,6 +1085,13 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._tokenizer = load_tokenizer(self.tokenizer_path)
         return self._tokenizer.encode
 
+    def _buffer_pool(self) -> BufferPool:
+        # One per process, kept across epochs (persistent workers): its buffers are then
+        # already mapped when the next epoch's shuffle buffer fills.
+        if self._pool is None or self._pool[0] != os.getpid():
+            self._pool = (os.getpid(), BufferPool())
+        return self._pool[1]
+
     def __iter__(self) -> Iterator[Batch]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
@@ -913,9 +1106,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         urls = self.shards.urls
         expected = {s: int(self.shards.num_utts[s]) for s in shards
                     if not self.shards.estimated[s]}
+        pool = self._buffer_pool()
         stream: Iterable[Any] = read_samples([(s, urls[s]) for s in shards], events,
                                              config.strict_shards, config.read_ahead_mb << 20,
-                                             expected, config.timeout)
+                                             expected, config.timeout, pool)
         if config.train:
             stream = shuffle_samples(stream, config.shuffle_buffer, rng)
         stream = decode_features(stream, self.feat_dim, self.feat_dim_source, urls, events)
@@ -923,7 +1117,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         stream = filter_lengths(stream, self.length_filter if config.train else None, events)
         stream = batch_by_frames(stream, config.sort_buffer, config.batch_size,
                                  config.max_frames, rng if config.train else None)
-        return collate_batches(stream, events, self.feat_dim)
+        return collate_batches(stream, events, self.feat_dim, pool)
 
 
 # --------------------------------------------------------------------------- accounting

@@ -27,7 +27,7 @@ def components(kind: str, num_classes: int, seed: int, blank_bias: float = 0.0):
         predictor = LSTMPredictor(num_classes, embed_dim=8, hdim=8, dropout=0.0)
     else:
         predictor = StatelessPredictor(num_classes, embed_dim=8, context_size=2)
-    joiner = JointNet(6, predictor.output_dim, num_classes, hdim=8)
+    joiner = JointNet(6, predictor.output_dim, num_classes, hdim=8, blank_init_prob=0.0)
     with torch.no_grad():
         joiner.out.bias[0] += blank_bias
     return predictor.eval(), joiner.eval()

@@ -113,8 +113,8 @@ def test_misspelled_encoder_key_names_key_and_allowed_keys():
     config["encoder"]["kwargs"]["num_cell"] = config["encoder"]["kwargs"].pop("num_cells")
     message = error_message(config)
     assert "encoder.kwargs: unknown key 'num_cell' (did you mean 'num_cells'?)" in message
-    assert ("allowed keys: conv_norm, dropout, dropout_attn, ffn_mult, hdim, idim, kernel_size, "
-            "num_cells, num_heads, subsampling_channels, time_reduction_factor, "
+    assert ("allowed keys: conv_norm, dropout, dropout_attn, ffn_mult, global_cmvn, hdim, idim, "
+            "kernel_size, num_cells, num_heads, subsampling_channels, time_reduction_factor, "
             "time_reduction_position") in message
     assert "'num_cells' is a required property" in message
 
@@ -217,7 +217,9 @@ def test_schema_defaults_match_constructor_defaults():
     assert schema_defaults("StatelessPredictor") == _constructor_defaults(StatelessPredictor, 1)
     assert schema_defaults("JointNet") == _constructor_defaults(JointNet, 3)
     assert schema_defaults("specaug") == _constructor_defaults(SpecAugment, 0)
-    assert schema_defaults("ctc") == {"dropout": _constructor_defaults(CTCModel, 2)["dropout"]}
+    ctc_defaults = _constructor_defaults(CTCModel, 2)
+    assert schema_defaults("ctc") == {key: ctc_defaults[key]
+                                      for key in ("dropout", "blank_init_prob")}
     assert schema_defaults("trainer") == {
         "loss_normalization": _constructor_defaults(CTCModel, 2)["loss_normalization"]}
     assert schema_defaults("SchedulerWarmupCosine") == _constructor_defaults(
@@ -367,3 +369,35 @@ def test_ctc_batch_without_any_encoder_frame():
     assert stats["num_infeasible"] == 2
     loss.backward()
     assert model.eval().decode(feats, feat_lens, method="beam") == [[], []]
+
+
+@pytest.mark.parametrize("blank_prob", [0.5, 0.9])
+def test_blank_init_prob_sets_the_initial_blank_probability(blank_prob):
+    config = ctc_config()
+    config["ctc"]["blank_init_prob"] = blank_prob
+    model = build_model(config, 30)
+    # With a zero hidden state the output is the bias alone: blank_prob, the rest uniform.
+    probs = torch.softmax(model.head.bias.detach(), dim=0)
+    assert float(probs[0]) == pytest.approx(blank_prob, abs=1e-6)
+    assert torch.allclose(probs[1:], torch.full((29,), (1 - blank_prob) / 29))
+    config["ctc"]["blank_init_prob"] = 0.0  # PyTorch's default initialisation
+    torch.manual_seed(0)
+    default = build_model(config, 30)
+    assert float(torch.softmax(default.head.bias.detach(), dim=0)[0]) < 0.1
+
+
+def test_global_cmvn_normalises_with_stats_held_in_the_model():
+    config = ctc_config()
+    config["encoder"]["kwargs"]["global_cmvn"] = True
+    model = build_model(config, 30)
+    normalizer = model.encoder.normalizer
+    dim = config["encoder"]["kwargs"]["idim"]
+    assert not bool(normalizer.initialized)
+    normalizer.set_stats(torch.full((dim,), 3.0), torch.full((dim,), 2.0))
+    feats = torch.full((1, 5, dim), 7.0)
+    assert torch.allclose(normalizer(feats), torch.full((1, 5, dim), 2.0))
+    state = model.state_dict()
+    assert bool(state["encoder.normalizer.initialized"])
+    restored = build_model(config, 30)
+    restored.load_state_dict(state)
+    assert torch.allclose(restored.encoder.normalizer.inv_std, torch.full((dim,), 0.5))

@@ -1,0 +1,13 @@
+"""Decode a Kaldi feature directory with a trained CTC model (see cat.shared.inference).
+
+Usage:
+    python -m cat.ctc.decode exp/<name> --data data/fbank/test \
+        --checkpoint exp/<name>/check/avg-best-5.pt --out exp/<name>/decode/test --nj 2
+"""
+
+import sys
+
+from cat.shared.inference import main
+
+if __name__ == "__main__":
+    sys.exit(main("ctc"))

@@ -1,0 +1,375 @@
+"""Stages 2-4 of the recipes for one experiment, driven by `exp/<name>/hyper-p.json`.
+
+* `prepare` (stage 2): trains the tokenizer (`tokenizer`: type, option-train, file)
+  from the `text` files of `data.train`, unless the file exists; writes map-style packs
+  (`cat.data.pack`) of the training set (unless `train.option.large_dataset`), of the dev
+  set(s) and of each test set to `exp/<name>/pack/`; and, for `large_dataset`, packs
+  `data.train` into tar shards with an index (`cat.data.prep_wds.pack_data`) as
+  `data.shards` describes (directory, length groups, dtype).
+* `train` (stage 3): runs `train.bin` (`python -m cat.ctc.train exp/<name>`, under
+  `torchrun` with `--nproc` > 1); an interrupted run is resumed from its last checkpoint.
+* `decode` (stage 4): averages checkpoints (`inference.avgmodel`), decodes every
+  `data.test` set with `inference.infer` and scores it with `cat.utils.wer`; the table of
+  results goes to `exp/<name>/RESULTS.md`.
+
+Each step records a signature of its inputs next to its output (`.done` files), so a
+re-run skips finished work and redoes work whose inputs changed. Paths are relative to
+the recipe directory, where the commands run.
+
+Usage:
+    python -m cat.utils.pipeline prepare exp/synth-ctc --nj 2
+    python -m cat.utils.pipeline train exp/synth-ctc --nproc 1
+    python -m cat.utils.pipeline decode exp/synth-ctc --nj 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cat.shared.config import (
+    CONFIG_NAME,
+    HYPER_NAME,
+    TrainOptions,
+    apply_env,
+    load_hyper,
+    resolve_train_options,
+)
+from cat.utils.io import PathLike, atomic_write, setup_logging
+
+logger = logging.getLogger(__name__)
+
+DONE_SUFFIX = ".done"
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _paths(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _set_name(feature_dir: str) -> str:
+    """`data/fbank/test` -> `test`."""
+    return Path(feature_dir).name
+
+
+def signature(*parts: Any, files: Sequence[PathLike] = ()) -> str:
+    """A digest of `parts` and of the size and modification time of `files`."""
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode())
+    for path in files:
+        stat = os.stat(path)
+        digest.update(f"{os.fspath(path)} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _done_path(output: PathLike) -> Path:
+    output = Path(output)
+    return output.with_name(output.name + DONE_SUFFIX)
+
+
+def is_done(output: PathLike, sig: str) -> bool:
+    """True when `output` exists and was made from inputs with signature `sig`."""
+    done = _done_path(output)
+    return Path(output).exists() and done.is_file() and done.read_text() == sig
+
+
+def mark_done(output: PathLike, sig: str) -> None:
+    with atomic_write(_done_path(output)) as f:
+        f.write(sig)
+
+
+def _feature_files(feature_dirs: Sequence[str], names: Sequence[str]) -> list[Path]:
+    files = []
+    for directory in feature_dirs:
+        for name in names:
+            path = Path(directory) / name
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} does not exist (run stage 1 first)")
+            files.append(path)
+    return files
+
+
+@dataclasses.dataclass
+class Plan:
+    """What stages 2-4 read from an experiment's `hyper-p.json`."""
+
+    exp_dir: Path
+    hyper: dict[str, Any]
+    options: TrainOptions
+
+    @classmethod
+    def load(cls, exp_dir: PathLike) -> Plan:
+        exp_dir = Path(exp_dir)
+        hyper = load_hyper(exp_dir / HYPER_NAME)
+        if "train" not in hyper:
+            raise ValueError(f"{exp_dir / HYPER_NAME}: train: missing")
+        options = resolve_train_options(hyper, exp_dir, str(exp_dir / HYPER_NAME))
+        return cls(exp_dir, hyper, options)
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return self.hyper.get("data", {})
+
+    def section(self, name: str) -> list[str]:
+        value = _paths(self.data.get(name))
+        if not value:
+            raise ValueError(f"{self.exp_dir / HYPER_NAME}: data.{name} is not set")
+        return value
+
+
+# ----------------------------------------------------------------------------- stage 2
+
+
+def prepare_tokenizer(plan: Plan) -> Path:
+    """Train the tokenizer from `data.train` unless its file already exists."""
+    from cat.shared import tokenizer as tokenizers
+
+    path = Path(plan.options.tokenizer)
+    if path.is_file():
+        logger.info("tokenizer %s exists; delete it to train a new one", path)
+        return path
+    section = plan.hyper.get("tokenizer", {})
+    kind = section.get("type", "sentencepiece")
+    option = dict(section.get("option-train", {}))
+    texts = _feature_files(plan.section("train"), ["text"])
+    logger.info("training a %s tokenizer on %s", kind, ", ".join(map(str, texts)))
+    if kind == "sentencepiece":
+        tokenizer = tokenizers.train_sentencepiece(texts, **option)
+    else:
+        tokenizer = tokenizers.train_jieba(texts, **option)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizers.save(tokenizer, path)
+    logger.info("tokenizer %s: %d ids", path, tokenizer.vocab_size)
+    return path
+
+
+def prepare_pack(feature_dirs: Sequence[str], out: PathLike, tokenizer: PathLike,
+                 frame_range: str | None) -> None:
+    """A map-style pack of `feature_dirs` (skipped when up to date)."""
+    from cat.data.pack import FrameRange, write_map_pack
+
+    scps = _feature_files(feature_dirs, ["feats.scp"])
+    texts = _feature_files(feature_dirs, ["text"])
+    sig = signature("pack", frame_range, files=[*scps, *texts, Path(tokenizer)])
+    if is_done(out, sig):
+        logger.info("%s is up to date", out)
+        return
+    counts = write_map_pack(scps, texts, tokenizer, out,
+                            FrameRange.parse(frame_range) if frame_range else None)
+    logger.info("packed %s: %s", out, counts)
+    mark_done(out, sig)
+
+
+def prepare_shards(plan: Plan, nj: int) -> None:
+    """Tar shards of `data.train` as `data.shards` describes (skipped when up to date)."""
+    from cat.data.prep_wds import UTTS_PER_FILE, pack_data
+
+    shards = plan.data.get("shards")
+    if not shards:
+        raise ValueError(f"{plan.exp_dir / HYPER_NAME}: train.option.large_dataset is true, "
+                         "so data.shards must say where and how to write the tar shards "
+                         '(e.g. {"dir": "data/wds/train", "filter_group": ["10:1000", '
+                         '"1000:2000"]})')
+    train = plan.section("train")
+    scps = _feature_files(train, ["feats.scp"])
+    texts = _feature_files(train, ["text"])
+    out = Path(shards["dir"])
+    groups = shards.get("filter_group")
+    settings = {"filter_group": groups, "dtype": shards.get("dtype", "float32"),
+                "utts_per_file": shards.get("utts_per_file", UTTS_PER_FILE),
+                "seed": shards.get("seed", 0)}
+    sig = signature("shards", settings, files=[*scps, *texts])
+    if is_done(out, sig):
+        logger.info("shards in %s are up to date", out)
+        return
+    summary = pack_data([str(p) for p in scps], [str(p) for p in texts], str(out),
+                        filter_group=groups, utts_per_file=settings["utts_per_file"],
+                        num_jobs=nj, dtype=settings["dtype"], seed=settings["seed"])
+    logger.info("sharded %s into %s: %s", ", ".join(train), out, summary)
+    mark_done(out, sig)
+
+
+def prepare(exp_dir: PathLike, nj: int = 1) -> None:
+    """Stage 2 for one experiment."""
+    plan = Plan.load(exp_dir)
+    tokenizer = prepare_tokenizer(plan)
+    options = plan.options
+    if options.large_dataset:
+        prepare_shards(plan, nj)
+    else:
+        prepare_pack(plan.section("train"), options.trset[0], tokenizer,
+                     plan.data.get("filter"))
+    if not options.dev_large_dataset:
+        prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
+    for test in _paths(plan.data.get("test")):
+        prepare_pack([test], plan.exp_dir / "pack" / "test" / f"{_set_name(test)}.npz",
+                     tokenizer, None)
+
+
+# ----------------------------------------------------------------------------- stage 3
+
+
+def train(exp_dir: PathLike, nproc: int = 1) -> None:
+    """Stage 3: run `train.bin` (resuming an interrupted run); skipped once finished."""
+    plan = Plan.load(exp_dir)
+    exp_dir = plan.exp_dir
+    check = exp_dir / "check"
+    config = exp_dir / CONFIG_NAME
+    sig = signature("train", plan.hyper["train"], nproc, files=[exp_dir / HYPER_NAME, config])
+    if is_done(check, sig):
+        logger.info("%s is already trained; remove %s to train again", exp_dir, check)
+        return
+    command = [sys.executable, "-m", plan.hyper["train"]["bin"], str(exp_dir)]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", "-m", plan.hyper["train"]["bin"], str(exp_dir)]
+    if (check / "checkpoints.json").is_file():
+        logger.info("resuming the interrupted training of %s", exp_dir)
+        command.append("--resume")
+    apply_env(plan.hyper)
+    logger.info("running %s", " ".join(command))
+    subprocess.run(command, check=True)
+    mark_done(check, sig)
+
+
+# ----------------------------------------------------------------------------- stage 4
+
+
+def select_checkpoint(plan: Plan) -> Path:
+    """The model to decode: an average per `inference.avgmodel`, else the best checkpoint."""
+    import torch
+
+    from cat.shared.checkpoint import CheckpointManager
+    from cat.utils.avgmodel import average_checkpoints
+
+    manager = CheckpointManager(plan.exp_dir / "check")
+    average = plan.hyper.get("inference", {}).get("avgmodel")
+    if not average:
+        best = manager.best() or manager.latest()
+        if best is None:
+            raise FileNotFoundError(f"{manager.directory}: no checkpoint (run stage 3 first)")
+        return best
+    mode, num = average.get("mode", "best"), average.get("num", 5)
+    paths = manager.select(mode, num)
+    if not paths:
+        raise FileNotFoundError(f"{manager.directory}: no checkpoint (run stage 3 first)")
+    out = manager.directory / f"avg-{mode}-{num}.pt"
+    sig = signature("avgmodel", [p.name for p in paths], files=paths)
+    if not is_done(out, sig):
+        averaged = average_checkpoints(paths)
+        with atomic_write(out, "wb") as f:
+            torch.save({"model": averaged, "averaged_from": [p.name for p in paths]}, f)
+        mark_done(out, sig)
+        logger.info("averaged %d %s checkpoints into %s", len(paths), mode, out)
+    return out
+
+
+def decode(exp_dir: PathLike, nj: int = 1) -> Path:
+    """Stage 4: decode and score every test set; returns the results table's path."""
+    from cat.shared.inference import DecodeOptions, decode_set
+    from cat.utils.io import read_table
+    from cat.utils.wer import format_summary, score, write_alignments
+
+    plan = Plan.load(exp_dir)
+    inference = plan.hyper.get("inference", {})
+    infer = inference.get("infer", {})
+    kind = "rnnt" if plan.hyper["train"]["bin"] == "cat.rnnt.train" else "ctc"
+    decoder = infer.get("bin", f"cat.{kind}.decode")
+    if decoder != f"cat.{kind}.decode":
+        raise ValueError(f"{plan.exp_dir / HYPER_NAME}: inference.infer.bin is {decoder}, "
+                         f"but the model is trained by {plan.hyper['train']['bin']}")
+    option = {"nj": nj, **infer.get("option", {})}
+    options = DecodeOptions.from_dict(option, f"{plan.exp_dir / HYPER_NAME}: "
+                                              "inference.infer.option")
+    er = inference.get("er", {})
+    unit = "char" if er.get("cer", True) else "word"
+    checkpoint = select_checkpoint(plan)
+    rows = []
+    for test in plan.section("test"):
+        name = _set_name(test)
+        out = plan.exp_dir / "decode" / name
+        sig = signature("decode", option, files=[checkpoint, Path(test) / "feats.scp"])
+        if not is_done(out / "hyp", sig):
+            decode_set(plan.exp_dir, test, checkpoint, out, kind, options)
+            mark_done(out / "hyp", sig)
+        refs = read_table(Path(test) / "text", allow_empty_value=True)
+        hyps = read_table(out / "hyp", allow_empty_value=True)
+        alignments: dict[str, Any] = {}
+        result = score(refs, hyps, unit, alignments)
+        summary = format_summary(result)
+        with atomic_write(out / "score.txt") as f:
+            f.write(summary + "\n")
+        if er.get("per_utt"):
+            write_alignments(out / "alignments.txt", alignments)
+        rtf = json.loads((out / "decode.log").read_text(encoding="utf-8"))["rtf"]
+        logger.info("%s: %s", name, summary.replace("\n", " | "))
+        rows.append((name, result, rtf))
+    table = _results_table(plan, checkpoint, options, unit, rows)
+    path = plan.exp_dir / "RESULTS.md"
+    with atomic_write(path) as f:
+        f.write(table)
+    return path
+
+
+def _results_table(plan: Plan, checkpoint: Path, options: Any, unit: str,
+                   rows: list[tuple[str, Any, float]]) -> str:
+    metric = "CER" if unit == "char" else "WER"
+    lines = [
+        f"# Results of {plan.exp_dir}",
+        "",
+        f"Model: `{checkpoint}`; decoding: {options.method}"
+        + (f", beam {options.beam_size}" if options.method == "beam" else ""),
+        "",
+        f"| set | %{metric} | errors / {unit}s | ins | del | sub | %SER | missing hyps | RTF |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, result, rtf in rows:
+        lines.append(
+            f"| {name} | {result.error_rate:.2f} | {result.errors} / {result.total} | "
+            f"{result.insertions} | {result.deletions} | {result.substitutions} | "
+            f"{result.sentence_error_rate:.2f} | {len(result.missing)} | {rtf:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cat.utils.pipeline",
+                                     description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("prepare", "stage 2: tokenizer, packs, shards"),
+                            ("train", "stage 3: training"),
+                            ("decode", "stage 4: decoding and scoring")):
+        command = sub.add_parser(name, help=help_text)
+        command.add_argument("exp_dir", help="experiment directory, e.g. exp/synth-ctc")
+        if name == "train":
+            command.add_argument("--nproc", type=int, default=1,
+                                 help="training processes (torchrun when > 1)")
+        else:
+            command.add_argument("--nj", type=int, default=1, help="parallel jobs")
+    args = parser.parse_args(argv)
+    setup_logging()
+    if args.command == "prepare":
+        prepare(args.exp_dir, args.nj)
+    elif args.command == "train":
+        train(args.exp_dir, args.nproc)
+    else:
+        decode(args.exp_dir, args.nj)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
