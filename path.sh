@@ -4,7 +4,7 @@
 # Activates the virtual environment made by tools/install.sh and puts the
 # `cat` package and the Kaldi-style helpers in utils/ on the paths.
 
-CAT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CAT_ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)
 export CAT_ROOT
 
 if [ ! -x "$CAT_ROOT/tools/venv/bin/python" ]; then

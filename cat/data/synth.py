@@ -14,11 +14,14 @@ without the real data. Two layouts are produced:
   utterances separated by pauses.
 
 Text: sentences assembled from words of jieba's bundled dictionary, restricted
-to a character inventory of the ``--num-chars`` most frequent characters. With
-``--distinct-sounds`` (default) the inventory keeps only characters whose
-espeak-ng pronunciation (syllable and tone) differs from every character
-already chosen, so the acoustic task is well posed for a model without a
-language model. Speakers are espeak-ng voice variants with their own pitch,
+to a character inventory of ``--num-chars`` frequent characters. With
+``--distinct-sounds syllable`` (default) the inventory keeps, in frequency
+order, only characters whose espeak-ng syllable differs from that of every
+character already chosen, tone ignored: espeak-ng realises Mandarin tones
+weakly, so characters differing only in tone are close to homophones, which no
+acoustic model can tell apart without a language model. ``tone`` keeps
+characters whose syllable or tone differs; ``none`` takes the most frequent
+characters as they come. Speakers are espeak-ng voice variants with their own pitch,
 speaking rate and noise level; speaker profiles are disjoint across
 train/dev/test, and dev/test sentences never occur in train.
 
@@ -47,6 +50,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 from collections import Counter
@@ -135,9 +139,19 @@ def pronunciations(chars: Sequence[str], voice: str = DEFAULT_VOICE) -> dict[str
     return dict(zip(chars, lines, strict=True))
 
 
+DISTINCT_SOUNDS = ("syllable", "tone", "none")
+
+
+def sound_key(pronunciation: str, distinct_sounds: str) -> str:
+    """What must differ between two inventory characters: the syllable, or syllable + tone."""
+    if distinct_sounds == "syllable":
+        return re.sub(r"[0-9]", "", pronunciation)  # espeak-ng writes tones as pitch digits
+    return pronunciation
+
+
 def build_lexicon(
     num_chars: int,
-    distinct_sounds: bool = True,
+    distinct_sounds: str = "syllable",
     voice: str = DEFAULT_VOICE,
     max_word_chars: int = 4,
     frequency_exponent: float = 0.3,
@@ -156,9 +170,12 @@ def build_lexicon(
     candidates = [c for c, _ in char_freq.most_common()]
     if num_chars > len(candidates):
         raise SynthesisError(f"--num-chars {num_chars} exceeds the {len(candidates)} characters")
-    if distinct_sounds:
-        pool = candidates[: min(len(candidates), max(4 * num_chars, 2000))]
-        sounds = pronunciations(pool, voice)
+    if distinct_sounds not in DISTINCT_SOUNDS:
+        raise ValueError(f"distinct_sounds must be one of {DISTINCT_SOUNDS}, "
+                         f"got {distinct_sounds!r}")
+    if distinct_sounds != "none":
+        pool = candidates[: min(len(candidates), max(15 * num_chars, 6000))]
+        sounds = {c: sound_key(p, distinct_sounds) for c, p in pronunciations(pool, voice).items()}
         chosen, taken = [], set()
         for char in pool:
             if sounds[char] and sounds[char] not in taken:
@@ -168,8 +185,8 @@ def build_lexicon(
                     break
         if len(chosen) < num_chars:
             raise SynthesisError(
-                f"only {len(chosen)} characters with distinct pronunciations among the "
-                f"{len(pool)} most frequent; lower --num-chars or disable --distinct-sounds"
+                f"only {len(chosen)} characters with distinct sounds ({distinct_sounds}) among the "
+                f"{len(pool)} most frequent; lower --num-chars or relax --distinct-sounds"
             )
     else:
         chosen = candidates[:num_chars]
@@ -431,11 +448,11 @@ def make_aishell(
     num_utts: int | None = None,
     hours: float | None = None,
     seed: int = 0,
-    num_chars: int = 400,
-    distinct_sounds: bool = True,
+    num_chars: int = 350,
+    distinct_sounds: str = "syllable",
     min_chars: int = 6,
     max_chars: int = 14,
-    utts_per_speaker: int = 40,
+    utts_per_speaker: int = 25,
     split: Sequence[float] = (0.9, 0.05, 0.05),
     num_missing_transcripts: int | None = None,
     num_missing_audio: int | None = None,
@@ -540,8 +557,8 @@ def make_wenetspeech(
     num_audios: int | None = None,
     hours: float | None = None,
     seed: int = 0,
-    num_chars: int = 400,
-    distinct_sounds: bool = True,
+    num_chars: int = 350,
+    distinct_sounds: str = "syllable",
     min_chars: int = 6,
     max_chars: int = 14,
     utts_per_audio: tuple[int, int] = (3, 8),
@@ -675,10 +692,11 @@ def make_wenetspeech(
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-chars", type=int, default=400,
+    parser.add_argument("--num-chars", type=int, default=350,
                         help="size of the character inventory")
-    parser.add_argument("--distinct-sounds", choices=("true", "false"), default="true",
-                        help="keep only characters whose pronunciations differ")
+    parser.add_argument("--distinct-sounds", choices=DISTINCT_SOUNDS, default="syllable",
+                        help="keep only characters whose syllables (or syllables with tones) "
+                             "differ")
     parser.add_argument("--min-chars", type=int, default=6, help="shortest sentence, in characters")
     parser.add_argument("--max-chars", type=int, default=14, help="longest sentence, in characters")
     parser.add_argument("--voice", default=DEFAULT_VOICE, help="espeak-ng voice (language)")
@@ -694,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     size = aishell.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-utts", type=int, help="utterances in train+dev+test")
     size.add_argument("--hours", type=float, help="approximate hours in train+dev+test")
-    aishell.add_argument("--utts-per-speaker", type=int, default=40)
+    aishell.add_argument("--utts-per-speaker", type=int, default=25)
     aishell.add_argument("--split", default="0.9,0.05,0.05", help="train,dev,test ratios")
     _add_common(aishell)
     wenet = sub.add_parser("wenetspeech", help="WenetSpeech layout")
@@ -710,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if shutil.which("espeak-ng") is None or shutil.which("sox") is None:
         parser.error("espeak-ng and sox are required (bash tools/install.sh installs them)")
     common = dict(seed=args.seed, num_chars=args.num_chars,
-                  distinct_sounds=args.distinct_sounds == "true", min_chars=args.min_chars,
+                  distinct_sounds=args.distinct_sounds, min_chars=args.min_chars,
                   max_chars=args.max_chars, voice=args.voice, nj=args.nj,
                   split=[float(x) for x in args.split.split(",")])
     if args.layout == "aishell":

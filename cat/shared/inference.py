@@ -152,11 +152,12 @@ def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches:
     results = []
     with torch.inference_mode():
         for keys in batches:
-            mats = [np.asarray(features[key], dtype=np.float32) for key in keys]
+            mats = [features[key] for key in keys]
             lengths = torch.tensor([m.shape[0] for m in mats])
-            feats = torch.zeros(len(mats), int(lengths.max()), mats[0].shape[1])
+            padded = np.zeros((len(mats), int(lengths.max()), mats[0].shape[1]), np.float32)
             for i, mat in enumerate(mats):
-                feats[i, :mat.shape[0]] = torch.from_numpy(mat)
+                padded[i, :mat.shape[0]] = mat
+            feats = torch.from_numpy(padded)
             hyps = model.decode(feats.to(device), lengths.to(device), method=options.method,
                                 beam_size=options.beam_size)
             results += [(key, tokenizer.decode(list(hyp))) for key, hyp in zip(keys, hyps,

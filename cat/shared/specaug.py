@@ -14,6 +14,12 @@ augmented copy of `feats` [B, T, D]:
 
 Masked cells take `mask_value`: "zero", or "mean" (the utterance's mean over
 its valid frames, a neutral value for features without mean normalisation).
+
+`start_batch` delays augmentation: the first `start_batch` calls (training
+batches) pass through unchanged. Masks from the first step slow a model's
+escape from the initial blank-only plateau; short training budgets start them
+once the model has begun to tell tokens apart. The count is a buffer, so it
+survives checkpoints and resumes.
 Padded frames are never modified. All randomness comes from `generator` (or
 the global torch RNG), so a seeded generator gives identical masks.
 """
@@ -62,7 +68,7 @@ class SpecAugment(nn.Module):
     def __init__(self, num_freq_masks: int = 2, max_freq_mask_width: int | None = None,
                  max_freq_mask_ratio: float | None = 0.15, num_time_masks: int = 2,
                  max_time_mask_width: int | None = None, max_time_mask_ratio: float | None = 0.1,
-                 max_time_warp: int = 0, mask_value: str = "zero") -> None:
+                 max_time_warp: int = 0, mask_value: str = "zero", start_batch: int = 0) -> None:
         super().__init__()
         if mask_value not in MASK_VALUES:
             raise ValueError(f"specaug mask_value must be one of {MASK_VALUES}, got {mask_value!r}")
@@ -73,7 +79,8 @@ class SpecAugment(nn.Module):
         for name, value in (("num_freq_masks", num_freq_masks), ("num_time_masks", num_time_masks),
                             ("max_time_warp", max_time_warp),
                             ("max_freq_mask_width", max_freq_mask_width or 0),
-                            ("max_time_mask_width", max_time_mask_width or 0)):
+                            ("max_time_mask_width", max_time_mask_width or 0),
+                            ("start_batch", start_batch)):
             if value < 0:
                 raise ValueError(f"specaug {name} must be >= 0, got {value}")
         self.num_freq_masks = num_freq_masks
@@ -84,6 +91,8 @@ class SpecAugment(nn.Module):
         self.max_time_mask_ratio = max_time_mask_ratio
         self.max_time_warp = max_time_warp
         self.mask_value = mask_value
+        self.start_batch = start_batch
+        self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
 
     @staticmethod
     def _max_width(extent: torch.Tensor, width: int | None, ratio: float | None) -> torch.Tensor:
@@ -121,6 +130,9 @@ class SpecAugment(nn.Module):
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor,
                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Return an augmented copy of `feats` [B, T, D]; frames >= `feat_lens` are untouched."""
+        self.batches_seen += 1
+        if int(self.batches_seen) <= self.start_batch:
+            return feats
         batch, time, dim = feats.shape
         feats = self.time_warp(feats, feat_lens, generator)
         lengths = feat_lens.to(device=feats.device, dtype=torch.float32)

@@ -22,7 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 stage=0                 # first stage to run
 stop_stage=4            # last stage to run
 synthetic=false         # generate and use the synthetic corpus instead of the release
-synthetic_utts=6000     # size of the synthetic corpus, in utterances (train+dev+test)
+synthetic_utts=8000     # size of the synthetic corpus, in utterances (train+dev+test)
 synthetic_seed=0        # seed of the synthetic corpus
 synthetic_dir=corpus/synthetic  # where the synthetic release is written
 aishell_root=corpus/aishell     # the real release: the directory holding data_aishell/

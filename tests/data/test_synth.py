@@ -103,9 +103,10 @@ def test_other_seed_differs(aishell, tmp_path):
     assert _transcripts(tmp_path) != _transcripts(aishell)
 
 
-def test_distinct_sounds_inventory():
-    lexicon = synth.build_lexicon(200, distinct_sounds=True)
-    sounds = synth.pronunciations(lexicon.chars)
+@pytest.mark.parametrize("mode", ["syllable", "tone"])
+def test_distinct_sounds_inventory(mode):
+    lexicon = synth.build_lexicon(200, distinct_sounds=mode)
+    sounds = {c: synth.sound_key(p, mode) for c, p in synth.pronunciations(lexicon.chars).items()}
     assert len(set(sounds.values())) == len(lexicon.chars) == 200
     assert all(set(w) <= set(lexicon.chars) for w in lexicon.words)
     assert set(lexicon.chars) <= set(lexicon.words)  # every character reachable

@@ -153,3 +153,15 @@ def test_disabled_augment_is_identity():
 def test_invalid_options_raise_with_the_option_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SpecAugment(**kwargs)
+
+
+def test_start_batch_delays_augmentation_and_counts_in_the_state_dict():
+    augment = SpecAugment(num_freq_masks=2, max_freq_mask_width=4, num_time_masks=2,
+                          max_time_mask_width=5, start_batch=2)
+    feats = torch.ones(3, 20, 8)
+    lengths = torch.tensor([20, 15, 10])
+    for _ in range(2):
+        assert torch.equal(augment(feats, lengths), feats)
+    generator = torch.Generator().manual_seed(0)
+    assert not torch.equal(augment(feats, lengths, generator), feats)
+    assert int(augment.state_dict()["batches_seen"]) == 3
