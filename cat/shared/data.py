@@ -132,16 +132,30 @@ def empty_batch(feat_dim: int, events: StreamEvents | None = None) -> Batch:
                  np.zeros(0, np.int32), events)
 
 
-def collate(utterances: Sequence[Utterance], events: StreamEvents | None = None) -> Batch:
-    """Pad utterances into a `Batch` (float16 features become float32 here)."""
+def padded_shape(utterances: Sequence[Utterance]) -> tuple[int, int, int]:
+    """`(utterances, longest, feature dimension)` of the padded features of a batch."""
+    longest = max((len(u.features) for u in utterances), default=0)
+    return len(utterances), longest, utterances[0].features.shape[1] if utterances else 0
+
+
+def collate(utterances: Sequence[Utterance], events: StreamEvents | None = None,
+            out: np.ndarray | None = None) -> Batch:
+    """Pad utterances into a `Batch` (float16 features become float32 here).
+
+    `out`: flat float32 memory to pad the features into (at least `prod(padded_shape)`
+    items; `cat.shared.transport` passes a shared-memory slot); new memory by default.
+    """
     if not utterances:
         raise ValueError("cannot collate an empty list of utterances")
     feat_lens = np.fromiter((len(u.features) for u in utterances), np.int64, len(utterances))
     label_lens = np.fromiter((len(u.label) for u in utterances), np.int64, len(utterances))
-    feat_dim = utterances[0].features.shape[1]
-    # np.empty + zeroing only the padding: batches cut from sorted buffers pad little.
-    feats = np.empty((len(utterances), int(feat_lens.max()), feat_dim), np.float32)
+    shape = padded_shape(utterances)
+    if out is None:
+        feats = np.empty(shape, np.float32)
+    else:
+        feats = out[:shape[0] * shape[1] * shape[2]].reshape(shape)
     labels = np.zeros((len(utterances), int(label_lens.max(initial=0))), np.int64)
+    # Only the padding is zeroed: batches cut from sorted buffers pad little.
     for row, utterance in enumerate(utterances):
         length = feat_lens[row]
         feats[row, :length] = utterance.features

@@ -89,6 +89,7 @@ from cat.shared.pipeline import (
 )
 from cat.shared.scheduler import build_scheduler
 from cat.shared.tokenizer import load as load_tokenizer
+from cat.shared.transport import RingLoader, SharedCollate
 from cat.utils.io import atomic_write, setup_logging, write_table
 
 logger = logging.getLogger(__name__)
@@ -195,17 +196,42 @@ def batch_normalizer(batch: Batch, loss_normalization: str) -> float:
     return float(len(batch))
 
 
-def _loader_options(workers: int, prefetch: int, device: torch.device, seed: int,
-                    persistent: bool = True) -> dict[str, Any]:
+def _loader_options(workers: int, prefetch: int, seed: int, persistent: bool = True
+                    ) -> dict[str, Any]:
     # Own generator: creating a loader iterator must not consume the global torch RNG,
     # or an extra evaluation would change the training randomness (exact resume).
     generator = torch.Generator()
     generator.manual_seed(seed)
-    options: dict[str, Any] = {"num_workers": workers, "pin_memory": device.type == "cuda",
-                               "generator": generator}
+    options: dict[str, Any] = {"num_workers": workers, "generator": generator}
     if workers > 0:
         options.update(prefetch_factor=prefetch, persistent_workers=persistent)
     return options
+
+
+def _shared_collate(options: config_module.TrainOptions, feat_dim: int,
+                    longest: int) -> SharedCollate | None:
+    """Ring slots for the largest batch the options allow (None: no workers, or unbounded).
+
+    Per worker: `prefetch` batches in flight plus its share of what the training loop
+    holds (`grad_accum` batches, and as many from the previous update while it takes
+    them). A batch that finds no slot travels the DataLoader's own way.
+    """
+    frames = (max(options.max_frames, longest) if options.max_frames
+              else options.batch_size * longest)
+    if options.workers <= 0 or frames <= 0:
+        return None
+    held = -(-(2 * options.grad_accum + 1) // options.workers)
+    return SharedCollate(frames * feat_dim * 4, options.prefetch + held)
+
+
+def _batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None,
+                  options: config_module.TrainOptions, device: torch.device,
+                  persistent: bool = True, **kwargs: Any) -> RingLoader:
+    """A DataLoader of `Batch`es whose workers hand them over through `shared`'s rings."""
+    loader = torch.utils.data.DataLoader(
+        dataset, **_loader_options(options.workers, options.prefetch, options.seed, persistent),
+        **kwargs)
+    return RingLoader(loader, shared, pin_memory=device.type == "cuda")
 
 
 class _Lines:
@@ -256,9 +282,9 @@ class MapTrainData:
         self.sampler = BucketBatchSampler(self.dataset.num_frames, keep, options.batch_size,
                                           options.max_frames, options.seed, context.rank,
                                           context.world_size)
-        self.loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=self.sampler, collate_fn=collate,
-            **_loader_options(options.workers, options.prefetch, context.device, options.seed))
+        shared = _shared_collate(options, feat_dim, int(self.dataset.num_frames[keep].max()))
+        self.loader = _batch_loader(self.dataset, shared, options, context.device,
+                                    batch_sampler=self.sampler, collate_fn=shared or collate)
         self.epoch = 1
         self.batches = 0
         self.trained = 0
@@ -363,12 +389,12 @@ class StreamTrainData:
         config = StreamConfig(options.batch_size, options.max_frames, options.shuffle_buffer,
                               options.sort_buffer, options.read_ahead_mb, options.strict_shards,
                               options.seed, train=True)
+        shared = _shared_collate(options, feat_dim, shards.longest)
         self.dataset = ShardStream(shards, options.tokenizer, config, length_filter, feat_dim,
                                    context.rank, context.world_size, options.workers,
-                                   FEAT_DIM_KEY)
-        self.loader = torch.utils.data.DataLoader(
-            self.dataset, batch_size=None,
-            **_loader_options(options.workers, options.prefetch, context.device, options.seed))
+                                   FEAT_DIM_KEY, shared or collate)
+        self.loader = _batch_loader(self.dataset, shared, options, context.device,
+                                    batch_size=None)
         self.progress = StreamProgress(shards, np.zeros(0, np.int64))
         self.epoch = 1
         self.last_steps: int | None = None
@@ -445,18 +471,18 @@ class DevData:
 
     def __init__(self, options: config_module.TrainOptions, feat_dim: int,
                  context: DistributedContext, pack: MapPack | None = None) -> None:
-        loader_options = _loader_options(options.workers, options.prefetch, context.device,
-                                         options.seed, persistent=False)
         if options.dev_large_dataset:
             shards = load_shard_list(options.devset, options.utts_per_shard_estimate)
             config = StreamConfig(options.batch_size, options.max_frames, 0,
                                   options.sort_buffer, options.read_ahead_mb,
                                   options.strict_shards, options.seed, train=False)
+            shared = _shared_collate(options, feat_dim, shards.longest)
             dataset = ShardStream(shards, options.tokenizer, config, None, feat_dim,
                                   context.rank, context.world_size, options.workers,
-                                  FEAT_DIM_KEY)
+                                  FEAT_DIM_KEY, shared or collate)
             self.num_utts = int(shards.num_utts.sum())
-            self.loader = torch.utils.data.DataLoader(dataset, batch_size=None, **loader_options)
+            self.loader = _batch_loader(dataset, shared, options, context.device,
+                                        persistent=False, batch_size=None)
             self.pack = None
             return
         pack = PackDataset(options.devset[0] if pack is None else pack, feat_dim, FEAT_DIM_KEY)
@@ -466,8 +492,9 @@ class DevData:
                                      context.world_size, shuffle=False)
         self.num_utts = len(pack)
         self.pack = pack.pack
-        self.loader = torch.utils.data.DataLoader(pack, batch_sampler=sampler,
-                                                  collate_fn=collate, **loader_options)
+        shared = _shared_collate(options, feat_dim, int(pack.num_frames.max(initial=0)))
+        self.loader = _batch_loader(pack, shared, options, context.device, persistent=False,
+                                    batch_sampler=sampler, collate_fn=shared or collate)
 
     def close(self) -> None:
         """Close the arks this process opened."""

@@ -29,13 +29,18 @@ Each worker runs a flat list of generator stages, assembled in `ShardStream.pipe
                      each shard while the previous one is read; members are read into
                      recycled buffers (`BufferPool`) and grouped into samples by key
                      (`decode_key`)
+    prepare_samples  as each sample is read: .npy header parsed once, features are
+                     `np.frombuffer` views; transcript -> ids with the experiment's
+                     tokenizer; `LengthFilter` (frame range, what the model can emit).
+                     Verdicts ride with the sample; doing this before the shuffle buffer
+                     overlaps it with reading
     shuffle_samples  in-memory shuffle buffer (`shuffle_buffer` utterances)
-    decode_features  .npy header parsed once, features are `np.frombuffer` views
-    tokenize_labels  transcript -> ids with the experiment's tokenizer
-    filter_lengths   `LengthFilter`: frame range and what the model can emit
+    settle_samples   the verdicts are acted on as samples leave the shuffle buffer: drops
+                     reported, errors raised, so both keep their place in the stream
     batch_by_frames  sort buffer (`sort_buffer`) cut into batches by padded frames
-    collate_batches  padding collate into `cat.shared.data.Batch`; the samples' buffers
-                     go back to the pool
+    collate_batches  padding collate into `cat.shared.data.Batch` (or, in a DataLoader
+                     worker, into a shared-memory slot: `cat.shared.transport`); the
+                     samples' buffers go back to the pool
 
 Nothing is dropped silently: every utterance left out is reported as a
 `StreamEvents.dropped` entry (reasons `out_of_range`, `no_encoder_frames`,
@@ -878,7 +883,7 @@ def read_samples(shards: Sequence[tuple[int, str]], events: StreamEvents, strict
 
 def shuffle_samples(samples: Iterable[dict[str, Any]], size: int,
                     rng: random.Random) -> Iterator[dict[str, Any]]:
-    """Stage 2: a buffer of `size` samples; each new sample replaces a random one."""
+    """Stage 3: a buffer of `size` samples; each new sample replaces a random one."""
     if size <= 1:
         yield from samples
         return
@@ -894,63 +899,84 @@ def shuffle_samples(samples: Iterable[dict[str, Any]], size: int,
     yield from buffer
 
 
-def decode_features(samples: Iterable[dict[str, Any]], feat_dim: int, feat_dim_source: str,
-                    urls: Sequence[str], events: StreamEvents) -> Iterator[dict[str, Any]]:
-    """Stage 3: `npy` bytes -> `features` [T, D] (a view on the bytes); a pooled buffer
-    under them is kept as `buffer`, for `collate_batches` to give back."""
+def _judge(sample: dict[str, Any], feat_dim: int, feat_dim_source: str,
+           urls: Sequence[str], encode: Callable[[str], list[int]],
+           length_filter: LengthFilter | None) -> None:
+    """Decode, tokenize and filter one sample in place; a verdict goes under `drop` or
+    `error`, and the first failed check decides it."""
+    data = sample.pop("npy")
+    if isinstance(data, memoryview):
+        sample["buffer"] = data.obj
+    try:
+        features = decode_npy(data)
+    except (ValueError, KeyError) as error:
+        sample["drop"] = f"corrupt_features {error}"
+        return
+    if features.shape[1] != feat_dim:
+        sample["error"] = (f"shard {urls[sample['shard']]}: utterance {sample['key']!r} has "
+                           f"{features.shape[1]}-dim features, but {feat_dim_source} is "
+                           f"{feat_dim}")
+        return
+    sample["features"] = features
+    try:
+        text = str(sample.pop("txt"), "utf-8")
+    except UnicodeDecodeError as error:
+        sample["drop"] = f"bad_text {error}"
+        return
+    if not text.strip():
+        sample["error"] = (f"shard {urls[sample['shard']]}: utterance {sample['key']!r} has "
+                           "an empty transcript")
+        return
+    ids = encode(text)
+    if not ids:
+        sample["drop"] = "no_tokens"
+        return
+    sample["label"] = label = np.asarray(ids, np.int32)
+    if length_filter is not None:
+        reason = length_filter.reason(len(features), label)
+        if reason:
+            sample["drop"] = reason
+
+
+def prepare_samples(samples: Iterable[dict[str, Any]], feat_dim: int, feat_dim_source: str,
+                    urls: Sequence[str], encode: Callable[[str], list[int]],
+                    length_filter: LengthFilter | None) -> Iterator[dict[str, Any]]:
+    """Stage 2: decode `npy` into `features` [T, D] (a view on the bytes; a pooled buffer
+    under them is kept as `buffer`), tokenize `txt` into `label` ids (int32), and apply
+    `LengthFilter`, as each sample is read.
+
+    Done before the shuffle buffer, this work overlaps reading: while the buffer fills,
+    storage is the limit (cold disk, network), and the buffer then empties faster.
+    Nothing is reported here: a sample to leave out carries `drop` (its reason), one that
+    is an error carries `error` (its message), and `settle_samples` acts on them where
+    the sample leaves the shuffle buffer, so events and errors keep their place in the
+    stream. Errors: features whose dimension differs from `feat_dim`, an empty transcript.
+    """
     for sample in samples:
-        data = sample.pop("npy")
-        if isinstance(data, memoryview):
-            sample["buffer"] = data.obj
-        try:
-            features = decode_npy(data)
-        except (ValueError, KeyError) as error:
-            events.dropped.append((sample["key"], f"corrupt_features {error}", sample["shard"]))
-            continue
-        if features.shape[1] != feat_dim:
-            raise ValueError(f"shard {urls[sample['shard']]}: utterance {sample['key']!r} has "
-                             f"{features.shape[1]}-dim features, but {feat_dim_source} is "
-                             f"{feat_dim}")
-        sample["features"] = features
+        _judge(sample, feat_dim, feat_dim_source, urls, encode, length_filter)
         yield sample
 
 
-def tokenize_labels(samples: Iterable[dict[str, Any]], encode: Callable[[str], list[int]],
-                    urls: Sequence[str], events: StreamEvents) -> Iterator[dict[str, Any]]:
-    """Stage 4: `txt` bytes -> `label` ids (int32). An empty transcript is an error."""
+def settle_samples(samples: Iterable[dict[str, Any]], events: StreamEvents,
+                   pool: BufferPool | None = None) -> Iterator[dict[str, Any]]:
+    """Stage 4: report (`events.dropped`) the samples `prepare_samples` left out and give
+    their buffers back to `pool`; raise a sample's error (ValueError naming the shard)."""
     for sample in samples:
-        try:
-            text = str(sample.pop("txt"), "utf-8")
-        except UnicodeDecodeError as error:
-            events.dropped.append((sample["key"], f"bad_text {error}", sample["shard"]))
+        if "error" in sample:
+            raise ValueError(sample["error"])
+        reason = sample.get("drop")
+        if reason is None:
+            yield sample
             continue
-        if not text.strip():
-            raise ValueError(f"shard {urls[sample['shard']]}: utterance {sample['key']!r} has "
-                             "an empty transcript")
-        ids = encode(text)
-        if not ids:
-            events.dropped.append((sample["key"], "no_tokens", sample["shard"]))
-            continue
-        sample["label"] = np.asarray(ids, np.int32)
-        yield sample
-
-
-def filter_lengths(samples: Iterable[dict[str, Any]], length_filter: LengthFilter | None,
-                   events: StreamEvents) -> Iterator[dict[str, Any]]:
-    """Stage 5: drop (and report) utterances the model cannot train on."""
-    for sample in samples:
-        if length_filter is not None:
-            reason = length_filter.reason(len(sample["features"]), sample["label"])
-            if reason:
-                events.dropped.append((sample["key"], reason, sample["shard"]))
-                continue
-        yield sample
+        events.dropped.append((sample["key"], reason, sample["shard"]))
+        if pool is not None and "buffer" in sample:
+            pool.give_back(sample["buffer"])
 
 
 def batch_by_frames(samples: Iterable[dict[str, Any]], sort_buffer: int, batch_size: int,
                     max_frames: int, rng: random.Random | None
                     ) -> Iterator[list[dict[str, Any]]]:
-    """Stage 6: sort `sort_buffer` samples by length and cut them into batches.
+    """Stage 5: sort `sort_buffer` samples by length and cut them into batches.
 
     The last (longest, possibly partial) batch of a buffer waits for the next buffer;
     batches of one buffer are emitted in random order when `rng` is given.
@@ -977,14 +1003,16 @@ def batch_by_frames(samples: Iterable[dict[str, Any]], sort_buffer: int, batch_s
 
 
 def collate_batches(groups: Iterable[list[dict[str, Any]]], events: StreamEvents,
-                    feat_dim: int, pool: BufferPool | None = None) -> Iterator[Batch]:
-    """Stage 7: padding collate; events so far ride along; a final batch flushes them.
+                    feat_dim: int, pool: BufferPool | None = None,
+                    collate_fn: Callable[..., Any] = collate) -> Iterator[Any]:
+    """Stage 6: padding collate; events so far ride along; a final batch flushes them.
 
     The batch holds copies, so the samples' pooled buffers go back to `pool` here.
+    `collate_fn(utterances, events)` may be a `cat.shared.transport.SharedCollate`.
     """
     for group in groups:
         utterances = [Utterance(s["key"], s["features"], s["label"], s["shard"]) for s in group]
-        batch = collate(utterances, events.drain() if events else None)
+        batch = collate_fn(utterances, events.drain() if events else None)
         if pool is not None:
             for sample in group:
                 if "buffer" in sample:
@@ -1016,13 +1044,16 @@ class ShardStream(torch.utils.data.IterableDataset):
     """Batches of one rank's shards (see the module docstring).
 
     `num_workers` must equal the DataLoader's; training needs at least
-    `world_size * max(num_workers, 1)` shards.
+    `world_size * max(num_workers, 1)` shards. `collate_fn`: `collate`, or a
+    `cat.shared.transport.SharedCollate` when a `RingLoader` iterates the DataLoader
+    (its workers then yield `SlotBatch`es).
     """
 
     def __init__(self, shards: ShardList, tokenizer: str, config: StreamConfig,
                  length_filter: LengthFilter | None, feat_dim: int, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0,
-                 feat_dim_source: str = "config.json encoder.kwargs.idim") -> None:
+                 feat_dim_source: str = "config.json encoder.kwargs.idim",
+                 collate_fn: Callable[..., Any] = collate) -> None:
         super().__init__()
         slots = world_size * max(num_workers, 1)
         if config.train and len(shards) < slots:
@@ -1038,6 +1069,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.num_workers = num_workers
+        self.collate_fn = collate_fn
         # [epoch, skip flag of every shard], shared with worker processes.
         self._control = torch.zeros(1 + len(shards), dtype=torch.int64).share_memory_()
         self._control[0] = 1
@@ -1110,14 +1142,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         stream: Iterable[Any] = read_samples([(s, urls[s]) for s in shards], events,
                                              config.strict_shards, config.read_ahead_mb << 20,
                                              expected, config.timeout, pool)
+        stream = prepare_samples(stream, self.feat_dim, self.feat_dim_source, urls,
+                                 self._encode(), self.length_filter if config.train else None)
         if config.train:
             stream = shuffle_samples(stream, config.shuffle_buffer, rng)
-        stream = decode_features(stream, self.feat_dim, self.feat_dim_source, urls, events)
-        stream = tokenize_labels(stream, self._encode(), urls, events)
-        stream = filter_lengths(stream, self.length_filter if config.train else None, events)
+        stream = settle_samples(stream, events, pool)
         stream = batch_by_frames(stream, config.sort_buffer, config.batch_size,
                                  config.max_frames, rng if config.train else None)
-        return collate_batches(stream, events, self.feat_dim, pool)
+        return collate_batches(stream, events, self.feat_dim, pool, self.collate_fn)
 
 
 # --------------------------------------------------------------------------- accounting

@@ -94,8 +94,12 @@ def test_wenetspeech_recipe_streams_shards_through_every_stage(tmp_path):
     assert groups == ["10_300", "300_2000"]
     for group in groups:
         assert validate(recipe / "data/wds/train_l" / group) == []
-    # training streamed the shards: every epoch's summary accounts for every utterance
+    # training streamed the shards: the epoch summary accounts for every utterance
+    num_train = len((recipe / "data/fbank/train_l/text").read_text(encoding="utf-8").splitlines())
     summary = json.loads((recipe / "exp/tiny-ctc/log/epoch-001.json").read_text())
-    assert summary
+    (rank,) = summary["ranks"]
+    assert rank["shards"] == 6
+    assert rank["expected"] == num_train
+    assert rank["trained"] + sum(rank["dropped"].values()) + rank["not_trained"] == num_train
     results = _results(recipe)
     assert set(results) == {"dev", "test_net", "test_meeting"}

@@ -244,5 +244,7 @@ def test_streamed_dev_set_gives_the_dev_loss_of_the_pack(tmp_path, monkeypatch):
         manager = Manager(config_module.load_experiment(NAME), DistributedContext())
         assert manager.dev_data.num_utts == 8
         losses.append(manager.evaluate())
+        # The worker handed its batches over through its shared-memory ring.
+        assert manager.dev_data.loader.counts["ring"] > 0
         manager.close()
     assert losses[0] > 0 and losses[1] == pytest.approx(losses[0], rel=1e-4)

@@ -10,7 +10,9 @@
 #   bash local/parity.sh [--base exp/synth-ctc] [--steps 2000]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=../../../path.sh
 . ../../path.sh
+# shellcheck source=../../../utils/stage_lib.sh
 . ../../utils/stage_lib.sh
 
 base=exp/synth-ctc     # experiment whose config.json and hyper-p.json both runs share
@@ -18,6 +20,7 @@ steps=2000             # optimizer updates of each run (instead of a time budget
 max_relative=0.10      # largest allowed |CER_shards - CER_map| / CER_map
 nj=2                   # parallel jobs for packing and decoding
 
+# shellcheck source=../../../utils/parse_options.sh
 . ../../utils/parse_options.sh
 
 for mode in map shards; do
