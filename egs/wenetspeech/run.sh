@@ -23,7 +23,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 stage=0                 # first stage to run
 stop_stage=4            # last stage to run
 synthetic=false         # generate and use the synthetic corpus instead of the release
-synthetic_hours=1.0     # size of the synthetic corpus, in hours of speech (all sets)
+synthetic_hours=3.0     # size of the synthetic corpus, in hours of speech (all sets)
 synthetic_seed=0        # seed of the synthetic corpus
 synthetic_dir=corpus/synthetic  # where the synthetic release is written
 wenetspeech_root=corpus/wenetspeech  # the real release: holds WenetSpeech.json and audio/

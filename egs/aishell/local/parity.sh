@@ -61,16 +61,26 @@ import re
 import sys
 
 def cers(path):
+    """{set: (CER, errors, characters)} from an exp's RESULTS.md table."""
     with open(path, encoding="utf-8") as f:
-        return {m[1]: float(m[2]) for m in re.finditer(r"^\| (\w+) \| ([0-9.]+) \|", f.read(), re.M)}
+        rows = re.finditer(r"^\| (\w+) \| ([0-9.]+) \| (\d+) / (\d+) \|", f.read(), re.M)
+        return {m[1]: (float(m[2]), int(m[3]), int(m[4])) for m in rows}
 
 map_cer, shard_cer, limit = cers(sys.argv[1]), cers(sys.argv[2]), float(sys.argv[3])
+if not map_cer or map_cer.keys() != shard_cer.keys():
+    sys.exit(f"parity: the result tables list different sets: {sorted(map_cer)} in "
+             f"{sys.argv[1]}, {sorted(shard_cer)} in {sys.argv[2]}")
 worst = 0.0
-for name in map_cer:
-    relative = abs(shard_cer[name] - map_cer[name]) / max(map_cer[name], 1e-9)
+for name, (cer, _, _) in map_cer.items():
+    relative = abs(shard_cer[name][0] - cer) / max(cer, 1e-9)
     worst = max(worst, relative)
-    print(f"{name}: CER map-style {map_cer[name]:.2f}  shards {shard_cer[name]:.2f}  "
+    print(f"{name}: CER map-style {cer:.2f}  shards {shard_cer[name][0]:.2f}  "
           f"relative difference {100 * relative:.1f}%")
+# All sets pooled: twice the characters, so half the noise of a single set's figure.
+pooled = [100 * sum(r[1] for r in t.values()) / sum(r[2] for r in t.values())
+          for t in (map_cer, shard_cer)]
+print(f"all sets pooled: CER map-style {pooled[0]:.2f}  shards {pooled[1]:.2f}  relative "
+      f"difference {100 * abs(pooled[1] - pooled[0]) / max(pooled[0], 1e-9):.1f}%")
 if worst > limit:
     sys.exit(f"parity failed: relative difference {100 * worst:.1f}% > {100 * limit:.0f}%")
 print(f"parity holds: every set within {100 * limit:.0f}% relative")
