@@ -129,10 +129,21 @@ def train_option_defaults() -> dict[str, Any]:
     return {key: spec["default"] for key, spec in properties.items()}
 
 
-def _as_list(value: str | list[str] | None) -> list[str]:
+def as_list(value: str | list[str] | None) -> list[str]:
+    """A path or pattern list from a hyper-p.json value: one string, a list, or nothing."""
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+def tokenizer_file(hyper: dict[str, Any], source: str) -> str:
+    """The experiment's tokenizer: `train.option.tokenizer`, else `tokenizer.file`."""
+    path = (hyper.get("train", {}).get("option", {}).get("tokenizer")
+            or hyper.get("tokenizer", {}).get("file"))
+    if path is None:
+        raise ConfigError(f"{source}: train.option.tokenizer: not set, and tokenizer.file "
+                          "is missing too")
+    return path
 
 
 def resolve_train_options(hyper: dict[str, Any], exp_dir: PathLike,
@@ -150,16 +161,13 @@ def resolve_train_options(hyper: dict[str, Any], exp_dir: PathLike,
         if option["dev_large_dataset"]:
             raise ConfigError(f"{where}.devset: required when dev_large_dataset is true")
         option["devset"] = str(exp_dir / "pack" / "dev.npz")
-    option["trset"] = _as_list(option["trset"])
-    option["devset"] = _as_list(option["devset"])
+    option["trset"] = as_list(option["trset"])
+    option["devset"] = as_list(option["devset"])
     for key, large in (("trset", "large_dataset"), ("devset", "dev_large_dataset")):
         if not option[large] and len(option[key]) != 1:
             raise ConfigError(f"{where}.{key}: a map-style set is one pack file, got "
                               f"{len(option[key])} paths (set {large} for tar shards)")
-    if option["tokenizer"] is None:
-        option["tokenizer"] = hyper.get("tokenizer", {}).get("file")
-        if option["tokenizer"] is None:
-            raise ConfigError(f"{where}.tokenizer: not set, and tokenizer.file is missing too")
+    option["tokenizer"] = tokenizer_file(hyper, source)
     if option["filter"] is None:
         option["filter"] = hyper.get("data", {}).get("filter")
     return TrainOptions(**option)

@@ -39,14 +39,16 @@ import kaldiio
 import numpy as np
 import torch
 
-from cat.shared.config import CONFIG_NAME, HYPER_NAME, load_hyper
+from cat.shared.config import CONFIG_NAME, HYPER_NAME, load_hyper, tokenizer_file
+from cat.shared.data import Utterance, collate
 from cat.shared.model import build_model, check_against_schema, load_config, model_kind
 from cat.shared.tokenizer import load as load_tokenizer
-from cat.utils.io import PathLike, atomic_write, iter_table, read_table, setup_logging
+from cat.utils.io import PathLike, atomic_write, iter_table, setup_logging
 
 logger = logging.getLogger(__name__)
 
 FRAME_SHIFT_SECONDS = 0.01
+NO_LABEL = np.zeros(0, np.int32)
 OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -103,11 +105,7 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     if kind != expected_kind:
         raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model; decode it with "
                          f"cat.{kind}.decode")
-    tokenizer_file = hyper.get("train", {}).get("option", {}).get("tokenizer") \
-        or hyper.get("tokenizer", {}).get("file")
-    if tokenizer_file is None:
-        raise ValueError(f"{exp_dir / HYPER_NAME}: tokenizer.file is not set")
-    tokenizer = load_tokenizer(tokenizer_file)
+    tokenizer = load_tokenizer(tokenizer_file(hyper, str(exp_dir / HYPER_NAME)))
     model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or "model" not in state:
@@ -152,14 +150,9 @@ def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches:
     results = []
     with torch.inference_mode():
         for keys in batches:
-            mats = [features[key] for key in keys]
-            lengths = torch.tensor([m.shape[0] for m in mats])
-            padded = np.zeros((len(mats), int(lengths.max()), mats[0].shape[1]), np.float32)
-            for i, mat in enumerate(mats):
-                padded[i, :mat.shape[0]] = mat
-            feats = torch.from_numpy(padded)
-            hyps = model.decode(feats.to(device), lengths.to(device), method=options.method,
-                                beam_size=options.beam_size)
+            batch = collate([Utterance(key, features[key], NO_LABEL) for key in keys])
+            hyps = model.decode(batch.feats.to(device), batch.feat_lens.to(device),
+                                method=options.method, beam_size=options.beam_size)
             results += [(key, tokenizer.decode(list(hyp))) for key, hyp in zip(keys, hyps,
                                                                                  strict=True)]
     return results
@@ -237,7 +230,3 @@ def main(kind: str, argv: Sequence[str] | None = None) -> int:
           f"{summary.audio_seconds:.1f} s of audio)")
     return 0
 
-
-def reference_table(data_dir: PathLike) -> dict[str, str]:
-    """The `text` of a feature dir (the scoring reference)."""
-    return read_table(Path(data_dir) / "text", allow_empty_value=True)

@@ -196,18 +196,6 @@ def batch_normalizer(batch: Batch, loss_normalization: str) -> float:
     return float(len(batch))
 
 
-def _loader_options(workers: int, prefetch: int, seed: int, persistent: bool = True
-                    ) -> dict[str, Any]:
-    # Own generator: creating a loader iterator must not consume the global torch RNG,
-    # or an extra evaluation would change the training randomness (exact resume).
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    options: dict[str, Any] = {"num_workers": workers, "generator": generator}
-    if workers > 0:
-        options.update(prefetch_factor=prefetch, persistent_workers=persistent)
-    return options
-
-
 def _shared_collate(options: config_module.TrainOptions, feat_dim: int,
                     longest: int) -> SharedCollate | None:
     """Ring slots for the largest batch the options allow (None: no workers, or unbounded).
@@ -228,9 +216,14 @@ def _batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | Non
                   options: config_module.TrainOptions, device: torch.device,
                   persistent: bool = True, **kwargs: Any) -> RingLoader:
     """A DataLoader of `Batch`es whose workers hand them over through `shared`'s rings."""
-    loader = torch.utils.data.DataLoader(
-        dataset, **_loader_options(options.workers, options.prefetch, options.seed, persistent),
-        **kwargs)
+    # Own generator: creating a loader iterator must not consume the global torch RNG,
+    # or an extra evaluation would change the training randomness (exact resume).
+    generator = torch.Generator()
+    generator.manual_seed(options.seed)
+    if options.workers > 0:
+        kwargs.update(prefetch_factor=options.prefetch, persistent_workers=persistent)
+    loader = torch.utils.data.DataLoader(dataset, num_workers=options.workers,
+                                         generator=generator, **kwargs)
     return RingLoader(loader, shared, pin_memory=device.type == "cuda")
 
 

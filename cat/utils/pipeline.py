@@ -41,6 +41,7 @@ from cat.shared.config import (
     HYPER_NAME,
     TrainOptions,
     apply_env,
+    as_list,
     load_hyper,
     resolve_train_options,
 )
@@ -52,12 +53,6 @@ DONE_SUFFIX = ".done"
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _paths(value: str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
 
 
 def _set_name(feature_dir: str) -> str:
@@ -123,7 +118,7 @@ class Plan:
         return self.hyper.get("data", {})
 
     def section(self, name: str) -> list[str]:
-        value = _paths(self.data.get(name))
+        value = as_list(self.data.get(name))
         if not value:
             raise ValueError(f"{self.exp_dir / HYPER_NAME}: data.{name} is not set")
         return value
@@ -213,7 +208,7 @@ def prepare(exp_dir: PathLike, nj: int = 1) -> None:
                      plan.data.get("filter"))
     if not options.dev_large_dataset:
         prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
-    for test in _paths(plan.data.get("test")):
+    for test in as_list(plan.data.get("test")):
         prepare_pack([test], plan.exp_dir / "pack" / "test" / f"{_set_name(test)}.npz",
                      tokenizer, None)
 

@@ -101,8 +101,9 @@ def test_full_ring_and_oversized_batches_fall_back_to_plain_batches():
     kept = list(loader)  # holding every batch: the single slot stays HELD
     for batch, indices in zip(kept, batches, strict=True):
         assert_same(batch, expected(indices))
-    assert loader.counts["ring"] >= 1
-    assert loader.counts["plain"] >= 2
+    # The first batch takes the slot and keeps it; the next two find it taken, and the
+    # last is too large for it.
+    assert loader.counts == {"ring": 1, "plain": 3}
 
 
 def test_without_workers_collate_is_plain():
