@@ -67,8 +67,9 @@ from cat.data.pack import MapPack, write_map_pack
 from cat.shared import tokenizer as tokenizers
 from cat.shared.config import TrainOptions, train_option_defaults
 from cat.shared.data import LengthFilter
-from cat.shared.manager import DistributedContext, MapTrainData, StreamTrainData
-from cat.shared.pipeline import load_shard_list
+from cat.shared.manager import DistributedContext
+from cat.shared.shardlist import load_shard_list
+from cat.shared.train_data import MapTrainData, StreamTrainData
 from cat.testing.features import utterance_ids, write_feature_corpus
 from cat.utils.io import atomic_write, write_table
 

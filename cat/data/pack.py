@@ -328,6 +328,24 @@ def _frames_from_headers(keys: list[str], entries: dict[str, tuple[int, int]],
     return frames
 
 
+def transcript_verdict(text: str, ids: Sequence[int] | None = None) -> str:
+    """Why an utterance with transcript `text` (encoded as `ids`, when given) is not
+    trained: `empty_label`, `no_tokens` or `all_unk tokens=<n>`; "" when it is.
+
+    The map-style packer and the streaming loader (`cat.shared.pipeline`) both decide
+    with this function, so they train and drop the same utterances for the same reasons.
+    """
+    if not text.strip():
+        return "empty_label"
+    if ids is None:
+        return ""
+    if not len(ids):
+        return "no_tokens"
+    if all(i == UNK_ID for i in ids):
+        return f"all_unk tokens={len(ids)}"
+    return ""
+
+
 def load_utterances(f_scps: PathLike | Sequence[PathLike],
                     f_labels: PathLike | Sequence[PathLike], drops: DropLog) -> UtteranceTable:
     """Join features and transcripts by utterance id (never by line order).
@@ -340,10 +358,9 @@ def load_utterances(f_scps: PathLike | Sequence[PathLike],
     keep = []
     for index, key in enumerate(table.keys):
         text = labels.get(key)
-        if text is None:
-            drops.add(key, "no_label")
-        elif not text:
-            drops.add(key, "empty_label")
+        reason = "no_label" if text is None else transcript_verdict(text)
+        if reason:
+            drops.add(key, reason)
         else:
             keep.append(index)
     feature_keys = set(table.keys)
@@ -404,10 +421,9 @@ def write_map_pack(
     for index, (key, text) in enumerate(zip(table.keys, table.texts, strict=True)):
         ids = tokenizer.encode(text)
         unk = sum(1 for i in ids if i == UNK_ID)
-        if not ids:
-            drops.add(key, "no_tokens")
-        elif unk == len(ids):
-            drops.add(key, "all_unk", f"tokens={len(ids)}")
+        reason = transcript_verdict(text, ids)
+        if reason:
+            drops.add(key, *reason.split(" ", 1))
         else:
             keep.append(index)
             labels.append(ids)

@@ -19,9 +19,12 @@ in no group are dropped and counted. Without groups, shards go to `d_out` itself
 Every output folder gets `index.jsonl`, written last: line 1 is a header
 `{"format": "cat-wds-index", "version": 1, "fmt", "dtype", "feat_dim", "utts_per_file",
 "seed", "frame_range", "num_shards", "num_utts", "num_frames"}`, then one line per shard
-`{"shard", "num_utts", "num_frames", "num_bytes", "crc32", "fingerprint", "keys",
-"frames"}` (keys and frame counts in tar order; `crc32` of the whole tar file as 8 hex
-digits), so epoch sizes, rank balancing and length buckets need no tar opened.
+`{"shard", "num_utts", "num_frames", "num_bytes", "crc32", "fingerprint", "longest",
+"keys", "frames"}` (keys and frame counts in tar order; `crc32` of the whole tar file as
+8 hex digits; `longest` the most frames of an utterance), so epoch sizes, rank balancing
+and length buckets need no tar opened. The fields are written in this order, with the
+long lists last, so that a reader needing only the counts parses a short prefix of each
+line (`cat.shared.shardlist`).
 `d_out/dropped.txt` lists every utterance left out
 (`<utt> <reason> [detail]`; reasons `no_label`, `no_features`, `empty_label`,
 `out_of_range`).
@@ -492,12 +495,14 @@ def _write_index(folder: _Folder, records: dict[str, dict[str, Any]], fmt: str,
         "num_shards": len(shards), "num_utts": sum(r["num_utts"] for r in shards),
         "num_frames": sum(r["num_frames"] for r in shards),
     }
-    fields = ("shard", "num_utts", "num_frames", "num_bytes", "crc32", "fingerprint",
-              "keys", "frames")
+    fields = ("shard", "num_utts", "num_frames", "num_bytes", "crc32", "fingerprint")
     with atomic_write(folder.path / INDEX_NAME) as f:
         f.write(json.dumps(header) + "\n")
         for record in shards:
-            f.write(json.dumps({k: record[k] for k in fields}, ensure_ascii=False) + "\n")
+            line = {k: record[k] for k in fields}
+            line.update(longest=max(record["frames"], default=0), keys=record["keys"],
+                        frames=record["frames"])
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
     shutil.rmtree(folder.path / _PARTS_DIR, ignore_errors=True)
 
 
@@ -553,9 +558,11 @@ def read_index(directory: PathLike) -> ShardIndex:
             if not isinstance(record.get(field), kind):
                 raise ValueError(f"{path}:{lineno}: field {field!r} missing or not {kind.__name__}")
         if not len(record["keys"]) == len(record["frames"]) == record["num_utts"] \
-                or sum(record["frames"]) != record["num_frames"]:
-            raise ValueError(f"{path}:{lineno}: {record['shard']}: num_utts, num_frames, keys "
-                             "and frames disagree")
+                or sum(record["frames"]) != record["num_frames"] \
+                or record.get("longest", max(record["frames"], default=0)) \
+                != max(record["frames"], default=0):
+            raise ValueError(f"{path}:{lineno}: {record['shard']}: num_utts, num_frames, "
+                             "longest, keys and frames disagree")
         shards.append(record)
     if len(shards) != header.get("num_shards") \
             or sum(r["num_utts"] for r in shards) != header.get("num_utts"):

@@ -18,10 +18,14 @@ A checkpoint is a dict saved with `torch.save` that `torch.load(weights_only=Tru
     epoch, step         the epoch to continue (1-based) and optimizer updates done
     dev_loss            mean dev loss at this point (float)
     data                {"kind": "map" | "stream", "seed", "epoch", "epoch_seed": [seed, epoch],
-                         "world_size", "fingerprint", "ranks": [per-rank progress] | None}
-                        map: {"batches", "trained"}; stream: {"consumed": [shards],
-                        "partial": [[shard, trained]], totals...}. `ranks` is None when the
-                        epoch has not started (resume at its beginning).
+                         "world_size", "identity", "epoch_start_step",
+                         "ranks": [per-rank state] | None}
+                        `identity`: what decides the data (`identity()` of the training
+                        data in `cat.shared.train_data`), compared on resume. Per rank,
+                        map: {"batches", "trained", "logs"}; stream: {"progress": worker
+                        positions and totals (`cat.shared.progress`), "logs"}; `logs`
+                        holds the sizes of the epoch's log files. `ranks` is None when
+                        the epoch has not started (resume at its beginning).
     rng                 per rank {"torch": ByteTensor, "cuda": ByteTensor | None}
     meta                {"num_classes", "train_bin", "elapsed_seconds"}
 

@@ -41,12 +41,13 @@ from cat.utils.io import PathLike
 
 
 class Utterance(NamedTuple):
-    """One utterance ready for collation; `shard` is -1 outside the streaming path."""
+    """One utterance ready for collation; `sample_id` (streaming: `(shard << 32) |
+    position in the shard`) is -1 outside the streaming path."""
 
     key: str
     features: np.ndarray
     label: np.ndarray
-    shard: int = -1
+    sample_id: int = -1
 
 
 # --------------------------------------------------------------------------- batches
@@ -58,35 +59,38 @@ class StreamEvents:
 
     `dropped`: `(key, reason, shard)` for utterances left out (reason may carry a detail
     after a space); `finished`: `(shard, utterances read)` when a shard's tar ended;
-    `corrupt`: `(shard, message)` for a shard whose tar broke off.
+    `corrupt`: `(shard, message)` for a shard whose tar broke off; `position`: where the
+    worker's stream stands after this batch (`cat.shared.pipeline.WorkerPosition`).
     """
 
     dropped: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     finished: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     corrupt: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    position: Any = None
 
     def __bool__(self) -> bool:
         return bool(self.dropped or self.finished or self.corrupt)
 
     def drain(self) -> StreamEvents:
         """Move everything recorded so far into a new object and return it."""
-        moved = StreamEvents(self.dropped, self.finished, self.corrupt)
-        self.dropped, self.finished, self.corrupt = [], [], []
+        moved = StreamEvents(self.dropped, self.finished, self.corrupt, self.position)
+        self.dropped, self.finished, self.corrupt, self.position = [], [], [], None
         return moved
 
 
 @dataclasses.dataclass
 class Batch:
-    """A padded batch. `shards` (streaming only) gives each utterance's shard index;
-    `events` carries the pipeline's accounting since the previous batch. A batch may hold
-    no utterance when it only delivers events (at the end of a worker's stream)."""
+    """A padded batch. `ids` (streaming only) gives each utterance's sample id (see
+    `Utterance`); `events` carries the pipeline's accounting since the previous batch. A
+    batch may hold no utterance when it only delivers events (at the end of a worker's
+    stream)."""
 
     keys: list[str]
     feats: torch.Tensor  # [B, T, D] float32, padded with 0.0
     feat_lens: torch.Tensor  # [B] int64
     labels: torch.Tensor  # [B, U] int64, padded with 0 (blank)
     label_lens: torch.Tensor  # [B] int64
-    shards: np.ndarray | None = None
+    ids: np.ndarray | None = None
     events: StreamEvents | None = None
 
     def __len__(self) -> int:
@@ -117,7 +121,7 @@ class Batch:
         # (measured: 1.6 -> 0.85 ms per batch handed over, the features aside).
         small = [t.numpy() if t.device.type == "cpu" else t
                  for t in (self.feat_lens, self.labels, self.label_lens)]
-        return (_rebuild_batch, (self.keys, self.feats, *small, self.shards, self.events))
+        return (_rebuild_batch, (self.keys, self.feats, *small, self.ids, self.events))
 
 
 def _rebuild_batch(keys: list[str], feats: torch.Tensor, *rest: Any) -> Batch:
@@ -129,7 +133,7 @@ def empty_batch(feat_dim: int, events: StreamEvents | None = None) -> Batch:
     """A batch without utterances (carries events only)."""
     return Batch([], torch.zeros(0, 0, feat_dim), torch.zeros(0, dtype=torch.int64),
                  torch.zeros(0, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                 np.zeros(0, np.int32), events)
+                 np.zeros(0, np.int64), events)
 
 
 def padded_shape(utterances: Sequence[Utterance]) -> tuple[int, int, int]:
@@ -161,10 +165,10 @@ def collate(utterances: Sequence[Utterance], events: StreamEvents | None = None,
         feats[row, :length] = utterance.features
         feats[row, length:] = 0.0
         labels[row, :label_lens[row]] = utterance.label
-    shards = np.fromiter((u.shard for u in utterances), np.int32, len(utterances))
+    ids = np.fromiter((u.sample_id for u in utterances), np.int64, len(utterances))
     return Batch([u.key for u in utterances], torch.from_numpy(feats),
                  torch.from_numpy(feat_lens), torch.from_numpy(labels),
-                 torch.from_numpy(label_lens), shards, events)
+                 torch.from_numpy(label_lens), ids, events)
 
 
 # --------------------------------------------------------------------------- length filter

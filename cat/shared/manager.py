@@ -36,17 +36,28 @@ scalars in `exp/<name>/log/scalars.jsonl` (train/dev loss, lr, grad norm, uttera
 data-wait fraction = time blocked on the loader / wall time); `exp/<name>/monitor.png`
 plots them after training. Utterances left out are listed per epoch in
 `exp/<name>/log/drops/` (`<utt> <reason> [detail]`), and with `log_utterances` the trained
-utterance ids in `exp/<name>/log/utts/`.
+utterance ids in `exp/<name>/log/utts/` (one line per batch); both stay true across a
+resume (`cat.shared.train_data.EpochLog`).
 
 Resume (`--resume`): the latest checkpoint restores model, optimizer, scheduler, scaler,
 RNG states and data position. Map-style epochs continue at the next batch (the batch
-order is a function of (seed, epoch)), so a resumed run ends with the same model as an
-uninterrupted one. Streaming epochs continue at each rank's next unconsumed shard; a
-partially consumed shard is read again from its start (counted as re-read). A changed
-world size or training set restarts the interrupted epoch from its beginning (warned).
+order is a function of (seed, epoch)); streaming epochs continue exactly where each
+DataLoader worker of each rank stood (`cat.shared.pipeline`: buffers, reading position
+and random state), so the epoch trains the same utterances, each once, and a resumed run
+ends with the same model as an uninterrupted one (with up to one worker per rank; with
+more, the same utterances in another order). The checkpoint records what decides the
+data (`identity()`: shards with their CRC-32, world size, workers, batching, tokenizer,
+filter, seed); when any of it changed, `--resume` stops with an error naming the change,
+and `--resume-restart-epoch` starts the interrupted epoch again from its beginning
+instead (its utterances trained so far are counted as retrained).
+
+Coverage: at the end of every epoch, `exp/<name>/log/coverage.jsonl` gets a line with
+the utterances trained, dropped per reason, lost in corrupt shards, cut by the epoch's
+end (and the share of the epoch this is), retrained, and the lengths of the cut ones
+(histogram and mean against the corpus mean), so any epoch can be audited afterwards.
 
 Usage:
-    python -m cat.ctc.train exp/ctc-v1 [--resume]
+    python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch]
     torchrun --nproc-per-node 2 -m cat.ctc.train exp/ctc-v1
 """
 
@@ -76,25 +87,16 @@ from cat.data.pack import FrameRange, MapPack
 from cat.shared import config as config_module
 from cat.shared.checkpoint import CheckpointManager, load_checkpoint
 from cat.shared.config import Experiment
-from cat.shared.data import Batch, BucketBatchSampler, LengthFilter, PackDataset, collate
+from cat.shared.data import Batch, LengthFilter
 from cat.shared.model import build_model, model_kind
-from cat.shared.pipeline import (
-    ShardList,
-    ShardStream,
-    StreamConfig,
-    StreamProgress,
-    decode_npy,
-    load_shard_list,
-    read_shard,
-)
 from cat.shared.scheduler import build_scheduler
+from cat.shared.shardlist import load_shard_list
 from cat.shared.tokenizer import load as load_tokenizer
-from cat.shared.transport import RingLoader, SharedCollate
-from cat.utils.io import atomic_write, setup_logging, write_table
+from cat.shared.train_data import DevData, MapTrainData, StreamTrainData
+from cat.utils.io import atomic_write, setup_logging
 
 logger = logging.getLogger(__name__)
 
-FEAT_DIM_KEY = "config.json encoder.kwargs.idim"
 DEFAULT_DIST_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -196,305 +198,6 @@ def batch_normalizer(batch: Batch, loss_normalization: str) -> float:
     return float(len(batch))
 
 
-def _shared_collate(options: config_module.TrainOptions, feat_dim: int,
-                    longest: int) -> SharedCollate | None:
-    """Ring slots for the largest batch the options allow (None: no workers, or unbounded).
-
-    Per worker: `prefetch` batches in flight plus its share of what the training loop
-    holds (`grad_accum` batches, and as many from the previous update while it takes
-    them). A batch that finds no slot travels the DataLoader's own way.
-    """
-    frames = (max(options.max_frames, longest) if options.max_frames
-              else options.batch_size * longest)
-    if options.workers <= 0 or frames <= 0:
-        return None
-    held = -(-(2 * options.grad_accum + 1) // options.workers)
-    return SharedCollate(frames * feat_dim * 4, options.prefetch + held)
-
-
-def _batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None,
-                  options: config_module.TrainOptions, device: torch.device,
-                  persistent: bool = True, **kwargs: Any) -> RingLoader:
-    """A DataLoader of `Batch`es whose workers hand them over through `shared`'s rings."""
-    # Own generator: creating a loader iterator must not consume the global torch RNG,
-    # or an extra evaluation would change the training randomness (exact resume).
-    generator = torch.Generator()
-    generator.manual_seed(options.seed)
-    if options.workers > 0:
-        kwargs.update(prefetch_factor=options.prefetch, persistent_workers=persistent)
-    loader = torch.utils.data.DataLoader(dataset, num_workers=options.workers,
-                                         generator=generator, **kwargs)
-    return RingLoader(loader, shared, pin_memory=device.type == "cuda")
-
-
-class _Lines:
-    """Lines appended to a per-epoch, per-rank log file (opened on first use)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = None
-
-    def write(self, lines: list[str]) -> None:
-        if not lines:
-            return
-        if self.file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        self.file.write("".join(f"{line}\n" for line in lines))
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-# --------------------------------------------------------------------------- training data
-
-
-class MapTrainData:
-    """Map-style training data: pack dataset + `BucketBatchSampler` + DataLoader."""
-
-    kind = "map"
-
-    def __init__(self, options: config_module.TrainOptions, length_filter: LengthFilter,
-                 feat_dim: int, context: DistributedContext, log_dir: Path,
-                 pack: MapPack | None = None) -> None:
-        self.options = options
-        self.context = context
-        self.log_dir = log_dir
-        self.dataset = PackDataset(options.trset[0] if pack is None else pack, feat_dim,
-                                   FEAT_DIM_KEY)
-        self.dataset[0]  # fail early on a feature dimension mismatch
-        reasons = self.dataset.filter_reasons(length_filter)
-        keep = np.flatnonzero(reasons == "")
-        self.filtered = [(self.dataset.pack.key(i), reasons[i])
-                         for i in np.flatnonzero(reasons != "")]
-        if not len(keep):
-            raise ValueError(f"{options.trset[0]}: no utterance passes the length filter "
-                             f"({len(self.filtered)} dropped)")
-        self.sampler = BucketBatchSampler(self.dataset.num_frames, keep, options.batch_size,
-                                          options.max_frames, options.seed, context.rank,
-                                          context.world_size)
-        shared = _shared_collate(options, feat_dim, int(self.dataset.num_frames[keep].max()))
-        self.loader = _batch_loader(self.dataset, shared, options, context.device,
-                                    batch_sampler=self.sampler, collate_fn=shared or collate)
-        self.epoch = 1
-        self.batches = 0
-        self.trained = 0
-        self._utts = _Lines(Path())
-        if context.is_main and self.filtered:
-            write_table(log_dir / "drops" / "filtered-train.txt", self.filtered)
-            logger.info("%d of %d training utterances do not pass the length filter; "
-                        "listed in %s", len(self.filtered), len(self.dataset),
-                        log_dir / "drops" / "filtered-train.txt")
-
-    def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
-        """Feature matrices of up to `max_utts` utterances drawn with the run's seed."""
-        count = len(self.dataset.pack)
-        rng = np.random.default_rng(self.options.seed)
-        for index in np.sort(rng.choice(count, min(count, max_utts), replace=False)):
-            yield self.dataset.pack.features(int(index))
-
-    def fingerprint(self) -> str:
-        """Identifies the training set and its batching (checked on resume)."""
-        return (f"{self.options.trset[0]}:{len(self.dataset)}:{len(self.sampler.indices)}:"
-                f"{self.options.batch_size}:{self.options.max_frames}")
-
-    def plan(self) -> tuple[list[list[np.ndarray]], list[np.ndarray]]:
-        """The epoch's batches per rank and the left-over batches."""
-        return self.sampler.plan(self.epoch)
-
-    def start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
-        """Prepare `epoch`, continuing after `state` (this rank's) when given."""
-        self.epoch = epoch
-        self.batches = int(state["batches"]) if state else 0
-        self.trained = int(state["trained"]) if state else 0
-        self.sampler.set_epoch(epoch, self.batches)
-        name = f"epoch-{epoch:03d}.rank-{self.context.rank}.txt"
-        self._utts = _Lines(self.log_dir / "utts" / name)
-        if self.context.is_main:
-            left_over = self.plan()[1]
-            lines = [f"{self.dataset.pack.key(i)} epoch_remainder" for b in left_over for i in b]
-            drops = _Lines(self.log_dir / "drops" / f"epoch-{epoch:03d}.rank-0.txt")
-            if state is None:
-                drops.write(lines)
-            drops.close()
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
-
-    def note(self, batch: Batch, trained: bool) -> None:
-        """Account for a batch taken from the loader."""
-        if trained:
-            self.batches += 1
-            self.trained += len(batch)
-            if self.options.log_utterances:
-                self._utts.write(batch.keys)
-
-    def steps_hint(self) -> int | None:
-        """Updates this epoch will take (for the progress bar)."""
-        return len(self.plan()[0][self.context.rank]) // self.options.grad_accum
-
-    def state(self) -> dict[str, Any]:
-        """This rank's position in the epoch."""
-        return {"batches": self.batches, "trained": self.trained}
-
-    def summary(self) -> dict[str, Any]:
-        """This rank's counts for the epoch."""
-        rank_batches, left_over = self.plan()
-        expected = int(sum(len(b) for b in rank_batches[self.context.rank]))
-        summary: dict[str, Any] = {"expected": expected, "trained": self.trained,
-                                   "not_trained": expected - self.trained, "dropped": {}}
-        if self.context.is_main:
-            reasons: dict[str, int] = {}
-            for _, reason in self.filtered:
-                name = reason.split(" ", 1)[0]
-                reasons[name] = reasons.get(name, 0) + 1
-            reasons["epoch_remainder"] = int(sum(len(b) for b in left_over))
-            summary["dropped"] = reasons
-        return summary
-
-    def end_epoch(self) -> None:
-        """Close the epoch's log files."""
-        self._utts.close()
-
-    def close(self) -> None:
-        """Close the arks this process opened."""
-        self._utts.close()
-        self.dataset.pack.close()
-
-
-class StreamTrainData:
-    """Streaming training data: tar shards through `cat.shared.pipeline.ShardStream`."""
-
-    kind = "stream"
-
-    def __init__(self, options: config_module.TrainOptions, length_filter: LengthFilter,
-                 feat_dim: int, context: DistributedContext, log_dir: Path,
-                 shards: ShardList) -> None:
-        self.options = options
-        self.context = context
-        self.log_dir = log_dir
-        self.shards = shards
-        if shards.feat_dim is not None and shards.feat_dim != feat_dim:
-            raise ValueError(f"trset {options.trset}: the shards hold {shards.feat_dim}-dim "
-                             f"features (index.jsonl), but {FEAT_DIM_KEY} is {feat_dim}")
-        config = StreamConfig(options.batch_size, options.max_frames, options.shuffle_buffer,
-                              options.sort_buffer, options.read_ahead_mb, options.strict_shards,
-                              options.seed, train=True)
-        shared = _shared_collate(options, feat_dim, shards.longest)
-        self.dataset = ShardStream(shards, options.tokenizer, config, length_filter, feat_dim,
-                                   context.rank, context.world_size, options.workers,
-                                   FEAT_DIM_KEY, shared or collate)
-        self.loader = _batch_loader(self.dataset, shared, options, context.device,
-                                    batch_size=None)
-        self.progress = StreamProgress(shards, np.zeros(0, np.int64))
-        self.epoch = 1
-        self.last_steps: int | None = None
-        self._drops = _Lines(Path())
-        self._utts = _Lines(Path())
-
-    def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
-        """Feature matrices of the first `max_utts` utterances of the shards in list order."""
-        count = 0
-        for url in self.shards.urls:
-            for name, data in read_shard(url):
-                if name.endswith(".npy"):
-                    yield decode_npy(data)
-                    count += 1
-                    if count >= max_utts:
-                        return
-
-    def fingerprint(self) -> str:
-        """Identifies the shard list (checked on resume)."""
-        return self.shards.fingerprint()
-
-    def start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
-        """Prepare `epoch`: skip the shards `state` says were consumed."""
-        self.epoch = epoch
-        self.progress = StreamProgress(self.shards, self.dataset.rank_shards(epoch))
-        skip: list[int] = []
-        if state:
-            self.progress.restore(state)
-            skip = self.progress.consumed
-            logger.info("rank %d: epoch %d resumes after %d consumed shards; %d partially "
-                        "consumed shards are read again (%d utterances trained again)",
-                        self.context.rank, epoch, len(skip), self.progress.reread_shards,
-                        self.progress.retrained)
-        self.dataset.set_epoch(epoch, skip)
-        name = f"epoch-{epoch:03d}.rank-{self.context.rank}.txt"
-        self._drops = _Lines(self.log_dir / "drops" / name)
-        self._utts = _Lines(self.log_dir / "utts" / name)
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
-
-    def note(self, batch: Batch, trained: bool) -> None:
-        """Account for a batch taken from the loader (its events count either way)."""
-        self.progress.update(batch, trained)
-        self._drops.write(self.progress.drop_lines)
-        self.progress.drop_lines = []
-        if trained and self.options.log_utterances:
-            self._utts.write(batch.keys)
-
-    def steps_hint(self) -> int | None:
-        """Updates of the previous epoch (the best guess for the progress bar)."""
-        return self.last_steps
-
-    def state(self) -> dict[str, Any]:
-        """This rank's position in the epoch."""
-        return self.progress.state()
-
-    def summary(self) -> dict[str, Any]:
-        """This rank's counts for the epoch."""
-        return self.progress.summary()
-
-    def end_epoch(self) -> None:
-        """Close the epoch's log files."""
-        self._drops.close()
-        self._utts.close()
-
-    def close(self) -> None:
-        """Close the epoch's log files."""
-        self.end_epoch()
-
-
-class DevData:
-    """Development data: a map pack, or (dev_large_dataset) shards, split over ranks."""
-
-    def __init__(self, options: config_module.TrainOptions, feat_dim: int,
-                 context: DistributedContext, pack: MapPack | None = None) -> None:
-        if options.dev_large_dataset:
-            shards = load_shard_list(options.devset, options.utts_per_shard_estimate)
-            config = StreamConfig(options.batch_size, options.max_frames, 0,
-                                  options.sort_buffer, options.read_ahead_mb,
-                                  options.strict_shards, options.seed, train=False)
-            shared = _shared_collate(options, feat_dim, shards.longest)
-            dataset = ShardStream(shards, options.tokenizer, config, None, feat_dim,
-                                  context.rank, context.world_size, options.workers,
-                                  FEAT_DIM_KEY, shared or collate)
-            self.num_utts = int(shards.num_utts.sum())
-            self.loader = _batch_loader(dataset, shared, options, context.device,
-                                        persistent=False, batch_size=None)
-            self.pack = None
-            return
-        pack = PackDataset(options.devset[0] if pack is None else pack, feat_dim, FEAT_DIM_KEY)
-        pack[0]  # fail early on a feature dimension mismatch
-        sampler = BucketBatchSampler(pack.num_frames, np.arange(len(pack)), options.batch_size,
-                                     options.max_frames, options.seed, context.rank,
-                                     context.world_size, shuffle=False)
-        self.num_utts = len(pack)
-        self.pack = pack.pack
-        shared = _shared_collate(options, feat_dim, int(pack.num_frames.max(initial=0)))
-        self.loader = _batch_loader(pack, shared, options, context.device, persistent=False,
-                                    batch_sampler=sampler, collate_fn=shared or collate)
-
-    def close(self) -> None:
-        """Close the arks this process opened."""
-        if self.pack is not None:
-            self.pack.close()
-
-
 # --------------------------------------------------------------------------- monitoring
 
 
@@ -564,6 +267,54 @@ def plot_scalars(scalars_path: Path, out: Path) -> None:
     plt.close(figure)
 
 
+# --------------------------------------------------------------------------- epoch reports
+
+
+class DataChangedError(RuntimeError):
+    """`--resume` found that what decides the interrupted epoch's data changed."""
+
+
+def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
+                 retrained: int = 0) -> dict[str, Any]:
+    """The epoch's totals over ranks (`log/epoch-<EEE>.json`), per-rank summaries kept."""
+    dropped: dict[str, int] = {}
+    for summary in summaries:
+        for reason, count in summary["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + count
+    not_trained = [s["not_trained"] for s in summaries]
+    cut = None if None in not_trained else int(sum(not_trained))
+    expected = [s["expected"] for s in summaries]
+    total = None if None in expected else int(sum(expected)) + dropped.get("epoch_remainder", 0)
+    profiles = [s.get("cut_lengths") for s in summaries]
+    cut_lengths = None
+    if profiles and None not in profiles:
+        count = sum(p["count"] for p in profiles)
+        frames = sum(p["count"] * (p["mean_frames"] or 0.0) for p in profiles)
+        cut_lengths = {"count": count, "mean_frames": frames / count if count else None,
+                       "histogram": {name: sum(p["histogram"][name] for p in profiles)
+                                     for name in profiles[0]["histogram"]}}
+    return {"epoch": epoch, "steps": steps, "expected": total,
+            "trained": sum(s["trained"] for s in summaries), "dropped": dropped,
+            "corrupt_missing": sum(s.get("corrupt_missing", 0) for s in summaries),
+            "not_trained": cut,
+            "cut_fraction": cut / total if cut is not None and total else None,
+            "retrained": retrained + sum(s.get("retrained", 0) for s in summaries),
+            "cut_lengths": cut_lengths,
+            "corrupt_shards": [url for s in summaries for url in s.get("corrupt_shards", [])],
+            "ranks": summaries}
+
+
+def write_coverage(path: Path, record: dict[str, Any]) -> None:
+    """Add (or replace) the line of `record["epoch"]` in `coverage.jsonl`, atomically."""
+    lines = []
+    if path.is_file():
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and json.loads(line).get("epoch") < record["epoch"]]
+    lines.append(json.dumps(record))
+    with atomic_write(path) as f:
+        f.write("\n".join(lines) + "\n")
+
+
 # --------------------------------------------------------------------------- manager
 
 
@@ -579,7 +330,7 @@ class Manager:
     """Owns one training run (see the module docstring)."""
 
     def __init__(self, experiment: Experiment, context: DistributedContext,
-                 resume: bool = False) -> None:
+                 resume: bool = False, restart_epoch: bool = False) -> None:
         self.experiment = experiment
         self.options = experiment.options
         self.context = context
@@ -589,7 +340,12 @@ class Manager:
         self.elapsed_before = 0.0
         self.step = 0
         self.epoch = 1
-        self.data_state: dict[str, Any] | None = None
+        # This rank's data state to continue the first epoch after a resume.
+        self.resume_state: dict[str, Any] | None = None
+        self.restart_epoch = restart_epoch
+        self.in_epoch = False
+        self.epoch_start_step = 0
+        self.retrained = 0
         self.last_checkpoint_step = -1
         self.skipped_updates = 0
         self.device = context.device
@@ -704,13 +460,11 @@ class Manager:
     # ------------------------------------------------------------------ checkpoints
 
     def _data_record(self) -> dict[str, Any]:
-        ranks = self.context.gather(self.data_state) if self.data_state is not None else None
-        if ranks is not None and any(r is None for r in ranks):
-            ranks = None
+        ranks = self.context.gather(self.train_data.state()) if self.in_epoch else None
         return {"kind": self.train_data.kind, "seed": self.options.seed, "epoch": self.epoch,
                 "epoch_seed": [self.options.seed, self.epoch],
-                "world_size": self.context.world_size,
-                "fingerprint": self.train_data.fingerprint(), "ranks": ranks}
+                "world_size": self.context.world_size, "identity": self.train_data.identity(),
+                "epoch_start_step": self.epoch_start_step, "ranks": ranks}
 
     def _rng_state(self) -> dict[str, Any]:
         return {"torch": torch.get_rng_state(),
@@ -752,7 +506,7 @@ class Manager:
         self.epoch = int(state["epoch"])
         self.last_checkpoint_step = self.step
         self.elapsed_before = float(state["meta"].get("elapsed_seconds", 0.0))
-        self.data_state = self._resume_data(state["data"])
+        self.resume_state = self._resume_data(state["data"], path)
         rng = state.get("rng")
         if rng and len(rng) == self.context.world_size:
             torch.set_rng_state(rng[self.context.rank]["torch"])
@@ -760,19 +514,30 @@ class Manager:
                 torch.cuda.set_rng_state(rng[self.context.rank]["cuda"], self.device)
         logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
 
-    def _resume_data(self, data: dict[str, Any]) -> dict[str, Any] | None:
+    def _resume_data(self, data: dict[str, Any], path: Path) -> dict[str, Any] | None:
+        """This rank's state to continue the checkpoint's epoch (None: from its start)."""
         ranks = data.get("ranks")
+        self.epoch_start_step = int(data.get("epoch_start_step", self.step))
         if ranks is None:
             return None
-        expected = {"kind": self.train_data.kind, "seed": self.options.seed,
-                    "world_size": self.context.world_size,
-                    "fingerprint": self.train_data.fingerprint()}
-        changed = [key for key, value in expected.items() if data.get(key) != value]
-        if changed:
-            logger.warning("the checkpoint's %s differ from this run; epoch %d restarts at its "
-                           "beginning", ", ".join(changed), self.epoch)
-            return None
-        return ranks[self.context.rank]
+        changes = self.train_data.identity_changes(data.get("identity"))
+        if not changes:
+            return ranks[self.context.rank]
+        trained = sum(int(r["trained"] if "trained" in r else r["progress"]["trained"])
+                      for r in ranks)
+        problem = (f"{path}: epoch {self.epoch} cannot continue where it stopped, because "
+                   f"what decides its data changed: {'; '.join(changes)}")
+        if not self.restart_epoch:
+            raise DataChangedError(
+                f"{problem}. Restore the previous data and settings, or resume with "
+                f"--resume-restart-epoch to train epoch {self.epoch} again from its beginning "
+                f"(its {trained} utterances trained so far are then trained again)")
+        logger.warning("%s; epoch %d starts again from its beginning "
+                       "(--resume-restart-epoch): %d utterances are trained again",
+                       problem, self.epoch, trained)
+        self.retrained = trained
+        self.epoch_start_step = self.step
+        return None
 
     # ------------------------------------------------------------------ loop
 
@@ -873,10 +638,12 @@ class Manager:
     def train_epoch(self) -> str | None:
         """Train one epoch (or its rest); returns why training stops, or None."""
         epoch, data = self.epoch, self.train_data
-        data.start_epoch(epoch, self.data_state)
-        self.data_state = data.state()
+        data.start_epoch(epoch, self.resume_state)
+        if self.resume_state is None and not self.retrained:
+            self.epoch_start_step = self.step
+        self.resume_state = None
+        self.in_epoch = True
         self.model.train()
-        steps_at_start = self.step
         interval = {"time": time.perf_counter(), "wait": 0.0, "utts": 0.0, "steps": 0}
         progress = tqdm(total=data.steps_hint(), desc=f"epoch {epoch}", unit="step",
                         disable=None if self.context.is_main else True, leave=False)
@@ -893,7 +660,6 @@ class Manager:
             for batch in batches:
                 data.note(batch, trained=True)
             self.step += 1
-            self.data_state = data.state()
             progress.update()
             interval["wait"] += wait
             interval["utts"] += totals.utterances
@@ -911,7 +677,7 @@ class Manager:
         del iterator
         progress.close()
         if stopped is None:
-            self._finish_epoch(epoch, self.step - steps_at_start)
+            self._finish_epoch(epoch, self.step - self.epoch_start_step)
         data.end_epoch()
         return stopped
 
@@ -925,35 +691,43 @@ class Manager:
         interval.update(time=now, wait=0.0, utts=0.0, steps=0)
 
     def _finish_epoch(self, epoch: int, steps: int) -> None:
-        summaries = self.context.gather({**self.train_data.summary(), "updates": steps})
+        summary = {**self.train_data.summary(), "updates": steps,
+                   "cut_lengths": self.train_data.cut_profile()}
+        summaries = self.context.gather(summary)
         if isinstance(self.train_data, StreamTrainData):
             self.train_data.last_steps = steps
         self.epoch = epoch + 1
-        self.data_state = None
+        self.in_epoch = False
         if self.context.is_main:
-            self._report_epoch(epoch, steps, summaries)
+            record = epoch_record(epoch, steps, summaries, self.retrained)
+            self._report_epoch(record)
+        self.retrained = 0
         if not self.options.check_freq:
             self.save_checkpoint()
 
-    def _report_epoch(self, epoch: int, steps: int, summaries: list[dict[str, Any]]) -> None:
-        dropped: dict[str, int] = {}
-        for summary in summaries:
-            for reason, count in summary["dropped"].items():
-                dropped[reason] = dropped.get(reason, 0) + count
-        trained = sum(s["trained"] for s in summaries)
-        not_trained = [s["not_trained"] for s in summaries]
-        cut = None if None in not_trained else int(sum(not_trained))
-        corrupt = [url for s in summaries for url in s.get("corrupt_shards", [])]
-        record = {"epoch": epoch, "steps": steps, "trained": trained, "dropped": dropped,
-                  "not_trained": cut, "corrupt_shards": corrupt, "ranks": summaries}
+    def _report_epoch(self, record: dict[str, Any]) -> None:
+        epoch = record["epoch"]
         with atomic_write(self.log_dir / f"epoch-{epoch:03d}.json") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
+        coverage = {key: value for key, value in record.items() if key != "ranks"}
+        if isinstance(self.train_data, StreamTrainData):
+            shards = self.train_data.shards
+            coverage["corpus_mean_frames"] = (float(shards.num_frames.sum() / shards.num_utts.sum())
+                                             if not shards.estimated.any() else None)
+        write_coverage(self.log_dir / "coverage.jsonl", coverage)
+        dropped, cut = record["dropped"], record["not_trained"]
         details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
-        logger.info("epoch %d: %d updates, %d utterances trained; dropped: %s; not trained "
-                    "(epoch cut at the first rank out of data): %s; corrupt shards: %d",
-                    epoch, steps, trained, details, "unknown" if cut is None else cut,
-                    len(corrupt))
+        logger.info("epoch %d: %d updates, %d utterances trained; dropped: %s; lost in "
+                    "corrupt shards: %d; not trained (epoch cut at the first rank out of "
+                    "data): %s; retrained: %d", epoch, record["steps"], record["trained"],
+                    details, record["corrupt_missing"],
+                    "unknown" if cut is None else f"{cut} ({record['cut_fraction']:.2%})",
+                    record["retrained"])
+        if cut is not None and cut < 0:
+            logger.error("epoch %d: %d more utterances were trained or dropped than the "
+                         "indexes list: the shards hold utterances their index.jsonl does not "
+                         "list (repacked without a new index?)", epoch, -cut)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -987,7 +761,8 @@ MODEL_KINDS = {"cat.ctc.train": "ctc", "cat.rnnt.train": "rnnt"}
 MODEL_NAMES = {"cat.ctc.train": "CTC", "cat.rnnt.train": "RNN-T"}
 
 
-def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False) -> None:
+def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
+          restart_epoch: bool = False) -> None:
     """Stage 3 for `exp_dir` (see the module docstring); call once per process."""
     experiment = config_module.load_experiment(exp_dir, expected_bin)
     kind = model_kind(experiment.config)
@@ -1000,7 +775,7 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False) -
     if not context.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        manager = Manager(experiment, context, resume)
+        manager = Manager(experiment, context, resume or restart_epoch, restart_epoch)
         try:
             manager.run()
         finally:
@@ -1017,6 +792,9 @@ def run_cli(train_bin: str, argv: list[str] | None = None) -> None:
     parser.add_argument("exp_dir", help="experiment directory, e.g. exp/ctc-v1")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in exp_dir/check")
+    parser.add_argument("--resume-restart-epoch", action="store_true",
+                        help="continue from the latest checkpoint, but start its epoch again "
+                             "from the beginning (when the data or its settings changed)")
     args = parser.parse_args(argv)
     setup_logging()
-    train(args.exp_dir, train_bin, args.resume)
+    train(args.exp_dir, train_bin, args.resume, args.resume_restart_epoch)

@@ -180,7 +180,7 @@ class SlotBatch:
     feat_lens: np.ndarray
     labels: np.ndarray
     label_lens: np.ndarray
-    shards: np.ndarray | None
+    ids: np.ndarray | None
     events: StreamEvents | None
 
     def __len__(self) -> int:
@@ -191,7 +191,7 @@ class SlotBatch:
         feats = rings[self.worker].receive(self.slot, self.generation, self.shape)
         return Batch(self.keys, feats, torch.from_numpy(self.feat_lens),
                      torch.from_numpy(self.labels), torch.from_numpy(self.label_lens),
-                     self.shards, self.events)
+                     self.ids, self.events)
 
 
 class SharedCollate:
@@ -230,7 +230,7 @@ class SharedCollate:
             ring.abandon(slot)
             raise
         return SlotBatch(info.id, slot, generation, shape, batch.keys, batch.feat_lens.numpy(),
-                         batch.labels.numpy(), batch.label_lens.numpy(), batch.shards,
+                         batch.labels.numpy(), batch.label_lens.numpy(), batch.ids,
                          batch.events)
 
 

@@ -68,16 +68,28 @@ def write_uneven_shards(corpus: FeatureCorpus, out: PathLike, sizes: Sequence[in
     return paths
 
 
-def write_raw_shard(path: PathLike, samples: Sequence[tuple[str, np.ndarray, str]]) -> Path:
+def write_raw_shard(path: PathLike, samples: Sequence[tuple[str, np.ndarray, str]],
+                    text_bytes: dict[str, bytes] | None = None,
+                    npy_bytes: dict[str, bytes] | None = None,
+                    skip: dict[str, str] | None = None) -> Path:
     """A tar of `(utterance id, features, transcript)` written member by member, without
-    the checks of the stage-2 writer (for malformed inputs: empty text, wrong dims)."""
+    the checks of the stage-2 writer (for malformed inputs: empty text, wrong dims).
+
+    `text_bytes` / `npy_bytes` replace the members of some keys by raw bytes (non-UTF-8
+    text, garbage features); `skip` leaves out one member (`"npy"` or `"txt"`) of a key.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    text_bytes, npy_bytes, skip = text_bytes or {}, npy_bytes or {}, skip or {}
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
         for key, features, text in samples:
             buffer = io.BytesIO()
             np.save(buffer, features)
-            for extension, data in (("npy", buffer.getvalue()), ("txt", text.encode("utf-8"))):
+            members = (("npy", npy_bytes.get(key, buffer.getvalue())),
+                       ("txt", text_bytes.get(key, text.encode("utf-8"))))
+            for extension, data in members:
+                if skip.get(key) == extension:
+                    continue
                 info = tarfile.TarInfo(f"{prep_wds.encode_key(key)}.{extension}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))

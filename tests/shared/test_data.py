@@ -36,7 +36,7 @@ def test_collate_pads_features_and_labels():
     rng = np.random.default_rng(0)
     utterances = [Utterance("a", rng.normal(size=(5, 3)).astype(np.float32), np.array([3, 4])),
                   Utterance("b", rng.normal(size=(2, 3)).astype(np.float16), np.array([7, 8, 9]),
-                            shard=4)]
+                            sample_id=(4 << 32) | 7)]
     events = StreamEvents(finished=[(4, 2)])
     batch = collate(utterances, events)
     assert batch.keys == ["a", "b"] and len(batch) == 2 and batch.num_frames == 7
@@ -47,7 +47,7 @@ def test_collate_pads_features_and_labels():
     assert torch.count_nonzero(batch.feats[1, 2:]) == 0
     assert batch.feat_lens.tolist() == [5, 2] and batch.label_lens.tolist() == [2, 3]
     assert batch.labels.tolist() == [[3, 4, 0], [7, 8, 9]] and batch.labels.dtype == torch.int64
-    assert batch.shards.tolist() == [-1, 4] and batch.events is events
+    assert batch.ids.tolist() == [-1, (4 << 32) | 7] and batch.events is events
     moved = batch.to("cpu")
     assert torch.equal(moved.feats, batch.feats) and moved.keys == batch.keys
     with pytest.raises(ValueError, match="empty list"):

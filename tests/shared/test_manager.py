@@ -13,7 +13,7 @@ from cat.data import prep_wds
 from cat.rnnt import train as rnnt_train
 from cat.shared import config as config_module
 from cat.shared.checkpoint import CheckpointManager, load_checkpoint
-from cat.shared.manager import DistributedContext, Manager, train
+from cat.shared.manager import DataChangedError, DistributedContext, Manager, train
 from cat.shared.model import ConfigError
 from cat.shared.tokenizer import save as save_tokenizer
 from cat.shared.tokenizer import train_sentencepiece
@@ -99,7 +99,8 @@ def test_map_style_resume_ends_with_the_same_model(tmp_path, monkeypatch):
             train(NAME, "cat.ctc.train")
             stopped = _latest(experiment)
             assert stopped["step"] == 7 and stopped["epoch"] == 1
-            assert stopped["data"]["ranks"] == [{"batches": 7, "trained": 28}]
+            rank = stopped["data"]["ranks"][0]
+            assert (rank["batches"], rank["trained"]) == (7, 28)
             with pytest.raises(FileExistsError, match="pass --resume"):
                 train(NAME, "cat.ctc.train")
             experiment.set_options(max_steps=0)
@@ -112,32 +113,68 @@ def test_map_style_resume_ends_with_the_same_model(tmp_path, monkeypatch):
         assert torch.equal(value, final["resumed"]["model"][key]), key
 
 
-def test_streaming_resume_lands_on_the_next_unconsumed_shard(tmp_path, monkeypatch):
-    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1, "log_utterances": True,
-                                                          "shuffle_buffer": 4, "sort_buffer": 4})
-    experiment.use_shards(max_steps=5)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_streaming_resume_trains_the_same_batches_and_model(tmp_path, monkeypatch, workers):
+    final, logs, steps = {}, {}, {}
+    for run in ("straight", "resumed"):
+        experiment = write_tiny_experiment(tmp_path / run, options={
+            "epochs": 2, "log_utterances": True, "shuffle_buffer": 6, "sort_buffer": 4,
+            "workers": workers})
+        experiment.use_shards()
+        monkeypatch.chdir(experiment.root)
+        if run == "resumed":
+            for stop in (3, 7, 13):  # two stops in epoch 1, one in epoch 2
+                experiment.set_options(max_steps=stop)
+                train(NAME, "cat.ctc.train", resume=stop > 3)
+                assert _latest(experiment)["step"] == stop
+            experiment.set_options(max_steps=0)
+            train(NAME, "cat.ctc.train", resume=True)
+        else:
+            train(NAME, "cat.ctc.train")
+        final[run] = _latest(experiment)
+        logs[run] = [(experiment.exp_dir / f"log/utts/epoch-00{e}.rank-0.txt").read_text()
+                     for e in (1, 2)]
+        summaries = [json.loads((experiment.exp_dir / f"log/epoch-00{e}.json").read_text())
+                     for e in (1, 2)]
+        for summary in summaries:
+            assert summary["trained"] == 40 and summary["not_trained"] == 0
+            assert summary["retrained"] == 0 and summary["ranks"][0]["updates"] == \
+                summary["steps"]
+        steps[run] = [summary["steps"] for summary in summaries]
+        coverage = [json.loads(line) for line in
+                    (experiment.exp_dir / "log/coverage.jsonl").read_text().splitlines()]
+        assert [c["epoch"] for c in coverage] == [1, 2]
+        assert coverage[0]["trained"] == 40 and coverage[0]["cut_fraction"] == 0
+        assert coverage[0]["cut_lengths"]["count"] == 0
+    assert logs["straight"] == logs["resumed"] and steps["straight"] == steps["resumed"]
+    # One line per batch: as many as updates.
+    assert [len(log.splitlines()) for log in logs["straight"]] == steps["straight"]
+    for key, value in final["straight"]["model"].items():
+        assert torch.equal(value, final["resumed"]["model"][key]), key
+
+
+def test_resume_refuses_changed_data_unless_the_epoch_restarts(tmp_path, monkeypatch):
+    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1, "log_utterances": True})
+    experiment.use_shards(max_steps=4)
     monkeypatch.chdir(tmp_path)
     train(NAME, "cat.ctc.train")
-    state = _latest(experiment)["data"]["ranks"][0]
-    consumed = set(state["consumed"])
-    before = _utts(experiment, 1)
-    assert consumed and len(before) == 20
-    index = prep_wds.read_index(tmp_path / "data/wds/train")
-    shard_keys = [set(record["keys"]) for record in index.shards]
-    consumed_keys = set().union(*(shard_keys[s] for s in consumed))
-    assert consumed_keys <= set(before)
-
-    experiment.set_options(max_steps=0)
-    train(NAME, "cat.ctc.train", resume=True)
-    after = _utts(experiment, 1)[len(before):]
-    assert not consumed_keys & set(after)
-    assert sorted(after) == sorted(set(experiment.train.keys) - consumed_keys)
+    checkpoint = CheckpointManager(experiment.exp_dir / "check").latest()
+    experiment.set_options(max_steps=0, max_frames=400)
+    with pytest.raises(DataChangedError, match=rf"{checkpoint.name}: epoch 1 cannot continue .*"
+                                               r"batching \[4, 0, 12, 8\] -> \[4, 400, 12, 8\]"
+                                               r".*weighting 'utterances' -> 'frames'"
+                                               r".*--resume-restart-epoch"):
+        train(NAME, "cat.ctc.train", resume=True)
+    experiment.set_options(max_frames=0)
+    repacked = prep_wds.pack_data(experiment.train.feats_scp, experiment.train.text,
+                                  tmp_path / "data/wds/train", utts_per_file=5, seed=7)
+    assert repacked.shards_written == 8
+    with pytest.raises(DataChangedError, match=r"shard .*data-00000.tar changed \(crc32 "):
+        train(NAME, "cat.ctc.train", resume=True)
+    ctc_train.main([NAME, "--resume-restart-epoch"])
     summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
-    rank = summary["ranks"][0]
-    assert rank["reread_shards"] == len(state["partial"])
-    assert rank["retrained"] == sum(n for _, n in state["partial"]) == \
-        len(set(before) - consumed_keys)
-    assert rank["trained"] == 40 and rank["not_trained"] == 0 and rank["unconsumed_shards"] == 0
+    assert summary["trained"] == 40 and summary["retrained"] == 16
+    assert sorted(_utts(experiment, 1)) == experiment.train.keys
 
 
 def test_time_budget_stops_at_an_update_with_a_checkpoint(tmp_path, monkeypatch):

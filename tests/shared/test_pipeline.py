@@ -1,12 +1,11 @@
-"""Streaming shard pipeline: shard lists, tar reading, stages, epochs, drops, resume, URLs."""
+"""Streaming shard pipeline: epochs, drops and verdicts, URLs, corrupt data, exact resume."""
 
 from __future__ import annotations
 
 import io
 import os
+import random
 import shutil
-import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +13,19 @@ import torch
 import webdataset as wds
 
 from cat.data import prep_wds
-from cat.data.pack import FrameRange
-from cat.shared import pipeline
+from cat.data.pack import FrameRange, write_map_pack
+from cat.shared.checkpoint import load_checkpoint, save_checkpoint
 from cat.shared.data import LengthFilter
 from cat.shared.pipeline import (
-    CorruptShardError,
     ShardStream,
+    SortBatcher,
     StreamConfig,
-    StreamProgress,
-    assign_shards,
     decode_npy,
-    expand_shard_patterns,
-    iter_tar_members,
-    load_shard_list,
+    split_ids,
 )
+from cat.shared.progress import StreamProgress
+from cat.shared.shardlist import load_shard_list
+from cat.shared.tario import CorruptShardError
 from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
 from cat.testing.training import write_tiny_experiment
 
@@ -54,90 +52,45 @@ def _length_filter():
 
 
 def _stream(experiment, patterns=None, rank=0, world_size=1, workers=0, estimate=0,
-            feat_dim=8, **config) -> ShardStream:
+            feat_dim=8, tokenizer=None, **config) -> ShardStream:
     shards = load_shard_list(patterns or str(experiment.root / "data/wds/train/data-*.tar"),
                              estimate)
     options = {"batch_size": 3, "max_frames": 200, "shuffle_buffer": 6, "sort_buffer": 5,
                **config}
-    return ShardStream(shards, str(experiment.exp_dir / "tokenizer.tknz"),
+    return ShardStream(shards, str(tokenizer or experiment.exp_dir / "tokenizer.tknz"),
                        StreamConfig(**options), _length_filter(), feat_dim, rank, world_size,
                        workers)
 
 
-def _run_epoch(stream: ShardStream, epoch: int, workers: int = 0, skip=(), limit=None,
-               persistent_loader=None):
-    """(trained keys in order, progress) of one epoch, optionally stopping after `limit`."""
-    stream.set_epoch(epoch, skip)
-    progress = StreamProgress(stream.shards, stream.rank_shards(epoch))
-    loader = persistent_loader
+def _progress(stream: ShardStream, epoch: int, workers: int) -> StreamProgress:
+    return StreamProgress(stream.shards, [stream.worker_shards(epoch, w, max(workers, 1))
+                                          for w in range(max(workers, 1))])
+
+
+def _run_epoch(stream: ShardStream, epoch: int, workers: int = 0, limit=None,
+               progress: StreamProgress | None = None, loader=None):
+    """(batches of trained keys in order, progress) of one epoch, optionally stopping after
+    `limit` non-empty batches; `progress` (restored from a checkpoint) resumes the epoch."""
+    progress = progress or _progress(stream, epoch, workers)
+    stream.set_epoch(epoch, progress.positions)
     if loader is None:
         loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
-    keys = []
+    batches = []
     for batch in loader:
-        if limit is not None and len(keys) >= limit:
+        if limit is not None and len(batches) >= limit:
             break
         progress.update(batch, trained=True)
-        keys += batch.keys
-    return keys, progress
+        if len(batch):
+            batches.append(list(batch.keys))
+    return batches, progress
 
 
-def test_patterns_are_brace_expanded_globbed_and_sorted(shard_dir):
-    root = str(shard_dir)
-    everything = expand_shard_patterns(f"{root}/data-*.tar")
-    assert everything == sorted(everything) and len(everything) == 9
-    assert expand_shard_patterns(f"{root}/data-0000{{0..2}}.tar") == everything[:3]
-    assert expand_shard_patterns([f"{root}/data-0000{{3,1}}.tar", f"{root}/data-00008.tar"]) \
-        == [everything[3], everything[1], everything[8]]
-    assert expand_shard_patterns("pipe:cat x-{0..1}.tar") == ["pipe:cat x-0.tar",
-                                                             "pipe:cat x-1.tar"]
-    with pytest.raises(FileNotFoundError, match=r"trset pattern '.*/nothing-\*.tar' matches "
-                                                r"no shard"):
-        expand_shard_patterns(f"{root}/nothing-*.tar")
-    with pytest.raises(FileNotFoundError, match=r"\(expanded: '.*/data-00009.tar'\)"):
-        expand_shard_patterns(f"{root}/data-0000{{8..9}}.tar")
-    with pytest.raises(ValueError, match="listed twice"):
-        expand_shard_patterns([f"{root}/data-*.tar", f"{root}/data-00001.tar"])
+def _keys(batches):
+    return [key for batch in batches for key in batch]
 
 
-def test_shard_list_takes_counts_from_the_index(shard_dir):
-    shards = load_shard_list(f"{shard_dir}/data-*.tar")
-    index = prep_wds.read_index(shard_dir)
-    assert [Path(u).name for u in shards.urls] == [r["shard"] for r in index.shards]
-    assert shards.num_utts.tolist() == [r["num_utts"] for r in index.shards]
-    assert shards.num_frames.tolist() == [r["num_frames"] for r in index.shards]
-    assert shards.feat_dim == 8 and shards.longest == max(max(r["frames"]) for r in index.shards)
-    assert not shards.estimated.any()
-    local = str(shard_dir / "data-00000.tar")
-    assert pipeline.index_location(local) == str(shard_dir / "index.jsonl")
-    assert pipeline.index_location("https://host/a/b/data-1.tar") == "https://host/a/b/index.jsonl"
-    assert pipeline.index_location(f"pipe:cat {local}") == str(shard_dir / "index.jsonl")
-    assert pipeline.index_location("pipe:curl -s http://h/x/d-1.tar") == "http://h/x/index.jsonl"
-    assert pipeline.index_location("pipe:aws s3 cp s3://b/d-1.tar -") is None
-
-
-def test_tar_reader_agrees_with_tarfile_and_checks_headers(shard_dir, tmp_path):
-    shard = shard_dir / "data-00000.tar"
-    with tarfile.open(shard) as tar:
-        expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
-    with open(shard, "rb") as f:
-        assert list(iter_tar_members(f, str(shard))) == expected
-    long_name = "x" * 150 + ".txt"
-    for tar_format in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w", format=tar_format) as tar:
-            for name, data in ((long_name, b"long"), ("dir/a.npy", b"\0" * 700)):
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        buffer.seek(0)
-        assert list(iter_tar_members(buffer, "mem")) == [(long_name, b"long"),
-                                                         ("dir/a.npy", b"\0" * 700)]
-    data = bytearray(shard.read_bytes())
-    data[10] ^= 0xFF
-    with pytest.raises(CorruptShardError, match="checksum mismatch"):
-        list(iter_tar_members(io.BytesIO(bytes(data)), "broken.tar"))
-    with pytest.raises(CorruptShardError, match=r"broken.tar: member .* truncated"):
-        list(iter_tar_members(io.BytesIO(shard.read_bytes()[:1500]), "broken.tar"))
+def _dropped(progress):
+    return [line.split()[0] for line in progress.drop_lines]
 
 
 def test_decode_npy_fast_path_and_fallback():
@@ -157,60 +110,46 @@ def test_decode_npy_fast_path_and_fallback():
         decode_npy(b"hello")
 
 
-def test_shards_are_reshuffled_and_rebalanced_every_epoch():
-    weights = np.array([5, 5, 5, 5, 1, 9, 2, 8, 5, 5, 5], np.float64)
-    plans = {epoch: assign_shards(weights, seed=3, epoch=epoch, world_size=3)
-             for epoch in range(1, 6)}
-    for plan in plans.values():
-        assert sorted(np.concatenate(plan).tolist()) == list(range(11))
-        loads = [weights[p].sum() for p in plan]
-        assert max(loads) - min(loads) <= weights.max()
-    assert len({tuple(map(tuple, plan)) for plan in plans.values()}) == 5
-    assert len({tuple(plan[0]) for plan in plans.values()}) > 1  # no static rank slice
-    again = assign_shards(weights, seed=3, epoch=2, world_size=3)
-    assert all(np.array_equal(a, b) for a, b in zip(again, plans[2], strict=True))
-    in_order = assign_shards(weights, 0, 1, 2, shuffle=False)
-    assert [p.tolist() for p in in_order] == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9]]
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_utterance_once_per_epoch_with_drops_accounted(experiment, workers):
     stream = _stream(experiment, workers=workers)
     all_keys = set(experiment.train.keys)
     orders = []
     for epoch in (1, 2):
-        keys, progress = _run_epoch(stream, epoch, workers)
+        batches, progress = _run_epoch(stream, epoch, workers)
+        keys = _keys(batches)
         summary = progress.summary()
-        dropped = [line.split()[0] for line in progress.drop_lines]
-        assert len(keys) == len(set(keys)) and not set(keys) & set(dropped)
-        assert set(keys) | set(dropped) == all_keys
+        assert len(keys) == len(set(keys)) and not set(keys) & set(_dropped(progress))
+        assert set(keys) | set(_dropped(progress)) == all_keys
         assert summary["dropped"] == {"label_too_long": 1, "no_encoder_frames": 1,
                                       "out_of_range": 1}
         assert summary["trained"] == len(keys) == len(all_keys) - 3
-        assert summary["not_trained"] == 0 and summary["unconsumed_shards"] == 0
+        assert summary["not_trained"] == 0 and summary["retrained"] == 0
+        assert len(progress.cut_ids()) == 0
         orders.append(keys)
     assert orders[0] != orders[1]
-    assert _run_epoch(_stream(experiment, workers=workers), 2, workers)[0] == orders[1]
-    assert _run_epoch(_stream(experiment, workers=workers, seed=5), 2, workers)[0] != orders[1]
+    assert _keys(_run_epoch(_stream(experiment, workers=workers), 2, workers)[0]) == orders[1]
+    assert _keys(_run_epoch(_stream(experiment, workers=workers, seed=5), 2, workers)[0]) \
+        != orders[1]
 
 
 def test_persistent_workers_follow_set_epoch(experiment):
     stream = _stream(experiment, workers=2)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2,
                                          persistent_workers=True)
-    first, _ = _run_epoch(stream, 1, persistent_loader=loader)
-    second, _ = _run_epoch(stream, 2, persistent_loader=loader)
-    first_again, _ = _run_epoch(stream, 1, persistent_loader=loader)
+    first = _keys(_run_epoch(stream, 1, 2, loader=loader)[0])
+    second = _keys(_run_epoch(stream, 2, 2, loader=loader)[0])
+    first_again = _keys(_run_epoch(stream, 1, 2, loader=loader)[0])
     assert first == first_again and first != second
     assert sorted(first) == sorted(second)
 
 
 def test_http_and_pipe_shards_give_the_same_stream(experiment, shard_dir):
-    local, _ = _run_epoch(_stream(experiment), 1)
+    local = _run_epoch(_stream(experiment), 1)[0]
     names = "data-0000{0..8}.tar"
     with serve_directory(shard_dir) as url:
         for read_ahead in (0, 1):
-            stream = _stream(experiment, f"{url}/{names}", read_ahead_mb=read_ahead)
+            stream = _stream(experiment, f"{url}/{names}?token=1", read_ahead_mb=read_ahead)
             assert stream.shards.num_utts.tolist() == _stream(experiment).shards.num_utts.tolist()
             assert _run_epoch(stream, 1)[0] == local
     for read_ahead in (0, 1):
@@ -222,19 +161,16 @@ def test_http_and_pipe_shards_give_the_same_stream(experiment, shard_dir):
     assert len(progress.corrupt) == 9 and "status 3" in progress.corrupt[0][1]
 
 
-def test_index_missing_needs_an_estimate(experiment, shard_dir, tmp_path):
+def test_estimated_counts_train_everything_but_cannot_tell_the_cut(experiment, shard_dir,
+                                                                   tmp_path):
     for name in ("data-00000.tar", "data-00001.tar"):
         shutil.copy(shard_dir / name, tmp_path / name)
-    with pytest.raises(FileNotFoundError, match=r"data-00000.tar: no utterance count \(no index "
-                                                r"found at .*index.jsonl\).*utts_per_shard_"
-                                                r"estimate"):
-        load_shard_list(f"{tmp_path}/data-*.tar")
     stream = _stream(experiment, f"{tmp_path}/data-*.tar", estimate=100)
-    assert stream.shards.estimated.all() and stream.shards.num_utts.tolist() == [100, 100]
-    keys, progress = _run_epoch(stream, 1)
+    batches, progress = _run_epoch(stream, 1)
     summary = progress.summary()
-    assert len(keys) + sum(summary["dropped"].values()) == 8 and len(keys) >= 6
+    assert len(_keys(batches)) + sum(summary["dropped"].values()) == 8
     assert summary["expected"] is None and summary["not_trained"] is None
+    assert progress.cut_ids() is None
 
 
 def test_corrupt_shard_is_skipped_and_counted_or_raises(experiment, shard_dir, tmp_path):
@@ -256,23 +192,38 @@ def test_corrupt_shard_is_skipped_and_counted_or_raises(experiment, shard_dir, t
         assert 0 < lost <= expected_lost
         assert summary["trained"] + sum(summary["dropped"].values()) \
             + summary["corrupt_missing"] == summary["expected"]
-        assert summary["not_trained"] == 0
+        assert summary["not_trained"] == 0 and len(progress.cut_ids()) == 0
     with pytest.raises(CorruptShardError, match=r"data-0000[25].tar: .*strict_shards"):
         _run_epoch(_stream(experiment, f"{copy}/data-*.tar", strict_shards=True), 1)
+
+
+def test_undecodable_members_are_counted_or_with_strict_shards_an_error(experiment, tmp_path):
+    features = np.random.default_rng(0).normal(size=(60, 8)).astype(np.float32)
+    good = [("utt1", features, "的一"), ("utt2", features, "是在")]
+    cases = {
+        "bad_text": write_raw_shard(tmp_path / "text/data-0.tar", good,
+                                    text_bytes={"utt2": "是在".encode("gbk")}),
+        "corrupt_features": write_raw_shard(tmp_path / "npy/data-0.tar", good,
+                                            npy_bytes={"utt2": b"\x93NUMPY garbage"}),
+        "incomplete_sample": write_raw_shard(tmp_path / "half/data-0.tar", good,
+                                             skip={"utt2": "txt"}),
+    }
+    for reason, shard in cases.items():
+        batches, progress = _run_epoch(_stream(experiment, str(shard), estimate=2), 1)
+        assert _keys(batches) == ["utt1"] and list(progress.summary()["dropped"]) == [reason]
+        with pytest.raises((ValueError, CorruptShardError),
+                           match=rf"{shard}: .*'utt2'.*{reason}.*strict_shards is set"):
+            _run_epoch(_stream(experiment, str(shard), estimate=2, strict_shards=True), 1)
 
 
 def test_bad_inputs_are_errors_naming_file_and_key(experiment, tmp_path):
     rng = np.random.default_rng(0)
     features = rng.normal(size=(60, 8)).astype(np.float32)
-    empty = write_raw_shard(tmp_path / "empty/data-0.tar",
-                            [("sp0.9-utt1", features, "的一"), ("utt2", features, "  ")])
-    with pytest.raises(ValueError, match=r"data-0.tar: utterance 'utt2' has an empty transcript"):
-        _run_epoch(_stream(experiment, str(empty), estimate=2), 1)
     dotted = write_raw_shard(tmp_path / "dotted/data-0.tar", [("sp0.9-utt1", features, "的一")])
     with pytest.raises(ValueError, match=r"dotted/data-0.tar: utterance 'sp0.9-utt1' has 8-dim "
                                          r"features, but config.json encoder.kwargs.idim is 80"):
         _run_epoch(_stream(experiment, str(dotted), estimate=1, feat_dim=80), 1)
-    assert _run_epoch(_stream(experiment, str(dotted), estimate=1), 1)[0] == ["sp0.9-utt1"]
+    assert _keys(_run_epoch(_stream(experiment, str(dotted), estimate=1), 1)[0]) == ["sp0.9-utt1"]
     with pytest.raises(ValueError, match=r"trset has 9 shards, fewer than ranks x workers = "
                                          r"5 x 2"):
         _stream(experiment, rank=0, world_size=5, workers=2)
@@ -282,36 +233,98 @@ def test_bad_inputs_are_errors_naming_file_and_key(experiment, tmp_path):
         _run_epoch(stream, 1)
 
 
-def test_resume_starts_at_the_next_unconsumed_shard(experiment):
-    stream = _stream(experiment, world_size=2, rank=1)
-    first_keys, progress = _run_epoch(stream, 3, limit=9)
-    state = progress.state()
-    consumed = set(state["consumed"])
-    assert consumed and set(stream.rank_shards(3)) - consumed
-    index = prep_wds.read_index(experiment.root / "data/wds/train")
-    shard_keys = {i: set(r["keys"]) for i, r in enumerate(index.shards)}
-    resumed_progress = StreamProgress(stream.shards, stream.rank_shards(3))
-    resumed_progress.restore(state)
-    stream.set_epoch(3, resumed_progress.consumed)
-    rest = []
-    for batch in stream:
-        resumed_progress.update(batch, trained=True)
-        rest += batch.keys
-    remaining = set().union(*(shard_keys[s] for s in stream.rank_shards(3) if s not in consumed))
-    assert not set(rest) & set().union(*(shard_keys[s] for s in consumed))
-    dropped = {line.split()[0] for line in resumed_progress.drop_lines}
-    assert set(rest) | dropped == remaining
-    summary = resumed_progress.summary()
-    assert summary["reread_shards"] == len(state["partial"])
-    assert summary["retrained"] == sum(n for _, n in state["partial"])
-    rank_total = sum(len(shard_keys[s]) for s in stream.rank_shards(3))
-    assert summary["trained"] + sum(summary["dropped"].values()) == rank_total
-    assert summary["unconsumed_shards"] == 0
-    assert set(first_keys) - set(rest) <= set().union(*(shard_keys[s] for s in consumed))
+def test_stream_and_map_packer_train_and_drop_the_same_utterances(experiment, tmp_path):
+    """One verdict for both paths: empty and all-<unk> transcripts are dropped alike."""
+    corpus = experiment.train
+    texts = dict(corpus.transcripts)
+    keys = corpus.keys
+    texts[keys[0]] = "  "
+    texts[keys[1]] = "ＱＱ"  # characters the tokenizer does not know
+    text = tmp_path / "text"
+    text.write_text("".join(f"{k} {texts[k]}\n" for k in keys), encoding="utf-8")
+    tokenizer = experiment.exp_dir / "tokenizer.tknz"
+    counts = write_map_pack(corpus.feats_scp, text, tokenizer, tmp_path / "train.npz")
+    map_drops = {k[len("dropped_"):]: n for k, n in counts.items() if k.startswith("dropped_")}
+    samples = [(k, corpus.features[k], texts[k]) for k in keys]
+    shard = write_raw_shard(tmp_path / "wds/data-0.tar", samples)
+    stream = _stream(experiment, str(shard), estimate=len(keys), tokenizer=tokenizer)
+    stream.length_filter = None
+    _, progress = _run_epoch(stream, 1)
+    assert map_drops == progress.summary()["dropped"] == {"empty_label": 1, "all_unk": 1}
+    assert progress.summary()["trained"] == counts["num_utts"]
+
+
+def test_every_sort_buffer_leaves_whole():
+    rng = random.Random(0)
+    lengths = np.random.default_rng(0).integers(1, 1000, 400)
+    samples = [{"id": i, "features": np.zeros((n, 1))} for i, n in enumerate(lengths)]
+    batcher = SortBatcher(sort_buffer=20, batch_size=8, max_frames=3000, rng=rng)
+    emitted = [[s["id"] for s in batch] for batch in batcher(iter(samples))]
+    assert sorted(i for batch in emitted for i in batch) == list(range(400))
+    # No batch mixes buffers (nothing waits for the next one), and buffers leave in order.
+    owners = [{i // 20 for i in batch} for batch in emitted]
+    assert all(len(owner) == 1 for owner in owners)
+    order = [owner.pop() for owner in owners]
+    assert order == sorted(order)
+    for batch in emitted:
+        frames = lengths[batch]
+        assert len(batch) <= 8 and (len(batch) == 1 or frames.max() * len(batch) <= 3000)
+
+
+@pytest.mark.parametrize(("workers", "stops"), [(0, (1, 4, 7)), (1, (2, 5)), (2, (3, 6))])
+def test_resume_continues_exactly_where_the_epoch_stopped(experiment, workers, stops, tmp_path):
+    epoch = 3
+
+    def stream():
+        return _stream(experiment, workers=workers, shuffle_buffer=3, sort_buffer=3)
+
+    full, full_progress = _run_epoch(stream(), epoch, workers)
+    assert len(full) > max(stops)
+    mid_shard = 0
+    for stop in stops:
+        first, progress = _run_epoch(stream(), epoch, workers, limit=stop)
+        mid_shard += sum(p.ordinal > 0 for p in progress.positions.values())
+        path = tmp_path / f"state-{workers}-{stop}.pt"
+        save_checkpoint(path, {"format": "cat-checkpoint", "version": 1, "data": progress.state()})
+        # A new process: a new stream and progress, restored from the checkpoint.
+        resumed_stream = stream()
+        resumed = _progress(resumed_stream, epoch, workers)
+        resumed.restore(load_checkpoint(path)["data"])
+        rest, resumed = _run_epoch(resumed_stream, epoch, workers, progress=resumed)
+        if workers <= 1:
+            assert first + rest == full
+        assert sorted(_keys(first + rest)) == sorted(_keys(full))
+        summary = resumed.summary()
+        assert summary == full_progress.summary() and summary["retrained"] == 0
+        assert sorted(_dropped(progress) + _dropped(resumed)) == sorted(_dropped(full_progress))
+    assert mid_shard  # some worker stopped inside a shard
+
+
+def test_resume_reads_only_the_buffered_members_again(experiment, monkeypatch):
+    from cat.shared import pipeline
+
+    stream = _stream(experiment, shuffle_buffer=8)
+    _, progress = _run_epoch(stream, 1, limit=3)
+    position = progress.positions[0]
+    fetched = []
+    original = pipeline.fetch_samples
+
+    def spy(urls, ids, *args):
+        fetched.append(np.sort(ids))
+        return original(urls, ids, *args)
+
+    monkeypatch.setattr(pipeline, "fetch_samples", spy)
+    resumed = _progress(stream, 1, 0)
+    resumed.restore(progress.state())
+    _run_epoch(_stream(experiment, shuffle_buffer=8), 1, progress=resumed)
+    # Exactly the buffered samples are read again, from the shards read so far.
+    assert len(fetched) == 1 and np.array_equal(fetched[0], np.sort(position.buffered()))
+    shards_read = set(_progress(stream, 1, 0).worker_shards[0][:position.shard + 1])
+    assert set(split_ids(fetched[0])[0].tolist()) <= shards_read
 
 
 def test_plain_webdataset_reads_what_the_pipeline_reads(experiment, shard_dir):
-    keys, _ = _run_epoch(_stream(experiment, shuffle_buffer=0), 1)
+    keys = _keys(_run_epoch(_stream(experiment, shuffle_buffer=0), 1)[0])
     plain = {prep_wds.decode_key(s["__key__"])
              for s in wds.WebDataset(sorted(map(str, shard_dir.glob("*.tar"))),
                                      shardshuffle=False)}
