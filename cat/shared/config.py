@@ -68,6 +68,9 @@ class TrainOptions:
     read_ahead_mb: int
     utts_per_shard_estimate: int
     strict_shards: bool
+    read_timeout: float
+    read_retries: int
+    bad_shard_limit: float
     epochs: int
     max_steps: int
     grad_accum: int

@@ -59,22 +59,27 @@ class StreamEvents:
 
     `dropped`: `(key, reason, shard)` for utterances left out (reason may carry a detail
     after a space); `finished`: `(shard, utterances read)` when a shard's tar ended;
-    `corrupt`: `(shard, message)` for a shard whose tar broke off; `position`: where the
-    worker's stream stands after this batch (`cat.shared.pipeline.WorkerPosition`).
+    `corrupt`: `(shard, message)` for a shard whose data is corrupt or does not match its
+    index; `unavailable`: `(shard, message)` for a shard its storage did not deliver;
+    `position`: where the worker's stream stands after this batch
+    (`cat.shared.pipeline.WorkerPosition`).
     """
 
     dropped: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
     finished: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     corrupt: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    unavailable: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     position: Any = None
 
     def __bool__(self) -> bool:
-        return bool(self.dropped or self.finished or self.corrupt)
+        return bool(self.dropped or self.finished or self.corrupt or self.unavailable)
 
     def drain(self) -> StreamEvents:
         """Move everything recorded so far into a new object and return it."""
-        moved = StreamEvents(self.dropped, self.finished, self.corrupt, self.position)
-        self.dropped, self.finished, self.corrupt, self.position = [], [], [], None
+        moved = StreamEvents(self.dropped, self.finished, self.corrupt, self.unavailable,
+                             self.position)
+        self.dropped, self.finished, self.corrupt, self.unavailable = [], [], [], []
+        self.position = None
         return moved
 
 

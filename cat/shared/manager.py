@@ -89,6 +89,7 @@ from cat.shared.checkpoint import CheckpointManager, load_checkpoint
 from cat.shared.config import Experiment
 from cat.shared.data import Batch, LengthFilter
 from cat.shared.model import build_model, model_kind
+from cat.shared.pipeline import DataUnavailableError, storage_of
 from cat.shared.scheduler import build_scheduler
 from cat.shared.shardlist import load_shard_list
 from cat.shared.tokenizer import load as load_tokenizer
@@ -296,12 +297,36 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
     return {"epoch": epoch, "steps": steps, "expected": total,
             "trained": sum(s["trained"] for s in summaries), "dropped": dropped,
             "corrupt_missing": sum(s.get("corrupt_missing", 0) for s in summaries),
+            "unavailable_missing": sum(s.get("unavailable_missing", 0) for s in summaries),
             "not_trained": cut,
             "cut_fraction": cut / total if cut is not None and total else None,
             "retrained": retrained + sum(s.get("retrained", 0) for s in summaries),
             "cut_lengths": cut_lengths,
             "corrupt_shards": [url for s in summaries for url in s.get("corrupt_shards", [])],
+            "unavailable_shards": [url for s in summaries
+                                   for url in s.get("unavailable_shards", [])],
+            "shards": sum(s.get("shards", 0) for s in summaries),
             "ranks": summaries}
+
+
+def check_epoch(record: dict[str, Any], bad_shard_limit: float) -> None:
+    """Raise DataUnavailableError for an epoch that trained nothing, or whose unavailable
+    and corrupt shards exceed `bad_shard_limit` of its shards (the record names them)."""
+    failed = record["unavailable_shards"] + record["corrupt_shards"]
+    epoch = record["epoch"]
+    if record["trained"] and len(failed) <= bad_shard_limit * record["shards"]:
+        return
+    why = (f"epoch {epoch} trained no utterance" if not record["trained"] else
+           f"{len(failed)} of the {record['shards']} shards of epoch {epoch} could not be "
+           f"read, more than train.option.bad_shard_limit={bad_shard_limit:g}")
+    details = []
+    for kind in ("unavailable", "corrupt"):
+        urls = record[f"{kind}_shards"]
+        if urls:
+            details.append(f"{len(urls)} {kind} ({', '.join(urls[:3])}"
+                           f"{', ...' if len(urls) > 3 else ''}; storage: {storage_of(urls)})")
+    raise DataUnavailableError(f"{why}: {'; '.join(details) or 'no shard failed'} (see "
+                               f"log/epoch-{epoch:03d}.json)")
 
 
 def write_coverage(path: Path, record: dict[str, Any]) -> None:
@@ -386,7 +411,8 @@ class Manager:
         options = self.options
         frame_range = FrameRange.parse(options.filter) if options.filter else None
         if options.large_dataset:
-            shards = load_shard_list(options.trset, options.utts_per_shard_estimate)
+            shards = load_shard_list(options.trset, options.utts_per_shard_estimate,
+                                     options.read_timeout)
             longest = shards.longest
             length_filter = build_length_filter(self.model, frame_range, longest)
             self.train_data: MapTrainData | StreamTrainData = StreamTrainData(
@@ -698,9 +724,11 @@ class Manager:
             self.train_data.last_steps = steps
         self.epoch = epoch + 1
         self.in_epoch = False
+        record = epoch_record(epoch, steps, summaries, self.retrained)
         if self.context.is_main:
-            record = epoch_record(epoch, steps, summaries, self.retrained)
             self._report_epoch(record)
+        if self.train_data.kind == "stream":
+            check_epoch(record, self.options.bad_shard_limit)  # on every rank alike
         self.retrained = 0
         if not self.options.check_freq:
             self.save_checkpoint()
@@ -719,9 +747,10 @@ class Manager:
         dropped, cut = record["dropped"], record["not_trained"]
         details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
         logger.info("epoch %d: %d updates, %d utterances trained; dropped: %s; lost in "
-                    "corrupt shards: %d; not trained (epoch cut at the first rank out of "
-                    "data): %s; retrained: %d", epoch, record["steps"], record["trained"],
-                    details, record["corrupt_missing"],
+                    "corrupt shards: %d, in unavailable shards: %d; not trained (epoch cut at "
+                    "the first rank out of data): %s; retrained: %d", epoch, record["steps"],
+                    record["trained"], details, record["corrupt_missing"],
+                    record["unavailable_missing"],
                     "unknown" if cut is None else f"{cut} ({record['cut_fraction']:.2%})",
                     record["retrained"])
         if cut is not None and cut < 0:

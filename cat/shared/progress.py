@@ -5,7 +5,8 @@ its utterances (trained, or not when the epoch ends before its update) and the e
 its worker (drops, corrupt shards, finished shards, the worker's `WorkerPosition`). From
 these it keeps:
 
-* totals: trained, dropped per reason, lost in corrupt shards (`corrupt_missing`);
+* totals: trained, dropped per reason, lost in corrupt shards (`corrupt_missing`) and in
+  shards their storage did not deliver (`unavailable_missing`);
 * the position of each worker after its last batch, which is exactly what a checkpoint
   needs to resume the epoch (`state` / `restore`);
 * at the end of the epoch, the utterances nobody trained (`not_trained` = expected -
@@ -56,7 +57,9 @@ class StreamProgress:
         self.trained = 0
         self.dropped: collections.Counter = collections.Counter()
         self.corrupt: list[tuple[int, str]] = []
+        self.unavailable: list[tuple[int, str]] = []
         self.corrupt_missing = 0
+        self.unavailable_missing = 0
         self.retrained = 0
         self.untrained: list[np.ndarray] = []
         self.drop_lines: list[str] = []
@@ -78,9 +81,15 @@ class StreamProgress:
             self.dropped[reason.split(" ", 1)[0]] += 1
             self.drop_lines.append(f"{key} {reason}")
         self.corrupt += events.corrupt
+        self.unavailable += events.unavailable
+        unavailable = {shard for shard, _ in events.unavailable}
         for shard, count in events.finished:
             if not self.shards.estimated[shard]:
-                self.corrupt_missing += max(0, int(self.shards.num_utts[shard]) - count)
+                missing = max(0, int(self.shards.num_utts[shard]) - count)
+                if shard in unavailable:
+                    self.unavailable_missing += missing
+                else:
+                    self.corrupt_missing += missing
         if events.position is not None:
             self.positions[events.position.worker] = events.position
 
@@ -89,7 +98,9 @@ class StreamProgress:
         return {"positions": [p.to_state() for _, p in sorted(self.positions.items())],
                 "trained": self.trained, "dropped": dict(self.dropped),
                 "corrupt": [[s, m] for s, m in self.corrupt],
-                "corrupt_missing": self.corrupt_missing, "retrained": self.retrained}
+                "unavailable": [[s, m] for s, m in self.unavailable],
+                "corrupt_missing": self.corrupt_missing,
+                "unavailable_missing": self.unavailable_missing, "retrained": self.retrained}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after `state()`: the workers resume at these positions."""
@@ -98,7 +109,9 @@ class StreamProgress:
         self.trained = int(state["trained"])
         self.dropped = collections.Counter(state["dropped"])
         self.corrupt = [(int(s), str(m)) for s, m in state["corrupt"]]
+        self.unavailable = [(int(s), str(m)) for s, m in state.get("unavailable", [])]
         self.corrupt_missing = int(state["corrupt_missing"])
+        self.unavailable_missing = int(state.get("unavailable_missing", 0))
         self.retrained = int(state.get("retrained", 0))
 
     def expected(self) -> int | None:
@@ -113,11 +126,14 @@ class StreamProgress:
         not_trained = None
         if expected is not None:
             not_trained = (expected - self.trained - sum(self.dropped.values())
-                           - self.corrupt_missing)
+                           - self.corrupt_missing - self.unavailable_missing)
         return {"expected": expected, "trained": self.trained, "dropped": dict(self.dropped),
                 "corrupt_missing": self.corrupt_missing,
+                "unavailable_missing": self.unavailable_missing,
                 "corrupt_shards": [self.shards.urls[s] for s, _ in self.corrupt],
-                "not_trained": not_trained, "retrained": self.retrained}
+                "unavailable_shards": [self.shards.urls[s] for s, _ in self.unavailable],
+                "shards": len(self.rank_shards), "not_trained": not_trained,
+                "retrained": self.retrained}
 
     def cut_ids(self) -> np.ndarray | None:
         """Ids of the utterances neither trained, dropped nor lost (once the epoch ended:

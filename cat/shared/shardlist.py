@@ -139,7 +139,8 @@ class IndexCounts:
     """What one `index.jsonl` says about its shards (counts only, no keys)."""
 
     header: dict[str, Any]
-    shards: dict[str, tuple[int, int, int, str]]  # name -> (utts, frames, longest, crc32)
+    # name -> (utts, frames, longest, crc32, byte offset of its line, length of the line)
+    shards: dict[str, tuple[int, int, int, str, int, int]]
 
 
 _COUNT_FIELDS = ("shard", "num_utts", "num_frames", "longest", "crc32")
@@ -158,8 +159,10 @@ def _shard_record(line: bytes) -> dict[str, Any]:
 def read_index_counts(location: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> IndexCounts:
     """The header and per-shard counts of one `index.jsonl` (errors name file and line)."""
     header: dict[str, Any] | None = None
-    shards: dict[str, tuple[int, int, int, str]] = {}
+    shards: dict[str, tuple[int, int, int, str, int, int]] = {}
+    offset = 0
     for lineno, line in enumerate(_open_binary_lines(location, timeout), 1):
+        start, offset = offset, offset + len(line)
         try:
             if header is None:
                 header = json.loads(line)
@@ -168,7 +171,8 @@ def read_index_counts(location: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> I
                 continue
             record = _shard_record(line)
             shards[record["shard"]] = (int(record["num_utts"]), int(record["num_frames"]),
-                                       int(record["longest"]), str(record["crc32"]))
+                                       int(record["longest"]), str(record["crc32"]), start,
+                                       len(line))
         except json.JSONDecodeError as error:
             raise ValueError(f"{location}:{lineno}: not JSON: {error}") from None
         except (KeyError, TypeError) as error:
@@ -203,6 +207,9 @@ class ShardList:
     longest: int  # longest utterance in frames according to the indexes (0 if unknown)
     crc32: list[str] = dataclasses.field(default_factory=list)  # "" where unknown
     timeout: float = HTTP_TIMEOUT_SECONDS
+    # Byte offset and length of each shard's line in its index (-1: no index).
+    index_spans: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((0, 2), np.int64))
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -220,6 +227,33 @@ class ShardList:
             digest.update(f"{name} {utts} {frames} {crc}\n".encode())
         return {"digest": digest.hexdigest()[:32], "num_shards": len(self),
                 "crc32": list(self.crc32), "num_utts": self.num_utts.tolist()}
+
+    def index_entry(self, shard: int) -> dict[str, Any] | None:
+        """The whole index record of one shard (keys, frames...), None without an index.
+
+        Reads only that line: a seek in a local index, a Range request over http(s).
+        """
+        offset, length = (int(v) for v in self.index_spans[shard]) \
+            if len(self.index_spans) else (-1, 0)
+        location = index_location(self.urls[shard])
+        if offset < 0 or location is None:
+            return None
+        if location.startswith(HTTP_PREFIXES):
+            request = urllib.request.Request(
+                location, headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                if response.status != 206:  # the server sends the whole file
+                    response.read(offset)
+                line = response.read(length)
+        else:
+            with open(location, "rb") as f:
+                f.seek(offset)
+                line = f.read(length)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{location}: the entry of {self.urls[shard]} moved since the "
+                             "index was loaded (rewritten while training?)") from None
 
     def utterance_frames(self, shards: Iterable[int]) -> dict[int, np.ndarray]:
         """Per-utterance frame counts (tar order) of `shards`, from their indexes."""
@@ -262,6 +296,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
     num_frames = np.zeros(len(urls), np.int64)
     estimated = np.zeros(len(urls), bool)
     crc32 = [""] * len(urls)
+    spans = np.full((len(urls), 2), -1, np.int64)
     feat_dims: dict[int, str] = {}
     longest = 0
     for position, url in enumerate(urls):
@@ -271,8 +306,8 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
         index = indexes.get(location) if location is not None else None
         name = shard_name(url)
         if index is not None and name in index.shards:
-            num_utts[position], num_frames[position], shard_longest, crc32[position] = \
-                index.shards[name]
+            num_utts[position], num_frames[position], shard_longest, crc32[position], \
+                *spans[position] = index.shards[name]
             longest = max(longest, shard_longest)
             if index.header.get("feat_dim") is not None:
                 feat_dims.setdefault(int(index.header["feat_dim"]), location)
@@ -294,7 +329,8 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
                        "(a changed shard cannot be detected on resume)",
                        int(estimated.sum()), len(urls), utts_per_shard_estimate)
     return ShardList(urls, num_utts, num_frames, estimated,
-                     next(iter(feat_dims)) if feat_dims else None, longest, crc32, timeout)
+                     next(iter(feat_dims)) if feat_dims else None, longest, crc32, timeout,
+                     spans)
 
 
 def assign_shards(weights: np.ndarray, seed: int, epoch: int, world_size: int,

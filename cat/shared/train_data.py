@@ -82,6 +82,15 @@ def batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None
     return RingLoader(loader, shared, pin_memory=device.type == "cuda")
 
 
+def stream_config(options: config_module.TrainOptions, train: bool) -> StreamConfig:
+    """The streaming pipeline's settings from `train.option` (evaluation: no shuffling)."""
+    return StreamConfig(options.batch_size, options.max_frames,
+                        options.shuffle_buffer if train else 0, options.sort_buffer,
+                        options.read_ahead_mb, options.strict_shards, options.seed, train,
+                        options.read_timeout, options.read_retries,
+                        bad_shard_limit=options.bad_shard_limit)
+
+
 def _file_digest(path: str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
 
@@ -273,7 +282,8 @@ class MapTrainData:
         expected = int(sum(len(b) for b in rank_batches[self.context.rank]))
         summary: dict[str, Any] = {"expected": expected, "trained": self.trained,
                                    "not_trained": expected - self.trained, "dropped": {},
-                                   "corrupt_missing": 0, "retrained": 0}
+                                   "corrupt_missing": 0, "unavailable_missing": 0,
+                                   "retrained": 0}
         if self.context.is_main:
             reasons: dict[str, int] = {}
             for _, reason in self.filtered:
@@ -351,9 +361,7 @@ class StreamTrainData:
         if shards.feat_dim is not None and shards.feat_dim != feat_dim:
             raise ValueError(f"trset {options.trset}: the shards hold {shards.feat_dim}-dim "
                              f"features (index.jsonl), but {FEAT_DIM_KEY} is {feat_dim}")
-        config = StreamConfig(options.batch_size, options.max_frames, options.shuffle_buffer,
-                              options.sort_buffer, options.read_ahead_mb, options.strict_shards,
-                              options.seed, train=True)
+        config = stream_config(options, train=True)
         shared = shared_collate(options, feat_dim, shards.longest)
         self.dataset = ShardStream(shards, options.tokenizer, config, length_filter, feat_dim,
                                    context.rank, context.world_size, options.workers,
@@ -404,7 +412,8 @@ class StreamTrainData:
             logger.info("rank %d: epoch %d resumes after %d trained utterances, exactly where "
                         "each of its %d workers stood", self.context.rank, epoch,
                         self.progress.trained, len(self.progress.positions))
-        self.dataset.set_epoch(epoch, self.progress.positions)
+        self.dataset.set_epoch(epoch, self.progress.positions,
+                               len(self.progress.corrupt) + len(self.progress.unavailable))
         self.logs.start(epoch, state)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -453,10 +462,9 @@ class DevData:
     def __init__(self, options: config_module.TrainOptions, feat_dim: int,
                  context: DistributedContext, pack: MapPack | None = None) -> None:
         if options.dev_large_dataset:
-            shards = load_shard_list(options.devset, options.utts_per_shard_estimate)
-            config = StreamConfig(options.batch_size, options.max_frames, 0,
-                                  options.sort_buffer, options.read_ahead_mb,
-                                  options.strict_shards, options.seed, train=False)
+            shards = load_shard_list(options.devset, options.utts_per_shard_estimate,
+                                     options.read_timeout)
+            config = stream_config(options, train=False)
             shared = shared_collate(options, feat_dim, shards.longest)
             dataset = ShardStream(shards, options.tokenizer, config, None, feat_dim,
                                   context.rank, context.world_size, options.workers,

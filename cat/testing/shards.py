@@ -15,6 +15,7 @@ import tarfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -106,14 +107,59 @@ def truncate_file(path: PathLike, keep_fraction: float) -> int:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves files, and `bytes=a-b` ranges of them when `ranges` is set; `faults[name]`
+    lists what the next requests of a file get: "503" (an error status), "cut" (the
+    headers of the whole file, then half its bytes and a closed connection) or "ok"."""
+
+    faults: ClassVar[dict[str, list[str]]] = {}
+    ranges = False
+    lock = threading.Lock()
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
+    def do_GET(self) -> None:
+        name = self.path.split("?", 1)[0].rsplit("/", 1)[-1]
+        with self.lock:
+            plan = self.faults.get(name)
+            fault = plan.pop(0) if plan else "ok"
+        if fault == "503":
+            self.send_error(503, "try again later")
+            return
+        requested = self.headers.get("Range", "")
+        if self.ranges and requested.startswith("bytes=") and fault == "ok":
+            data = (Path(self.directory) / name).read_bytes()
+            first, last = (int(v) for v in requested[len("bytes="):].split("-"))
+            part = data[first:last + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/"
+                                              f"{len(data)}")
+            self.send_header("Content-Length", str(len(part)))
+            self.end_headers()
+            self.wfile.write(part)
+            return
+        if fault == "cut":
+            data = (Path(self.directory) / name).read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:len(data) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        super().do_GET()
+
 
 @contextlib.contextmanager
-def serve_directory(directory: PathLike) -> Iterator[str]:
-    """Serve `directory` over HTTP on 127.0.0.1 (a free port); yields the base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
+def serve_directory(directory: PathLike, faults: dict[str, list[str]] | None = None,
+                    ranges: bool = False) -> Iterator[str]:
+    """Serve `directory` over HTTP on 127.0.0.1 (a free port); yields the base URL.
+
+    `faults` injects failures per file name, `ranges` answers Range requests (see
+    `_QuietHandler`)."""
+    handler_class = type("_Handler", (_QuietHandler,), {"faults": dict(faults or {}),
+                                                        "ranges": ranges})
+    handler = functools.partial(handler_class, directory=str(directory))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

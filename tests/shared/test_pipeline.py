@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -17,6 +18,7 @@ from cat.data.pack import FrameRange, write_map_pack
 from cat.shared.checkpoint import load_checkpoint, save_checkpoint
 from cat.shared.data import LengthFilter
 from cat.shared.pipeline import (
+    DataUnavailableError,
     ShardStream,
     SortBatcher,
     StreamConfig,
@@ -156,9 +158,38 @@ def test_http_and_pipe_shards_give_the_same_stream(experiment, shard_dir):
         stream = _stream(experiment, f"pipe:cat {shard_dir}/{names}", read_ahead_mb=read_ahead)
         assert not stream.shards.estimated.any()
         assert _run_epoch(stream, 1)[0] == local
-    failing = _stream(experiment, f"pipe:cat {shard_dir}/{names} && exit 3")
-    _, progress = _run_epoch(failing, 1)
-    assert len(progress.corrupt) == 9 and "status 3" in progress.corrupt[0][1]
+    failing = f"pipe:cat {shard_dir}/{names} && exit 3"
+    _, progress = _run_epoch(_stream(experiment, failing, read_retries=1, retry_seconds=0.01,
+                                     bad_shard_limit=1.0), 1)
+    assert len(progress.unavailable) == 9 and not progress.corrupt
+    assert "unavailable after 2 attempts: the command exited with status 3" in \
+        progress.unavailable[0][1]
+    with pytest.raises(DataUnavailableError, match=r"1 of the rank's 9 shards this epoch "
+                                                   r"failed, more than bad_shard_limit=0.1; "
+                                                   r"storage: pipe: cat"):
+        _run_epoch(_stream(experiment, failing, read_retries=0), 1)
+
+
+def test_transient_storage_errors_are_retried_where_the_read_stopped(experiment, shard_dir,
+                                                                     caplog):
+    local = _run_epoch(_stream(experiment), 1)[0]
+    faults = {"data-00000.tar": ["503", "503"], "data-00004.tar": ["cut"],
+              "data-00007.tar": ["503", "cut", "503"]}
+    for read_ahead in (0, 1):
+        with serve_directory(shard_dir, faults) as url:
+            stream = _stream(experiment, f"{url}/data-0000{{0..8}}.tar",
+                             read_ahead_mb=read_ahead, retry_seconds=0.01)
+            batches, progress = _run_epoch(stream, 1)
+        assert batches == local and not progress.unavailable and not progress.corrupt
+    assert "HTTP Error 503" in caplog.text and "connection closed" in caplog.text
+    with serve_directory(shard_dir, {"data-00003.tar": ["503"] * 4}) as url:
+        stream = _stream(experiment, f"{url}/data-0000{{0..8}}.tar", retry_seconds=0.01,
+                         bad_shard_limit=0.2)
+        _, progress = _run_epoch(stream, 1)
+    assert [m for _, m in progress.unavailable] == [
+        "unavailable after 4 attempts: cannot fetch it: HTTPError: HTTP Error 503: "
+        "try again later"]
+    assert progress.summary()["unavailable_missing"] == 4
 
 
 def test_estimated_counts_train_everything_but_cannot_tell_the_cut(experiment, shard_dir,
@@ -184,7 +215,8 @@ def test_corrupt_shard_is_skipped_and_counted_or_raises(experiment, shard_dir, t
     # Local files (read in this thread) and a pipe (read by the read-ahead thread).
     for pattern, read_ahead in ((f"{copy}/data-*.tar", 0), (f"{copy}/data-*.tar", 1),
                                 (f"pipe:cat {copy}/data-0000{{0..8}}.tar", 1)):
-        _, progress = _run_epoch(_stream(experiment, pattern, read_ahead_mb=read_ahead), 1)
+        _, progress = _run_epoch(_stream(experiment, pattern, read_ahead_mb=read_ahead,
+                                         bad_shard_limit=0.5), 1)
         summary = progress.summary()
         assert sorted(u[-14:] for u in summary["corrupt_shards"]) == \
             ["data-00002.tar", "data-00005.tar"]
@@ -195,6 +227,35 @@ def test_corrupt_shard_is_skipped_and_counted_or_raises(experiment, shard_dir, t
         assert summary["not_trained"] == 0 and len(progress.cut_ids()) == 0
     with pytest.raises(CorruptShardError, match=r"data-0000[25].tar: .*strict_shards"):
         _run_epoch(_stream(experiment, f"{copy}/data-*.tar", strict_shards=True), 1)
+
+
+def test_shards_that_do_not_match_their_index_are_corrupt(experiment, shard_dir, tmp_path):
+    swapped = tmp_path / "swapped"
+    shutil.copytree(shard_dir, swapped)
+    os.rename(swapped / "data-00001.tar", swapped / "tmp.tar")
+    os.rename(swapped / "data-00003.tar", swapped / "data-00001.tar")
+    os.rename(swapped / "tmp.tar", swapped / "data-00003.tar")
+    flipped = tmp_path / "flipped"
+    shutil.copytree(shard_dir, flipped)
+    data = bytearray((flipped / "data-00006.tar").read_bytes())
+    data[1536 + 200] ^= 0x01  # inside the first member's feature values
+    (flipped / "data-00006.tar").write_bytes(bytes(data))
+    cases = {swapped: (["data-00001.tar", "data-00003.tar"], "does not match its index"),
+             flipped: (["data-00006.tar"], r"its bytes differ from its index \(crc32")}
+    for folder, (bad, message) in cases.items():
+        for read_ahead in (0, 1):
+            stream = _stream(experiment, f"{folder}/data-*.tar", bad_shard_limit=0.5,
+                             read_ahead_mb=read_ahead)
+            _, progress = _run_epoch(stream, 1)
+            summary = progress.summary()
+            assert sorted(u[-14:] for u in summary["corrupt_shards"]) == bad
+            assert re.search(message, progress.corrupt[0][1])
+            assert summary["trained"] + sum(summary["dropped"].values()) + \
+                summary["corrupt_missing"] == summary["expected"]
+        if folder == swapped:  # caught at their first utterance: nothing of them trained
+            assert summary["corrupt_missing"] == 8
+        with pytest.raises(CorruptShardError, match=rf"{message}.*strict_shards is set"):
+            _run_epoch(_stream(experiment, f"{folder}/data-*.tar", strict_shards=True), 1)
 
 
 def test_undecodable_members_are_counted_or_with_strict_shards_an_error(experiment, tmp_path):

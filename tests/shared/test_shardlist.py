@@ -59,14 +59,28 @@ def test_shard_list_takes_counts_from_the_index(shard_dir):
     frames = shards.utterance_frames([0, 4])
     assert {s: f.tolist() for s, f in frames.items()} == \
         {0: index.shards[0]["frames"], 4: index.shards[4]["frames"]}
+    assert shards.index_entry(6)["keys"] == index.shards[6]["keys"]
+
+
+def test_index_entries_are_read_over_http_with_or_without_range_requests(shard_dir):
+    index = prep_wds.read_index(shard_dir)
+    for ranges in (False, True):  # without Range support the whole file comes
+        with serve_directory(shard_dir, ranges=ranges) as url:
+            shards = load_shard_list(f"{url}/data-0000{{0..8}}.tar")
+            assert shards.index_entry(5)["keys"] == index.shards[5]["keys"]
 
 
 def test_counts_parse_only_the_prefix_of_each_line_but_old_indexes_still_load(shard_dir,
                                                                               tmp_path):
     counts = read_index_counts(str(shard_dir / "index.jsonl"))
     index = prep_wds.read_index(shard_dir)
-    assert counts.shards == {r["shard"]: (r["num_utts"], r["num_frames"], r["longest"],
-                                          r["crc32"]) for r in index.shards}
+    assert {name: values[:4] for name, values in counts.shards.items()} == {
+        r["shard"]: (r["num_utts"], r["num_frames"], r["longest"], r["crc32"])
+        for r in index.shards}
+    lines = (shard_dir / "index.jsonl").read_bytes().splitlines(keepends=True)
+    for position, record in enumerate(index.shards, 1):  # where each shard's line is
+        offset, length = counts.shards[record["shard"]][4:]
+        assert (offset, length) == (sum(map(len, lines[:position])), len(lines[position]))
     # An index without `longest` and with other field order (an older writer).
     lines = (shard_dir / "index.jsonl").read_text(encoding="utf-8").splitlines()
     old = [lines[0]]
@@ -75,7 +89,9 @@ def test_counts_parse_only_the_prefix_of_each_line_but_old_indexes_still_load(sh
         del record["longest"]
         old.append(json.dumps(dict(reversed(list(record.items())))))
     (tmp_path / "index.jsonl").write_text("\n".join(old) + "\n", encoding="utf-8")
-    assert read_index_counts(str(tmp_path / "index.jsonl")).shards == counts.shards
+    old_counts = read_index_counts(str(tmp_path / "index.jsonl")).shards
+    assert {n: v[:4] for n, v in old_counts.items()} == \
+        {n: v[:4] for n, v in counts.shards.items()}
     (tmp_path / "index.jsonl").write_text(lines[0] + "\n{broken\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"index.jsonl:2: not JSON"):
         read_index_counts(str(tmp_path / "index.jsonl"))
