@@ -43,7 +43,6 @@ import io
 import json
 import logging
 import math
-import multiprocessing
 import os
 import re
 import shutil
@@ -72,6 +71,7 @@ from cat.utils.io import (
     setup_logging,
     write_table,
 )
+from cat.utils.process import process_pool
 
 logger = logging.getLogger(__name__)
 
@@ -637,12 +637,9 @@ def _run_jobs(jobs: list[_Job], num_processes: int) -> list[dict]:
     """Run jobs in parallel processes (in this process when there is only one)."""
     if len(jobs) == 1:
         return [_run_job_logged(jobs[0])]
-    # Forking a process that has used torch is unsafe; spawned workers start clean. Unlike
-    # multiprocessing.Pool, the executor reports a worker killed (e.g. out of memory)
-    # instead of waiting for it forever.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(num_processes, len(jobs)),
-                                                mp_context=context) as pool:
+    # Spawned workers (forking a process that has used torch is unsafe) that end with
+    # this process.
+    with process_pool(min(num_processes, len(jobs))) as pool:
         futures = [pool.submit(_run_job_logged, job) for job in jobs]
         results = []
         for future in futures:

@@ -25,11 +25,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import multiprocessing
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +42,7 @@ from cat.shared.data import Utterance, collate
 from cat.shared.model import build_model, check_against_schema, load_config, model_kind
 from cat.shared.tokenizer import load as load_tokenizer
 from cat.utils.io import PathLike, atomic_write, iter_table, setup_logging
+from cat.utils.process import process_pool
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +177,7 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
         pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
                                 options, device)
     else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        with process_pool(workers) as pool:
             futures = [pool.submit(_decode_batches, str(exp_dir), str(checkpoint), kind,
                                    str(scp), share, options, device) for share in shares]
             pairs = [pair for future in futures for pair in future.result()]

@@ -91,6 +91,7 @@ from cat.shared.scheduler import build_scheduler
 from cat.shared.tokenizer import load as load_tokenizer
 from cat.shared.transport import RingLoader, SharedCollate
 from cat.utils.io import atomic_write, setup_logging, write_table
+from cat.utils.process import loader_worker_init
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +222,8 @@ def _batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | Non
     generator = torch.Generator()
     generator.manual_seed(options.seed)
     if options.workers > 0:
-        kwargs.update(prefetch_factor=options.prefetch, persistent_workers=persistent)
+        kwargs.update(prefetch_factor=options.prefetch, persistent_workers=persistent,
+                      worker_init_fn=loader_worker_init())
     loader = torch.utils.data.DataLoader(dataset, num_workers=options.workers,
                                          generator=generator, **kwargs)
     return RingLoader(loader, shared, pin_memory=device.type == "cuda")
