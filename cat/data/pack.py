@@ -244,7 +244,8 @@ def read_matrix_shape(fd, offset: int) -> tuple[int, int]:
 def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
     """Ark locations and frame counts of every utterance in one or more `feats.scp`.
 
-    Entries must be `<utt> <ark>:<offset>` (as Kaldi and kaldiio write them); relative
+    Entries must be `<utt> <ark>:<offset>` (as Kaldi and kaldiio write them; neither may
+    contain whitespace, so an id with a space is an error naming the line); relative
     ark paths are taken relative to the working directory and stored absolute. The
     returned table is sorted by id and has empty `texts`.
     """
@@ -260,6 +261,11 @@ def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
             if not match:
                 raise TableError(f"{scp}:{lineno}: utterance {key!r}: expected "
                                  f"'<ark path>:<byte offset>', got {value!r}")
+            if any(c.isspace() for c in match["ark"]):
+                raise TableError(f"{scp}:{lineno}: {len(value.split()) + 1} fields where "
+                                 f"'<utterance id> <ark path>:<byte offset>' is expected: "
+                                 f"{f'{key} {value}'!r}; utterance ids (and ark paths) "
+                                 "cannot contain whitespace")
             if key in entries:
                 raise TableError(f"{scp}:{lineno}: duplicate utterance {key!r} "
                                  f"(also in {origin[key]})")

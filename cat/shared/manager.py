@@ -74,7 +74,7 @@ from tqdm import tqdm
 from cat.ctc.model import CTCModel
 from cat.data.pack import FrameRange, MapPack
 from cat.shared import config as config_module
-from cat.shared.checkpoint import CheckpointManager, load_checkpoint
+from cat.shared.checkpoint import CheckpointManager, load_checkpoint, load_model_state
 from cat.shared.config import Experiment
 from cat.shared.data import Batch, BucketBatchSampler, LengthFilter, PackDataset, collate
 from cat.shared.model import build_model, model_kind
@@ -746,7 +746,8 @@ class Manager:
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpoints.directory}")
         state = load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"], path,
+                         self.exp_dir / config_module.CONFIG_NAME)
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
