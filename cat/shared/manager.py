@@ -90,13 +90,14 @@ from cat.shared.pipeline import (
 from cat.shared.scheduler import build_scheduler
 from cat.shared.tokenizer import load as load_tokenizer
 from cat.shared.transport import RingLoader, SharedCollate
+from cat.shared.watchdog import NoWatchdog, Watchdog, start_watchdog
 from cat.utils.io import atomic_write, setup_logging, write_table
-from cat.utils.process import loader_worker_init
+from cat.utils.process import die_with_parent, loader_worker_init
 
 logger = logging.getLogger(__name__)
 
 FEAT_DIM_KEY = "config.json encoder.kwargs.idim"
-DEFAULT_DIST_TIMEOUT = datetime.timedelta(minutes=30)
+DEFAULT_DIST_TIMEOUT = datetime.timedelta(minutes=5)  # train.option.dist_timeout_seconds
 
 
 # --------------------------------------------------------------------------- distribution
@@ -595,6 +596,7 @@ class Manager:
         self.last_checkpoint_step = -1
         self.skipped_updates = 0
         self.device = context.device
+        self.watchdog: Watchdog | NoWatchdog = NoWatchdog()
 
         self.threads = set_threads(self.options.threads, context)
         self._build_model()
@@ -721,6 +723,7 @@ class Manager:
 
     def save_checkpoint(self) -> None:
         """Evaluate on dev, then write a checkpoint of the current position (all ranks)."""
+        self.watchdog.pause()  # evaluation and writing may take long
         dev_loss = self.evaluate()
         data = self._data_record()
         rng = self.context.gather(self._rng_state())
@@ -740,6 +743,7 @@ class Manager:
         self.monitor.add(self.step, loss__dev=dev_loss)
         self.last_checkpoint_step = self.step
         self.context.barrier()
+        self.watchdog.resume()
 
     def _resume(self) -> None:
         path = self.checkpoints.latest()
@@ -796,9 +800,12 @@ class Manager:
             config_module.save_resolved(self.experiment, {
                 "world_size": self.context.world_size, "threads_per_rank": self.threads,
                 "num_classes": self.num_classes})
+        self.watchdog = start_watchdog(self.context.rank, self.context.world_size,
+                                       self.options.stall_seconds)
         stopped = self._stop_reason()
         while stopped is None and self.epoch <= self.options.epochs:
             stopped = self.train_epoch()
+        self.watchdog.stop()
         if self.last_checkpoint_step != self.step:
             self.save_checkpoint()
         logger.info("training finished after %d updates (%s)", self.step,
@@ -811,7 +818,8 @@ class Manager:
             plot_scalars(self.log_dir / "scalars.jsonl", self.exp_dir / "monitor.png")
 
     def close(self) -> None:
-        """Release files: scalar writers, ark handles, epoch logs."""
+        """Release files: scalar writers, ark handles, epoch logs; stop the watchdog."""
+        self.watchdog.stop()
         self.monitor.close()
         self.train_data.close()
         self.dev_data.close()
@@ -896,6 +904,7 @@ class Manager:
             for batch in batches:
                 data.note(batch, trained=True)
             self.step += 1
+            self.watchdog.beat(self.step)
             self.data_state = data.state()
             progress.update()
             interval["wait"] += wait
@@ -999,7 +1008,10 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False) -
             f"{Path(exp_dir) / config_module.CONFIG_NAME}: describes a {kind} model, but "
             f"{expected_bin} trains {MODEL_KINDS[expected_bin]} models")
     config_module.apply_env(experiment.hyper)
-    context = init_distributed()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: end with its agent
+        die_with_parent(os.getppid())
+    context = init_distributed(
+        datetime.timedelta(seconds=experiment.options.dist_timeout_seconds))
     if not context.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
