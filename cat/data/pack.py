@@ -271,7 +271,11 @@ def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
                                  f"(also in {origin[key]})")
             ark_id = raw_ark_ids.get(match["ark"])
             if ark_id is None:
-                ark_id = ark_ids.setdefault(os.path.abspath(match["ark"]), len(ark_ids))
+                ark = os.path.abspath(match["ark"])
+                if ark not in ark_ids and not os.path.exists(ark):
+                    raise TableError(f"{scp}:{lineno}: utterance {key!r}: ark {ark} does not "
+                                     "exist")
+                ark_id = ark_ids.setdefault(ark, len(ark_ids))
                 raw_ark_ids[match["ark"]] = ark_id
             entries[key] = (ark_id, int(match["offset"]))
             origin[key] = scp

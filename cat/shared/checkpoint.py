@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,16 @@ LIST_FORMAT = "cat-checkpoint-list"
 SELECT_MODES = ("best", "last")
 
 
+def _load_error(error: Exception) -> str:
+    """The cause of a failed weights-only `torch.load`, without torch's advice to unpickle
+    the file with `weights_only=False` (which would run any code it holds)."""
+    text = str(error)
+    cause = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", text, re.DOTALL)
+    if cause:
+        return f"not a weights-only torch.save file: {cause.group(1).strip()}"
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
 def save_checkpoint(path: PathLike, state: dict[str, Any]) -> None:
     """Write `state` to `path` through a temporary file."""
     with atomic_write(path, "wb") as f:
@@ -75,7 +86,7 @@ def load_checkpoint(path: PathLike, map_location: str | torch.device = "cpu") ->
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise ValueError(f"{path}: not a readable checkpoint: {error}") from None
+        raise ValueError(f"{path}: not a readable checkpoint ({_load_error(error)})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} file")
     if state.get("version") != CHECKPOINT_VERSION:
@@ -90,7 +101,7 @@ def read_model_state(path: PathLike) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise ValueError(f"{path}: cannot load as a weights-only checkpoint: {error}") from None
+        raise ValueError(f"{path}: not a readable checkpoint ({_load_error(error)})") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         raise ValueError(f"{path}: not a checkpoint dict with a 'model' state dict")
     state = checkpoint["model"]
