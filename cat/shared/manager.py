@@ -1008,7 +1008,7 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False) -
             f"{Path(exp_dir) / config_module.CONFIG_NAME}: describes a {kind} model, but "
             f"{expected_bin} trains {MODEL_KINDS[expected_bin]} models")
     config_module.apply_env(experiment.hyper)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: end with its agent
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by torchrun: end with it
         die_with_parent(os.getppid())
     context = init_distributed(
         datetime.timedelta(seconds=experiment.options.dist_timeout_seconds))

@@ -1,5 +1,5 @@
 """Distributed faults on 127.0.0.1 with gloo ranks under torchrun: a rank stopped with
-SIGSTOP, a node killed with SIGKILL, a torchrun agent killed. Each ends in bounded time,
+SIGSTOP, a node killed with SIGKILL, the torchrun launcher killed. Each ends in bounded time,
 with a non-zero exit status and no process left behind.
 """
 
@@ -97,23 +97,23 @@ def test_a_killed_node_ends_the_survivor(tmp_path, victim):
                         "--max-restarts=0")
     with contextlib.ExitStack() as stack:
         host = stack.enter_context(ProcessTree.start(command, cwd=tmp_path, env=ENVIRONMENT))
-        # The first agent up serves the rendezvous store.
+        # The first launcher up serves the rendezvous store.
         wait_until(lambda: len(host.remember()) > 0 or host.process.poll() is not None, 30)
         other = stack.enter_context(ProcessTree.start(command, cwd=tmp_path, env=ENVIRONMENT))
         host.wait_for(lambda: _updates_logged(tmp_path, 3) and len(_ranks(host)) == 1
                       and len(_ranks(other)) == 1, START_SECONDS, "3 updates on 2 nodes")
         dead, survivor = (host, other) if victim == "rendezvous host" else (other, host)
         node = [dead.process.pid, *dead.remember()]
-        for pid in node:  # the whole node at once: agent and rank
+        for pid in node:  # the whole node at once: launcher and rank
             os.kill(pid, signal.SIGKILL)
         seconds = _wait_end(survivor, NODE_LOSS_END_SECONDS)
         assert survivor.process.returncode != 0, survivor.output()[-4000:]
         assert wait_until(lambda: not survivor.remember(), GONE_WITHIN_SECONDS), \
-            "the survivor's rank outlived its agent"
+            "the survivor's rank outlived its launcher"
         print(f"survivor ended {seconds:.1f} s after the {victim} was killed")
 
 
-def test_ranks_end_with_their_killed_agent(tmp_path):
+def test_ranks_end_with_their_killed_launcher(tmp_path):
     write_tiny_experiment(tmp_path, options={"epochs": 100000})
     command = _torchrun("--standalone", "--nproc-per-node=2")
     with ProcessTree.start(command, cwd=tmp_path, env=ENVIRONMENT) as tree:

@@ -16,6 +16,8 @@ from cat.shared.watchdog import NoWatchdog, Watchdog, main_thread_location, star
 
 STALL = 10.0
 
+pytestmark = pytest.mark.timeout(120)
+
 
 class Clock:
     def __init__(self) -> None:
