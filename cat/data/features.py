@@ -34,6 +34,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -43,7 +44,6 @@ import io
 import json
 import logging
 import math
-import multiprocessing
 import os
 import re
 import shutil
@@ -72,6 +72,7 @@ from cat.utils.io import (
     setup_logging,
     write_table,
 )
+from cat.utils.process import process_pool
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class ExtractSummary:
     num_frames: int
     jobs_run: tuple[int, ...]
     jobs_reused: tuple[int, ...]
+    #: recordings resampled or cut to channel 0, by kind ("resampled from 8000 Hz ...")
+    conversions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +144,12 @@ def read_audio(spec: str) -> tuple[np.ndarray, int]:
     multi-channel audio). Raises `AudioError` naming the source for missing, corrupt or
     truncated audio and for failing commands.
     """
+    waveform, sample_rate, _ = _read_audio(spec)
+    return waveform, sample_rate
+
+
+def _read_audio(spec: str) -> tuple[np.ndarray, int, int]:
+    """`read_audio`, plus the number of channels the audio had."""
     spec = spec.strip()
     if spec.endswith("|"):
         command = spec[:-1].strip()
@@ -157,7 +166,7 @@ def read_audio(spec: str) -> tuple[np.ndarray, int]:
             sample_rate = audio.samplerate
     except soundfile.SoundFileError as error:
         raise AudioError(f"cannot decode {name}: {error}") from error
-    return np.ascontiguousarray(data[:, 0]), sample_rate
+    return np.ascontiguousarray(data[:, 0]), sample_rate, data.shape[1]
 
 
 def _run_pipe(command: str) -> bytes:
@@ -505,23 +514,30 @@ def _segment_span(start: float, end: float, num_samples: int, sample_rate: int,
 
 def _recording_features(
     recording: str, spec: str, pieces: list[tuple[str, float, float]] | None, job: _Job,
+    conversions: collections.Counter | None = None,
 ) -> Iterator[tuple[str, np.ndarray | str]]:
     """Yield `(utterance, features or skip reason)` for every utterance of one recording.
 
     `pieces` are the recording's segments, or None for a whole-recording utterance.
-    The recording is decoded once; each speed factor changes it once.
+    The recording is decoded once; each speed factor changes it once. Recordings
+    resampled or cut to their first channel are counted in `conversions`.
     """
     sample_rate = job.options.sample_rate
     pieces = pieces if pieces is not None else [(recording, 0.0, -1.0)]
     copies = [("", 1.0)] + [(speed_prefix(f), f) for f in job.speed_factors]
     try:
-        waveform, rate = read_audio(spec)
+        waveform, rate, channels = _read_audio(spec)
         waveform = resample(waveform, rate, sample_rate)
     except AudioError as error:
         for prefix, _ in copies:
             for utt, _, _ in pieces:
                 yield prefix + utt, str(error)
         return
+    if conversions is not None:
+        if rate != sample_rate:
+            conversions[f"resampled from {rate} Hz to {sample_rate} Hz"] += 1
+        if channels > 1:
+            conversions[f"{channels} channels, channel 0 used"] += 1
     spans = [(utt, _segment_span(start, end, len(waveform), sample_rate, job.max_overshoot))
              for utt, start, end in pieces]
     for prefix, factor in copies:
@@ -574,6 +590,7 @@ def _run_job(job: _Job) -> dict:
 
     entries: list[tuple[str, int, int]] = []
     skipped: list[tuple[str, str]] = []
+    conversions: collections.Counter = collections.Counter()
     compression = _KALDI_AUTOMATIC_COMPRESSION if job.compress else None
     partial = files.ark.with_name(files.ark.name + ".tmp")
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -585,7 +602,8 @@ def _run_job(job: _Job) -> dict:
         ) as bar:
             for recording, spec in recordings.items():
                 pieces = segments[recording] if segments is not None else None
-                for key, result in _recording_features(recording, spec, pieces, job):
+                for key, result in _recording_features(recording, spec, pieces, job,
+                                                       conversions):
                     if isinstance(result, str):
                         reason = " ".join(result.split())  # one line per entry in skipped.txt
                         skipped.append((key, reason))
@@ -608,6 +626,7 @@ def _run_job(job: _Job) -> dict:
     write_table(files.skipped, skipped)
     marker = {"digest": job.digest, "ark_bytes": files.ark.stat().st_size,
               "num_utterances": len(entries), "num_skipped": len(skipped),
+              "conversions": dict(conversions),
               "num_frames": sum(frames for _, _, frames in entries)}
     with atomic_write(files.marker) as f:
         json.dump(marker, f)
@@ -637,12 +656,9 @@ def _run_jobs(jobs: list[_Job], num_processes: int) -> list[dict]:
     """Run jobs in parallel processes (in this process when there is only one)."""
     if len(jobs) == 1:
         return [_run_job_logged(jobs[0])]
-    # Forking a process that has used torch is unsafe; spawned workers start clean. Unlike
-    # multiprocessing.Pool, the executor reports a worker killed (e.g. out of memory)
-    # instead of waiting for it forever.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(min(num_processes, len(jobs)),
-                                                mp_context=context) as pool:
+    # Spawned workers (forking a process that has used torch is unsafe) that end with
+    # this process.
+    with process_pool(min(num_processes, len(jobs))) as pool:
         futures = [pool.submit(_run_job_logged, job) for job in jobs]
         results = []
         for future in futures:
@@ -804,7 +820,8 @@ def extract(
     prefixes = [""] + [speed_prefix(f) for f in factors]
     num_utterances, num_skipped, frames = _merge(data_dir, feat_dir, plan, prefixes)
     summary = ExtractSummary(num_utterances, num_skipped, frames,
-                             tuple(job.index for job in jobs), tuple(reused))
+                             tuple(job.index for job in jobs), tuple(reused),
+                             _conversions(feat_dir, plan.num_jobs))
     _log_summary(feat_dir, summary, options)
     if num_utterances == 0:
         raise FeatureExtractionError(f"no utterance got features; reasons in "
@@ -832,6 +849,15 @@ def _pending_jobs(feat_dir: Path, plan: _Plan, options: FbankOptions, factors: t
     return jobs, reused
 
 
+def _conversions(feat_dir: Path, num_jobs: int) -> dict[str, int]:
+    """Recordings resampled or cut to one channel, summed over the jobs' markers."""
+    total: collections.Counter = collections.Counter()
+    for index in range(1, num_jobs + 1):
+        marker = json.loads(_JobFiles.of(feat_dir, index).marker.read_text(encoding="utf-8"))
+        total.update(marker.get("conversions", {}))
+    return dict(sorted(total.items()))
+
+
 def _job_list(indices: Sequence[int]) -> str:
     return ", ".join(map(str, indices))
 
@@ -844,6 +870,8 @@ def _log_summary(feat_dir: Path, summary: ExtractSummary, options: FbankOptions)
     if summary.num_skipped:
         logger.warning("%d utterance(s) skipped; reasons in %s", summary.num_skipped,
                        feat_dir / "skipped.txt")
+    for kind, count in summary.conversions.items():
+        logger.warning("%d recording(s): %s", count, kind)
 
 
 def _parse_bool(text: str) -> bool:

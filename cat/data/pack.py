@@ -244,7 +244,8 @@ def read_matrix_shape(fd, offset: int) -> tuple[int, int]:
 def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
     """Ark locations and frame counts of every utterance in one or more `feats.scp`.
 
-    Entries must be `<utt> <ark>:<offset>` (as Kaldi and kaldiio write them); relative
+    Entries must be `<utt> <ark>:<offset>` (as Kaldi and kaldiio write them; neither may
+    contain whitespace, so an id with a space is an error naming the line); relative
     ark paths are taken relative to the working directory and stored absolute. The
     returned table is sorted by id and has empty `texts`.
     """
@@ -260,12 +261,21 @@ def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
             if not match:
                 raise TableError(f"{scp}:{lineno}: utterance {key!r}: expected "
                                  f"'<ark path>:<byte offset>', got {value!r}")
+            if any(c.isspace() for c in match["ark"]):
+                raise TableError(f"{scp}:{lineno}: {len(value.split()) + 1} fields where "
+                                 f"'<utterance id> <ark path>:<byte offset>' is expected: "
+                                 f"{f'{key} {value}'!r}; utterance ids (and ark paths) "
+                                 "cannot contain whitespace")
             if key in entries:
                 raise TableError(f"{scp}:{lineno}: duplicate utterance {key!r} "
                                  f"(also in {origin[key]})")
             ark_id = raw_ark_ids.get(match["ark"])
             if ark_id is None:
-                ark_id = ark_ids.setdefault(os.path.abspath(match["ark"]), len(ark_ids))
+                ark = os.path.abspath(match["ark"])
+                if ark not in ark_ids and not os.path.exists(ark):
+                    raise TableError(f"{scp}:{lineno}: utterance {key!r}: ark {ark} does not "
+                                     "exist")
+                ark_id = ark_ids.setdefault(ark, len(ark_ids))
                 raw_ark_ids[match["ark"]] = ark_id
             entries[key] = (ark_id, int(match["offset"]))
             origin[key] = scp

@@ -51,7 +51,6 @@ import io
 import json
 import logging
 import math
-import multiprocessing
 import os
 import re
 import shutil
@@ -76,6 +75,7 @@ from cat.data.pack import (
     parse_frame_ranges,
 )
 from cat.utils.io import PathLike, atomic_write, setup_logging
+from cat.utils.process import process_pool
 
 logger = logging.getLogger(__name__)
 
@@ -367,9 +367,7 @@ def _run_jobs(jobs: list[ShardJob], num_jobs: int):
         for job in jobs:
             yield job, write_shard(job)
         return
-    # spawn: workers start clean (no inherited file handles or locks) on every platform.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(num_jobs, mp_context=context) as pool:
+    with process_pool(num_jobs) as pool:
         futures = {pool.submit(write_shard, job): job for job in jobs}
         try:
             for future in concurrent.futures.as_completed(futures):
@@ -675,8 +673,7 @@ def validate(directory: PathLike, num_jobs: int = 1) -> list[str]:
         for result in results:
             problems += result
     else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(num_jobs, mp_context=context) as pool:
+        with process_pool(num_jobs) as pool:
             for result in pool.map(_check_shard_args, tasks):
                 problems += result
     return problems

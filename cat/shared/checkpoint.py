@@ -33,10 +33,15 @@ Every file is written to a temporary name and renamed; the list is rewritten (at
 after the new file exists, and only then are pruned files removed. Kept: the `keep` most
 recent checkpoints plus the `keep` best by dev loss.
 
+`load_model_state` puts a checkpoint's weights into a model built from `config.json`; a
+checkpoint that does not fit (the config or the tokenizer changed since it was written) is
+an error naming the checkpoint, the config and the first mismatching parameter.
+
 Usage:
     manager = CheckpointManager("exp/asr/check", keep=5)
     manager.save(state, epoch=2, step=1000, dev_loss=1.23)
     state = load_checkpoint(manager.latest())
+    load_model_state(model, state["model"], manager.latest(), "exp/asr/config.json")
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import json
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +67,16 @@ LIST_FORMAT = "cat-checkpoint-list"
 SELECT_MODES = ("best", "last")
 
 
+def _load_error(error: Exception) -> str:
+    """The cause of a failed weights-only `torch.load`, without torch's advice to unpickle
+    the file with `weights_only=False` (which would run any code it holds)."""
+    text = str(error)
+    cause = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", text, re.DOTALL)
+    if cause:
+        return f"not a weights-only torch.save file: {cause.group(1).strip()}"
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
 def save_checkpoint(path: PathLike, state: dict[str, Any]) -> None:
     """Write `state` to `path` through a temporary file."""
     with atomic_write(path, "wb") as f:
@@ -74,12 +90,72 @@ def load_checkpoint(path: PathLike, map_location: str | torch.device = "cpu") ->
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise ValueError(f"{path}: not a readable checkpoint: {error}") from None
+        raise ValueError(f"{path}: not a readable checkpoint ({_load_error(error)})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} file")
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: unsupported checkpoint version {state.get('version')!r}")
     return state
+
+
+def read_model_state(path: PathLike) -> dict[str, torch.Tensor]:
+    """The `model` state dict (on CPU) of a checkpoint or of an average of checkpoints."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path} does not exist") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        raise ValueError(f"{path}: not a readable checkpoint ({_load_error(error)})") from None
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
+        raise ValueError(f"{path}: not a checkpoint dict with a 'model' state dict")
+    state = checkpoint["model"]
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{path}: model entry {key!r} is a {type(value).__name__}, "
+                             f"not a tensor")
+    return state
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's weights do not fit the model built from the current config."""
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "(" + ", ".join(map(str, tensor.shape)) + ")"
+
+
+def state_mismatch(model_state: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
+                   ) -> list[str]:
+    """How `state` differs from `model_state` (keys and shapes), first difference first
+    (in the model's parameter order); empty when it fits."""
+    problems = []
+    for name, tensor in model_state.items():
+        if name not in state:
+            problems.append(f"{name!r} is missing from the checkpoint")
+        elif tuple(state[name].shape) != tuple(tensor.shape):
+            problems.append(f"{name!r} has shape {_shape(state[name])} in the checkpoint but "
+                            f"{_shape(tensor)} in the model")
+    problems += [f"{name!r} is in the checkpoint but not in the model"
+                 for name in state if name not in model_state]
+    return problems
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                     checkpoint_path: PathLike, config_path: PathLike) -> None:
+    """Load `state` (read from `checkpoint_path`) into `model` (built from `config_path`).
+
+    Raises `CheckpointMismatchError` naming both files and the first mismatching
+    parameter (name, checkpoint shape vs model shape, or a missing/unexpected key).
+    """
+    problems = state_mismatch(model.state_dict(), state)
+    if problems:
+        more = f" ({len(problems) - 1} more differences)" if len(problems) > 1 else ""
+        raise CheckpointMismatchError(
+            f"{checkpoint_path} does not fit the model built from {config_path}: "
+            f"{problems[0]}{more}. Was {Path(config_path).name} (or the tokenizer) changed "
+            "after the checkpoint was written? Restore it, or train in a new experiment "
+            "directory")
+    model.load_state_dict(state)
 
 
 def checkpoint_name(epoch: int, step: int) -> str:

@@ -79,6 +79,8 @@ class TrainOptions:
     check_freq: int
     keep_checkpoints: int
     time_budget_minutes: float
+    dist_timeout_seconds: float
+    stall_seconds: float
     threads: int
     log_interval: int
     log_utterances: bool
@@ -170,6 +172,10 @@ def resolve_train_options(hyper: dict[str, Any], exp_dir: PathLike,
         if not option[large] and len(option[key]) != 1:
             raise ConfigError(f"{where}.{key}: a map-style set is one pack file, got "
                               f"{len(option[key])} paths (set {large} for tar shards)")
+    if 0 < option["dist_timeout_seconds"] <= option["stall_seconds"]:
+        raise ConfigError(f"{where}.stall_seconds: {option['stall_seconds']:g} must be below "
+                          f"dist_timeout_seconds ({option['dist_timeout_seconds']:g}), or a "
+                          "stalled rank ends the job by a collective's timeout, unnamed")
     option["tokenizer"] = tokenizer_file(hyper, source)
     if option["filter"] is None:
         option["filter"] = hyper.get("data", {}).get("filter")

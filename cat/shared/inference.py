@@ -25,11 +25,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import logging
-import multiprocessing
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,11 +37,14 @@ import kaldiio
 import numpy as np
 import torch
 
+from cat.data.pack import read_feature_index
+from cat.shared.checkpoint import load_model_state, read_model_state
 from cat.shared.config import CONFIG_NAME, HYPER_NAME, load_hyper, tokenizer_file
 from cat.shared.data import Utterance, collate
 from cat.shared.model import build_model, check_against_schema, load_config, model_kind
 from cat.shared.tokenizer import load as load_tokenizer
-from cat.utils.io import PathLike, atomic_write, iter_table, setup_logging
+from cat.utils.io import PathLike, atomic_write, setup_logging
+from cat.utils.process import process_pool
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +108,15 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
                          f"cat.{kind}.decode")
     tokenizer = load_tokenizer(tokenizer_file(hyper, str(exp_dir / HYPER_NAME)))
     model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or "model" not in state:
-        raise ValueError(f"{checkpoint}: not a checkpoint (no 'model' entry)")
-    model.load_state_dict(state["model"])
+    load_model_state(model, read_model_state(checkpoint), checkpoint, exp_dir / CONFIG_NAME)
     return model.to(device).eval(), tokenizer
 
 
 def read_lengths(data_dir: Path) -> dict[str, int]:
-    """Frame counts of the utterances of a feature dir (`utt2num_frames`, or the matrices)."""
-    table = data_dir / "utt2num_frames"
-    if table.is_file():
-        return {key: int(value) for key, value in iter_table(table)}
-    return {key: matrix.shape[0]
-            for key, matrix in kaldiio.load_scp(str(data_dir / "feats.scp")).items()}
+    """Frame counts of the utterances of a feature dir's `feats.scp` (from `utt2num_frames`,
+    else from the matrix headers); a malformed scp line is an error naming it."""
+    table = read_feature_index(data_dir / "feats.scp")
+    return dict(zip(table.keys, table.num_frames.tolist(), strict=True))
 
 
 def plan_batches(lengths: dict[str, int], max_frames: int, batch_size: int) -> list[list[str]]:
@@ -178,8 +174,7 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
         pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
                                 options, device)
     else:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        with process_pool(workers) as pool:
             futures = [pool.submit(_decode_batches, str(exp_dir), str(checkpoint), kind,
                                    str(scp), share, options, device) for share in shares]
             pairs = [pair for future in futures for pair in future.result()]

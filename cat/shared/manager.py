@@ -85,7 +85,7 @@ from tqdm import tqdm
 from cat.ctc.model import CTCModel
 from cat.data.pack import FrameRange, MapPack
 from cat.shared import config as config_module
-from cat.shared.checkpoint import CheckpointManager, load_checkpoint
+from cat.shared.checkpoint import CheckpointManager, load_checkpoint, load_model_state
 from cat.shared.config import Experiment
 from cat.shared.data import Batch, LengthFilter
 from cat.shared.model import build_model, model_kind
@@ -94,11 +94,13 @@ from cat.shared.scheduler import build_scheduler
 from cat.shared.shardlist import load_shard_list
 from cat.shared.tokenizer import load as load_tokenizer
 from cat.shared.train_data import DevData, MapTrainData, StreamTrainData
+from cat.shared.watchdog import NoWatchdog, Watchdog, start_watchdog
 from cat.utils.io import atomic_write, setup_logging
+from cat.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DIST_TIMEOUT = datetime.timedelta(minutes=30)
+DEFAULT_DIST_TIMEOUT = datetime.timedelta(minutes=5)  # train.option.dist_timeout_seconds
 
 
 # --------------------------------------------------------------------------- distribution
@@ -374,6 +376,7 @@ class Manager:
         self.last_checkpoint_step = -1
         self.skipped_updates = 0
         self.device = context.device
+        self.watchdog: Watchdog | NoWatchdog = NoWatchdog()
 
         self.threads = set_threads(self.options.threads, context)
         self._build_model()
@@ -499,6 +502,7 @@ class Manager:
 
     def save_checkpoint(self) -> None:
         """Evaluate on dev, then write a checkpoint of the current position (all ranks)."""
+        self.watchdog.pause()  # evaluation and writing may take long
         dev_loss = self.evaluate()
         data = self._data_record()
         rng = self.context.gather(self._rng_state())
@@ -518,13 +522,15 @@ class Manager:
         self.monitor.add(self.step, loss__dev=dev_loss)
         self.last_checkpoint_step = self.step
         self.context.barrier()
+        self.watchdog.resume()
 
     def _resume(self) -> None:
         path = self.checkpoints.latest()
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpoints.directory}")
         state = load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
+        load_model_state(self.model, state["model"], path,
+                         self.exp_dir / config_module.CONFIG_NAME)
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
@@ -584,9 +590,12 @@ class Manager:
             config_module.save_resolved(self.experiment, {
                 "world_size": self.context.world_size, "threads_per_rank": self.threads,
                 "num_classes": self.num_classes})
+        self.watchdog = start_watchdog(self.context.rank, self.context.world_size,
+                                       self.options.stall_seconds)
         stopped = self._stop_reason()
         while stopped is None and self.epoch <= self.options.epochs:
             stopped = self.train_epoch()
+        self.watchdog.stop()
         if self.last_checkpoint_step != self.step:
             self.save_checkpoint()
         logger.info("training finished after %d updates (%s)", self.step,
@@ -599,7 +608,8 @@ class Manager:
             plot_scalars(self.log_dir / "scalars.jsonl", self.exp_dir / "monitor.png")
 
     def close(self) -> None:
-        """Release files: scalar writers, ark handles, epoch logs."""
+        """Release files: scalar writers, ark handles, epoch logs; stop the watchdog."""
+        self.watchdog.stop()
         self.monitor.close()
         self.train_data.close()
         self.dev_data.close()
@@ -686,6 +696,7 @@ class Manager:
             for batch in batches:
                 data.note(batch, trained=True)
             self.step += 1
+            self.watchdog.beat(self.step)
             progress.update()
             interval["wait"] += wait
             interval["utts"] += totals.utterances
@@ -800,7 +811,10 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
             f"{Path(exp_dir) / config_module.CONFIG_NAME}: describes a {kind} model, but "
             f"{expected_bin} trains {MODEL_KINDS[expected_bin]} models")
     config_module.apply_env(experiment.hyper)
-    context = init_distributed()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by torchrun: end with it
+        die_with_parent(os.getppid())
+    context = init_distributed(
+        datetime.timedelta(seconds=experiment.options.dist_timeout_seconds))
     if not context.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:

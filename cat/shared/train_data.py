@@ -40,6 +40,7 @@ from cat.shared.shardlist import ShardList, describe_change, load_shard_list
 from cat.shared.tario import CorruptShardError, read_shard
 from cat.shared.transport import RingLoader, SharedCollate
 from cat.utils.io import write_table
+from cat.utils.process import loader_worker_init
 
 if TYPE_CHECKING:
     from cat.shared.manager import DistributedContext
@@ -76,7 +77,8 @@ def batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None
     generator = torch.Generator()
     generator.manual_seed(options.seed)
     if options.workers > 0:
-        kwargs.update(prefetch_factor=options.prefetch, persistent_workers=persistent)
+        kwargs.update(prefetch_factor=options.prefetch, persistent_workers=persistent,
+                      worker_init_fn=loader_worker_init())
     loader = torch.utils.data.DataLoader(dataset, num_workers=options.workers,
                                          generator=generator, **kwargs)
     return RingLoader(loader, shared, pin_memory=device.type == "cuda")

@@ -109,7 +109,8 @@ def truncate_file(path: PathLike, keep_fraction: float) -> int:
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     """Serves files, and `bytes=a-b` ranges of them when `ranges` is set; `faults[name]`
     lists what the next requests of a file get: "503" (an error status), "cut" (the
-    headers of the whole file, then half its bytes and a closed connection) or "ok"."""
+    headers of the whole file, then half its bytes and a closed connection), "drop" (the
+    connection closed without an answer) or "ok"."""
 
     faults: ClassVar[dict[str, list[str]]] = {}
     ranges = False
@@ -125,6 +126,9 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
             fault = plan.pop(0) if plan else "ok"
         if fault == "503":
             self.send_error(503, "try again later")
+            return
+        if fault == "drop":
+            self.close_connection = True
             return
         requested = self.headers.get("Range", "")
         if self.ranges and requested.startswith("bytes=") and fault == "ok":

@@ -84,7 +84,8 @@ class TinyExperiment:
 
     def use_shards(self, **options: Any) -> None:
         """Switch `hyper-p.json` to the streaming path over `data/wds/train` shards."""
-        self.set_options(large_dataset=True, trset="data/wds/train/data-*.tar", **options)
+        self.set_options(**{"large_dataset": True, "trset": "data/wds/train/data-*.tar",
+                            **options})
 
     def set_options(self, **options: Any) -> None:
         """Update `train.option` keys of `hyper-p.json`."""

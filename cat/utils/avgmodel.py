@@ -17,31 +17,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import sys
 from collections.abc import Sequence
 
 import torch
 
+from cat.shared.checkpoint import read_model_state
 from cat.utils.io import PathLike, atomic_write, setup_logging
 
 logger = logging.getLogger(__name__)
-
-
-def load_model_state(path: PathLike) -> dict[str, torch.Tensor]:
-    """The `model` state dict of a checkpoint file (on CPU)."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise ValueError(f"{path}: cannot load as a weights-only checkpoint: {error}") from None
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
-        raise ValueError(f"{path}: not a checkpoint dict with a 'model' state dict")
-    state = checkpoint["model"]
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{path}: model entry {key!r} is a {type(value).__name__}, "
-                             f"not a tensor")
-    return state
 
 
 def _check_compatible(reference: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
@@ -62,12 +46,12 @@ def average_checkpoints(paths: Sequence[PathLike]) -> dict[str, torch.Tensor]:
     """Average the `model` state dicts of `paths` (see the module docstring)."""
     if not paths:
         raise ValueError("no checkpoints to average")
-    first = load_model_state(paths[0])
+    first = read_model_state(paths[0])
     sums = {key: value.to(torch.float64) for key, value in first.items()
             if value.is_floating_point()}
     last = first
     for path in paths[1:]:
-        state = load_model_state(path)
+        state = read_model_state(path)
         _check_compatible(first, state, str(paths[0]), str(path))
         for key in sums:
             sums[key] += state[key].to(torch.float64)

@@ -55,20 +55,49 @@ def iter_table(path: PathLike, allow_empty_value: bool = False) -> Iterator[tupl
     The key is the first whitespace-delimited field and the value the rest of
     the line (stripped). Blank lines are errors, as in Kaldi. An empty value is
     an error unless `allow_empty_value` (e.g. `text` with empty transcripts,
-    which the caller then reports).
+    which the caller then reports). Bytes that are not UTF-8 are an error naming
+    the line.
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            parts = line.split(maxsplit=1)
-            if not parts:
-                raise TableError(f"{path}:{lineno}: empty line")
-            if line[0].isspace():
-                raise TableError(f"{path}:{lineno}: line starts with whitespace: {line!r}")
-            value = parts[1].strip() if len(parts) > 1 else ""
-            if not value and not allow_empty_value:
-                raise TableError(f"{path}:{lineno}: key {parts[0]!r} has no value")
-            yield parts[0], value
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.rstrip("\r\n")
+                parts = line.split(maxsplit=1)
+                if not parts:
+                    raise TableError(f"{path}:{lineno}: empty line")
+                if line[0].isspace():
+                    raise TableError(f"{path}:{lineno}: line starts with whitespace: {line!r}")
+                value = parts[1].strip() if len(parts) > 1 else ""
+                if not value and not allow_empty_value:
+                    raise TableError(f"{path}:{lineno}: key {parts[0]!r} has no value")
+                yield parts[0], value
+    except UnicodeDecodeError as error:
+        raise TableError(not_utf8_message(path, error)) from None
+
+
+def not_utf8_message(path: PathLike, error: UnicodeDecodeError) -> str:
+    """`<path>:<line>: not valid UTF-8 ...` for a file that failed to decode.
+
+    Text files are decoded in blocks, so the error itself knows no line: the file is
+    scanned again, as bytes, for the first line that does not decode.
+    """
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as line_error:
+                return (f"{path}:{lineno}: not valid UTF-8 ({line_error.reason} at byte "
+                        f"{line_error.start + 1} of the line){_encoding_hint(raw)}")
+    return f"{path}: not valid UTF-8 ({error.reason})"
+
+
+def _encoding_hint(raw: bytes) -> str:
+    try:
+        text = raw.decode("gb18030").rstrip("\r\n")
+    except UnicodeDecodeError:
+        return "; convert the file to UTF-8"
+    return (f"; it may be GBK/GB18030, which reads {text[:40]!r}: convert it with "
+            "'iconv -f GB18030 -t UTF-8'")
 
 
 def read_table(path: PathLike, allow_empty_value: bool = False) -> dict[str, str]:

@@ -240,12 +240,13 @@ def test_segments_of_opus_recording_decoded_once(tmp_path, monkeypatch):
     data_dir = write_kaldi_data_dir(tmp_path / "data", wav_scp, segments=segments,
                                     utt2spk={utt: utt[0] for utt in segments})
     reads = []
+    original = features._read_audio
 
     def counting_read_audio(spec):
         reads.append(spec)
-        return read_audio(spec)
+        return original(spec)
 
-    monkeypatch.setattr(features, "read_audio", counting_read_audio)
+    monkeypatch.setattr(features, "_read_audio", counting_read_audio)
     summary = extract(data_dir, tmp_path / "fbank", speed_factors=(0.9,), progress=False)
 
     assert sorted(reads) == sorted([str(long_path), str(short_path)])

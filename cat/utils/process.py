@@ -1,0 +1,110 @@
+"""Worker processes that end with their parent.
+
+A process started by `multiprocessing` (a `ProcessPoolExecutor` worker, a spawned
+DataLoader worker) keeps running when its parent is killed with SIGKILL: nothing tells
+it, and an idle pool worker waits for work forever. `die_with_parent(parent_pid)`, called
+first thing in the child, ends the child within about a second of its parent's death:
+
+* on Linux the kernel sends the child SIGKILL when the parent ends
+  (`prctl(PR_SET_PDEATHSIG)`). The kernel ties this to the parent *thread* that started
+  the child, so start pools from a thread that outlives them (here, always the main
+  thread);
+* everywhere, a daemon thread checks every `poll_seconds` that the parent is still
+  `parent_pid` (`os.getppid()` changes when the child is orphaned) and exits otherwise.
+
+`process_pool(num_workers)` is the spawn-context `ProcessPoolExecutor` every stage uses;
+`loader_worker_init(parent_pid)` is the `worker_init_fn` of torch DataLoaders.
+
+Commands run by a worker (Kaldi pipe commands in `wav.scp`) are not covered: like under
+Kaldi, they end when they next write to the pipe of their dead reader (SIGPIPE).
+
+Usage:
+    with process_pool(4) as pool:
+        results = list(pool.map(work, jobs))
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import ctypes.util
+import functools
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+# <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1
+#: Exit status of a child that found its parent gone.
+ORPHAN_EXIT_STATUS = 1
+_POLL_SECONDS = 1.0
+
+
+def _set_parent_death_signal() -> bool:
+    """Ask the Linux kernel to SIGKILL this process when its parent ends; False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, poll_seconds: float) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(poll_seconds)
+    os._exit(ORPHAN_EXIT_STATUS)
+
+
+def die_with_parent(parent_pid: int, poll_seconds: float = _POLL_SECONDS,
+                    use_prctl: bool = True) -> None:
+    """End this process when the process `parent_pid` (its parent) ends (see the module doc).
+
+    Call it in the child, with the parent's pid taken in the parent. `use_prctl=False`
+    leaves only the portable check (for tests of it).
+    """
+    if use_prctl:
+        _set_parent_death_signal()
+    # The parent may have died before the signal was armed.
+    if os.getppid() != parent_pid:
+        os._exit(ORPHAN_EXIT_STATUS)
+    threading.Thread(target=_watch_parent, args=(parent_pid, poll_seconds),
+                     name="parent-watch", daemon=True).start()
+
+
+def _pool_worker_init(parent_pid: int, initializer: Callable[..., Any] | None,
+                      initargs: tuple) -> None:
+    die_with_parent(parent_pid)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def process_pool(num_workers: int, initializer: Callable[..., Any] | None = None,
+                 initargs: tuple = ()) -> concurrent.futures.ProcessPoolExecutor:
+    """A `ProcessPoolExecutor` of `num_workers` spawned processes that die with this one.
+
+    Spawned, not forked: workers start clean (no inherited locks, file handles or torch
+    state) on every platform. Unlike `multiprocessing.Pool`, the executor reports a worker
+    that was killed (e.g. out of memory) instead of waiting for it forever.
+    """
+    return concurrent.futures.ProcessPoolExecutor(
+        num_workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_pool_worker_init, initargs=(os.getpid(), initializer, initargs))
+
+
+def _loader_worker_init(parent_pid: int, worker_id: int) -> None:
+    del worker_id
+    die_with_parent(parent_pid)
+
+
+def loader_worker_init(parent_pid: int | None = None) -> Callable[[int], None]:
+    """A DataLoader `worker_init_fn` making its workers die with `parent_pid` (default: this
+    process). Picklable, so it also serves spawned workers."""
+    return functools.partial(_loader_worker_init, os.getpid() if parent_pid is None
+                             else parent_pid)

@@ -1,0 +1,579 @@
+"""The bad-input catalogue (docs/bad-inputs.md): one test per row, asserting what the user
+sees. Errors must name the file and line (or key, checkpoint, rank); skips must be counted
+and listed with their reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cat.data import aishell, features, pack, prep_wds
+from cat.shared import config as config_module
+from cat.shared import tokenizer as tk
+from cat.shared.checkpoint import CheckpointManager, CheckpointMismatchError
+from cat.shared.inference import DecodeOptions, decode_set
+from cat.shared.manager import DataChangedError, train
+from cat.shared.model import ConfigError
+from cat.shared.pipeline import CorruptShardError, DataUnavailableError
+from cat.testing.audio import make_audio_file, make_corrupt_file, write_kaldi_data_dir
+from cat.testing.features import write_feature_corpus
+from cat.testing.release import make_aishell_release
+from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
+from cat.testing.training import write_tiny_experiment
+from cat.utils.io import TableError, write_table
+
+NAME = "exp/tiny"
+GBK_LINE = "BAC009S0002W0003 今天天气很好".encode("gbk")
+TEXT_NOT_UTF8 = r"text:3: not valid UTF-8 \(invalid start byte at byte 18 of the line\); " \
+                r"it may be GBK/GB18030, which reads 'BAC009S0002W0003 今天天气很好'"
+
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def _keep_environment(monkeypatch):
+    # hyper-p.json:env is exported by training; restore it after each test.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+# --------------------------------------------------------------------------- stage 0
+
+
+def test_aishell_transcript_not_utf8(tmp_path):
+    release = make_aishell_release(tmp_path)
+    path = release / aishell.TRANSCRIPT
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[1] = GBK_LINE + b"\n"
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(aishell.AishellError,
+                       match=r"aishell_transcript_v0\.8\.txt:2: not valid UTF-8"):
+        aishell.read_transcript(path)
+
+
+# --------------------------------------------------------------------------- stage 1
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory):
+    """One feature extraction over good and bad recordings; returns (summary, skipped)."""
+    root = tmp_path_factory.mktemp("audio")
+    good = make_audio_file(root / "good.wav", 1.0, seed=1)
+    wav_scp = {
+        "good": str(good),
+        "missing": str(root / "missing.wav"),
+        "truncated": str(make_corrupt_file(root / "truncated.wav", "truncated", good)),
+        "garbage": str(make_corrupt_file(root / "garbage.wav", "garbage")),
+        "short": str(make_audio_file(root / "short.wav", 0.01, seed=2)),
+        "narrowband": str(make_audio_file(root / "narrowband.wav", 1.0, 8000, seed=3)),
+        "stereo": str(make_audio_file(root / "stereo.wav", 1.0, channels=2, seed=4)),
+    }
+    data = write_kaldi_data_dir(root / "data", wav_scp)
+    summary = features.extract(data, root / "fbank", progress=False)
+    skipped = dict(line.split(" ", 1) for line in
+                   (root / "fbank/skipped.txt").read_text(encoding="utf-8").splitlines())
+    frames = dict(line.split() for line in
+                  (root / "fbank/utt2num_frames").read_text(encoding="utf-8").splitlines())
+    return summary, skipped, frames, root
+
+
+def test_missing_wav(extracted):
+    summary, skipped, _, root = extracted
+    assert skipped["missing"] == f"no such file: {root / 'missing.wav'}"
+    assert summary.num_skipped == 4
+
+
+def test_truncated_wav(extracted):
+    _, skipped, _, root = extracted
+    assert skipped["truncated"].startswith(
+        f"truncated audio {root / 'truncated.wav'}: header declares 32000 data bytes, "
+        "file holds")
+
+
+def test_garbage_wav(extracted):
+    _, skipped, _, root = extracted
+    assert skipped["garbage"].startswith(f"cannot decode {root / 'garbage.wav'}: ")
+
+
+def test_audio_shorter_than_a_frame(extracted):
+    _, skipped, _, _ = extracted
+    assert skipped["short"] == "too short for one frame: 160 samples at 16000 Hz, need 400"
+
+
+def test_8khz_audio(extracted):
+    summary, _, frames, _ = extracted
+    assert summary.conversions["resampled from 8000 Hz to 16000 Hz"] == 1
+    assert frames["narrowband"] == frames["good"] == "98"
+
+
+def test_stereo_audio(extracted):
+    summary, _, frames, _ = extracted
+    assert summary.conversions == {"2 channels, channel 0 used": 1,
+                                   "resampled from 8000 Hz to 16000 Hz": 1}
+    assert frames["stereo"] == "98"
+
+
+def test_wav_scp_not_utf8(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "wav.scp").write_bytes(b"a /audio/a.wav\n" + "b /音频/b.wav\n".encode("gbk"))
+    with pytest.raises(TableError, match=r"wav\.scp:2: not valid UTF-8 \(invalid continuation "
+                                         r"byte at byte 4 of the line\); it may be GBK"):
+        features.extract(data, tmp_path / "fbank", progress=False)
+
+
+def test_duplicate_id_in_wav_scp(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "wav.scp").write_text("a /audio/a.wav\na /audio/b.wav\n", encoding="utf-8")
+    with pytest.raises(TableError, match=r"wav\.scp:2: duplicate key 'a' \(first on line 1\)"):
+        features.extract(data, tmp_path / "fbank", progress=False)
+
+
+def test_no_readable_audio_at_all(tmp_path):
+    data = write_kaldi_data_dir(tmp_path / "data", {"a": str(tmp_path / "a.wav")})
+    with pytest.raises(features.FeatureExtractionError,
+                       match=r"no utterance got features; reasons in .*skipped\.txt"):
+        features.extract(data, tmp_path / "fbank", progress=False)
+
+
+# --------------------------------------------------------------------------- stage 2
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_feature_corpus(tmp_path / "feats", num_utts=6, dim=4)
+
+
+@pytest.fixture
+def tokenizer_file(tmp_path, corpus):
+    path = tmp_path / "tokenizer.tknz"
+    tk.save(tk.train_sentencepiece([corpus.text], "char", 0), path)
+    return path
+
+
+def _gbk_text(corpus) -> Path:
+    lines = corpus.text.read_bytes().splitlines(keepends=True)
+    lines[2] = GBK_LINE + b"\n"
+    corpus.text.write_bytes(b"".join(lines))
+    return corpus.text
+
+
+def _scp_with_spaced_id(corpus) -> Path:
+    lines = corpus.feats_scp.read_text(encoding="utf-8").splitlines()
+    key, location = lines[1].split(" ", 1)
+    lines[1] = f"{key[:8]} {key[8:]} {location}"
+    corpus.feats_scp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return corpus.feats_scp
+
+
+def test_gbk_text_tokenizer_training(corpus):
+    with pytest.raises(TableError, match=TEXT_NOT_UTF8):
+        tk.train_sentencepiece([_gbk_text(corpus)], "char", 0)
+
+
+def test_gbk_text_map_pack(corpus, tokenizer_file, tmp_path):
+    with pytest.raises(TableError, match=TEXT_NOT_UTF8):
+        pack.write_map_pack(corpus.feats_scp, _gbk_text(corpus), tokenizer_file,
+                            tmp_path / "train.npz")
+    assert not (tmp_path / "train.npz").exists()
+
+
+def test_gbk_text_shards(corpus, tmp_path):
+    with pytest.raises(TableError, match=TEXT_NOT_UTF8):
+        prep_wds.pack_data(corpus.feats_scp, _gbk_text(corpus), tmp_path / "wds")
+    assert not list((tmp_path / "wds").glob("*.tar"))
+
+
+SPACED_ID = (r"feats\.scp:2: 3 fields where '<utterance id> <ark path>:<byte offset>' is "
+             r"expected: 'BAC009S0 001W0003 .*feats\.2\.ark:\d+'; utterance ids \(and ark "
+             r"paths\) cannot contain whitespace")
+
+
+def test_scp_id_with_whitespace_shards(corpus, tmp_path):
+    with pytest.raises(TableError, match=SPACED_ID):
+        prep_wds.pack_data(_scp_with_spaced_id(corpus), corpus.text, tmp_path / "wds")
+
+
+def test_scp_id_with_whitespace_map_pack(corpus, tokenizer_file, tmp_path):
+    with pytest.raises(TableError, match=SPACED_ID):
+        pack.write_map_pack(_scp_with_spaced_id(corpus), corpus.text, tokenizer_file,
+                            tmp_path / "train.npz")
+
+
+def test_scp_points_at_a_missing_ark(corpus, tmp_path):
+    (corpus.directory / "feats.1.ark").unlink()
+    with pytest.raises(TableError, match=r"feats\.scp:1: utterance 'BAC009S0001W0000': ark "
+                                         r".*feats\.1\.ark does not exist"):
+        prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
+
+
+def _dropped(path: Path) -> dict[str, str]:
+    return dict(line.split(" ", 1) for line in path.read_text(encoding="utf-8").splitlines())
+
+
+def test_ids_of_scp_and_text_differ(corpus, tmp_path):
+    text = dict(corpus.transcripts)
+    del text[corpus.keys[0]]
+    text["orphan"] = "你好"
+    write_table(corpus.text, text.items())
+    summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
+    assert summary.dropped == {"no_label": 1, "no_features": 1}
+    dropped = _dropped(tmp_path / "wds" / prep_wds.DROPPED_NAME)
+    assert dropped == {corpus.keys[0]: "no_label", "orphan": "no_features"}
+
+
+def test_empty_transcript(corpus, tmp_path):
+    write_table(corpus.text, {**corpus.transcripts, corpus.keys[1]: ""}.items())
+    summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
+    assert summary.dropped == {"empty_label": 1}
+    assert _dropped(tmp_path / "wds" / prep_wds.DROPPED_NAME) == {corpus.keys[1]: "empty_label"}
+
+
+def test_space_only_transcript(corpus, tokenizer_file, tmp_path):
+    lines = [f"{key} {'   ' if key == corpus.keys[2] else text}\n"
+             for key, text in corpus.transcripts.items()]
+    corpus.text.write_text("".join(lines), encoding="utf-8")
+    counts = pack.write_map_pack(corpus.feats_scp, corpus.text, tokenizer_file,
+                                 tmp_path / "train.npz")
+    assert counts["dropped_empty_label"] == 1 and counts["num_utts"] == 5
+    assert _dropped(tmp_path / "train.dropped.txt") == {corpus.keys[2]: "empty_label"}
+
+
+def test_duplicate_id_in_text(corpus, tmp_path):
+    with pytest.raises(TableError, match=r"text:1: duplicate utterance 'BAC009S0001W0000' "
+                                         r"\(also in .*text\)"):
+        prep_wds.pack_data(corpus.feats_scp, [corpus.text, corpus.text], tmp_path / "wds")
+
+
+def test_overlapping_length_groups(corpus, tmp_path):
+    with pytest.raises(ValueError, match=r"frame ranges '10:1000' and '500:2000' overlap"):
+        prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds",
+                           filter_group=["10:1000", "500:2000"])
+
+
+def test_nothing_left_to_pack(corpus, tmp_path):
+    with pytest.raises(ValueError, match=r"no utterances left to pack into .*wds "
+                                         r"\(6 dropped \(out_of_range=6\); see .*dropped\.txt\)"):
+        prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds",
+                           filter_group=["1000:"])
+
+
+def test_pickle_as_tokenizer_file(tmp_path):
+    path = tmp_path / "tokenizer.tknz"
+    path.write_bytes(pickle.dumps({"vocab": ["a", "b"]}))
+    with pytest.raises(tk.TokenizerFileError,
+                       match=r"tokenizer\.tknz: not a tokenizer file \(not UTF-8 JSON"):
+        tk.load(path)
+
+
+# --------------------------------------------------------------------------- stage 3
+
+
+@pytest.fixture
+def experiment(tmp_path, monkeypatch):
+    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1})
+    monkeypatch.chdir(tmp_path)
+    return experiment
+
+
+def _hyper_with(experiment, **option):
+    hyper = experiment.hyper()
+    hyper["train"]["option"].update(option)
+    experiment.hyper_path.write_text(json.dumps(hyper), encoding="utf-8")
+    return config_module.load_experiment(NAME)
+
+
+def _set_config(experiment, change) -> None:
+    path = experiment.exp_dir / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    change(config)
+    path.write_text(json.dumps(config), encoding="utf-8")
+
+
+def test_unknown_key(experiment):
+    with pytest.raises(ConfigError, match=r"hyper-p\.json: train\.option: unknown key "
+                                          r"'mixup'; allowed keys: amp, bad_shard_limit, "
+                                          r"batch_size"):
+        _hyper_with(experiment, mixup=True)
+
+
+def test_misspelled_key(experiment):
+    with pytest.raises(ConfigError, match=r"train\.option: unknown key 'large-dataset' \(did "
+                                          r"you mean 'large_dataset'\?\)"):
+        _hyper_with(experiment, **{"large-dataset": True})
+
+
+def test_wrong_type(experiment):
+    with pytest.raises(ConfigError, match=r"train\.option\.batch_size: 'four' is not of "
+                                          r"type 'integer'"):
+        _hyper_with(experiment, batch_size="four")
+
+
+def test_unknown_model_config_key(experiment):
+    _set_config(experiment, lambda c: c["encoder"]["kwargs"].update(hdimm=32))
+    with pytest.raises(ConfigError, match=r"config\.json: encoder\.kwargs: unknown key "
+                                          r"'hdimm' \(did you mean 'hdim'\?\)"):
+        config_module.load_experiment(NAME)
+
+
+def test_invalid_json(experiment):
+    experiment.hyper_path.write_text('{"train": {"bin": "cat.ctc.train",\n "option": }}',
+                                     encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"hyper-p\.json:2:12: invalid JSON: Expecting value"):
+        config_module.load_experiment(NAME)
+
+
+def test_stall_limit_not_below_collective_timeout(experiment):
+    with pytest.raises(ConfigError, match=r"train\.option\.stall_seconds: 600 must be below "
+                                          r"dist_timeout_seconds \(300\)"):
+        _hyper_with(experiment, stall_seconds=600)
+
+
+def test_feature_dimension_mismatch_map_style(experiment):
+    _set_config(experiment, lambda c: c["encoder"]["kwargs"].update(idim=80))
+    with pytest.raises(ValueError, match=r"pack/train\.npz: utterance '\w+' has features of "
+                                         r"shape \(\d+, 8\), but config\.json "
+                                         r"encoder\.kwargs\.idim is 80"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_feature_dimension_mismatch_shards(experiment):
+    experiment.use_shards()
+    _set_config(experiment, lambda c: c["encoder"]["kwargs"].update(idim=80))
+    with pytest.raises(ValueError, match=r"the shards hold 8-dim features \(index\.jsonl\), "
+                                         r"but config\.json encoder\.kwargs\.idim is 80"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_trset_matching_nothing(experiment):
+    experiment.set_options(large_dataset=True, trset="data/wds/trian/data-*.tar")
+    with pytest.raises(FileNotFoundError, match=r"trset pattern 'data/wds/trian/data-\*\.tar' "
+                                                r"matches no shard"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_truncated_shard_is_skipped_and_counted(experiment, caplog):
+    truncate_file(experiment.train_shards[3], 0.5)
+    experiment.use_shards(bad_shard_limit=0.2)
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["corrupt_shards"] == ["data/wds/train/data-00003.tar"]
+    assert summary["corrupt_missing"] >= 1 and summary["trained"] < 40
+    assert "skipping the rest of shard data/wds/train/data-00003.tar: ends after" in caplog.text
+
+
+def test_truncated_shard_with_strict_shards(experiment):
+    truncate_file(experiment.train_shards[3], 0.5)
+    experiment.use_shards(strict_shards=True)
+    with pytest.raises(CorruptShardError, match=r"data/wds/train/data-00003\.tar: .*"
+                                                r"(incomplete_sample|ends after).*strict_shards"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_more_bad_shards_than_the_limit(experiment):
+    truncate_file(experiment.train_shards[3], 0.5)
+    experiment.use_shards()
+    with pytest.raises(DataUnavailableError, match=r"1 of the rank's 8 shards this epoch "
+                                                   r"failed, more than bad_shard_limit=0\.1; "
+                                                   r"storage: .*data/wds/train; last failures: "
+                                                   r"data/wds/train/data-00003\.tar \(corrupt"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_shards_swapped_on_disk(experiment):
+    first, second = experiment.train_shards[1], experiment.train_shards[4]
+    os.rename(first, first.with_suffix(".tmp"))
+    os.rename(second, first)
+    os.rename(first.with_suffix(".tmp"), second)
+    experiment.use_shards(bad_shard_limit=0.3)
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert sorted(summary["corrupt_shards"]) == ["data/wds/train/data-00001.tar",
+                                                 "data/wds/train/data-00004.tar"]
+    assert summary["corrupt_missing"] == 10 and summary["trained"] == 30
+    shutil.rmtree(experiment.exp_dir / "check")
+    experiment.use_shards(strict_shards=True)
+    with pytest.raises(CorruptShardError, match=r"data-0000[14]\.tar: holds '.*' as its "
+                                                r"utterance 0, where its index lists '.*': it "
+                                                r"does not match its index"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_shard_bytes_changed(experiment):
+    path = experiment.train_shards[2]
+    data = bytearray(path.read_bytes())
+    data[1536 + 300] ^= 0x01  # a feature value of the first utterance
+    path.write_bytes(bytes(data))
+    experiment.use_shards(bad_shard_limit=0.2)
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["corrupt_shards"] == ["data/wds/train/data-00002.tar"]
+    shutil.rmtree(experiment.exp_dir / "check")
+    experiment.use_shards(strict_shards=True)
+    with pytest.raises(CorruptShardError, match=r"data-00002\.tar: its bytes differ from its "
+                                                r"index \(crc32 [0-9a-f]{8}, index "
+                                                r"[0-9a-f]{8}; its 5 utterances were read\)"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_undecodable_member_with_strict_shards(experiment, tmp_path):
+    features = np.zeros((60, 8), np.float32)
+    shard = write_raw_shard(tmp_path / "bad/data-0.tar",
+                            [("utt1", features, "的一"), ("utt2", features, "是在")],
+                            npy_bytes={"utt2": b"garbage"})
+    experiment.use_shards(trset=str(shard), utts_per_shard_estimate=2, strict_shards=True)
+    with pytest.raises(ValueError, match=r"shard .*bad/data-0\.tar: utterance 'utt2': "
+                                         r"corrupt_features not \.npy data \(strict_shards"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_shard_server_dropping_connections(experiment):
+    drops = {f"data-{i:05d}.tar": ["drop"] * 4 for i in range(8)}
+    with serve_directory(experiment.root / "data/wds/train", drops) as url:
+        experiment.use_shards(trset=f"{url}/data-0000{{0..7}}.tar", read_ahead_mb=0)
+        with pytest.raises(DataUnavailableError, match=r"1 of the rank's 8 shards this epoch "
+                                                       r"failed, more than bad_shard_limit=0\.1; "
+                                                       r"storage: http://127\.0\.0\.1:\d+; .*"
+                                                       r"unavailable after 4 attempts: cannot "
+                                                       r"fetch it: RemoteDisconnected"):
+            train(NAME, "cat.ctc.train")
+
+
+def test_epoch_that_trains_nothing(experiment):
+    for shard in experiment.train_shards:  # listed, but nothing can be read from them
+        shard.unlink()
+        shard.mkdir()
+    experiment.use_shards(bad_shard_limit=1.0)
+    with pytest.raises(DataUnavailableError, match=r"epoch 1 trained no utterance: 8 "
+                                                   r"unavailable \(.*; storage: .*data/wds/"
+                                                   r"train\) \(see log/epoch-001\.json\)"):
+        train(NAME, "cat.ctc.train")
+    assert not CheckpointManager(experiment.exp_dir / "check").records
+
+
+def test_resume_after_the_shards_were_repacked(experiment):
+    experiment.use_shards(max_steps=3)
+    train(NAME, "cat.ctc.train")
+    prep_wds.pack_data(experiment.train.feats_scp, experiment.train.text,
+                       experiment.root / "data/wds/train", utts_per_file=5, seed=3)
+    experiment.set_options(max_steps=0)
+    with pytest.raises(DataChangedError, match=r"ckpt-e001-s00000003\.pt: epoch 1 cannot "
+                                               r"continue where it stopped, because what "
+                                               r"decides its data changed: shard data/wds/train/"
+                                               r"data-00000\.tar changed \(crc32 .*"
+                                               r"--resume-restart-epoch"):
+        train(NAME, "cat.ctc.train", resume=True)
+    assert CheckpointManager(experiment.exp_dir / "check").latest().name == \
+        "ckpt-e001-s00000003.pt"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny experiment trained for one epoch (copied by the tests that change it)."""
+    root = tmp_path_factory.mktemp("trained")
+    write_tiny_experiment(root, options={"epochs": 1})
+    here = Path.cwd()
+    os.chdir(root)
+    try:
+        train(NAME, "cat.ctc.train")
+    finally:
+        os.chdir(here)
+    return root
+
+
+@pytest.fixture
+def trained_copy(trained, tmp_path, monkeypatch):
+    root = tmp_path / "copy"
+    shutil.copytree(trained, root, symlinks=True)
+    monkeypatch.chdir(root)
+    return root
+
+
+def _widen_model(root: Path) -> None:
+    path = root / NAME / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["encoder"]["kwargs"]["hdim"] = 24
+    path.write_text(json.dumps(config), encoding="utf-8")
+
+
+MISMATCH = (r"ckpt-e002-s00000010\.pt does not fit the model built from exp/tiny/config\.json: "
+            r"'encoder\.subsampling\.out\.weight' has shape \(16, 4\) in the checkpoint but "
+            r"\(24, 4\) in the model \(39 more differences\)\. Was config\.json \(or the "
+            r"tokenizer\) changed after the checkpoint was written\?")
+
+
+def test_resume_after_the_model_config_changed(trained_copy):
+    _widen_model(trained_copy)
+    with pytest.raises(CheckpointMismatchError, match=MISMATCH):
+        train(NAME, "cat.ctc.train", resume=True)
+
+
+def test_resume_without_a_checkpoint(experiment):
+    with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in exp/tiny/check"):
+        train(NAME, "cat.ctc.train", resume=True)
+
+
+def test_training_again_over_checkpoints(trained_copy):
+    with pytest.raises(FileExistsError, match=r"exp/tiny/check already holds checkpoints; "
+                                              r"pass --resume to continue"):
+        train(NAME, "cat.ctc.train")
+
+
+# --------------------------------------------------------------------------- stage 4
+
+
+def _decode(root: Path, checkpoint: Path, data: str = "data/fbank/dev") -> None:
+    decode_set(NAME, data, checkpoint, root / "decode", "ctc",
+               DecodeOptions(method="greedy", device="cpu"))
+
+
+def _latest(root: Path) -> Path:
+    return CheckpointManager(root / NAME / "check").latest()
+
+
+def test_decode_with_a_changed_model_config(trained_copy):
+    _widen_model(trained_copy)
+    with pytest.raises(CheckpointMismatchError, match=MISMATCH):
+        _decode(trained_copy, _latest(trained_copy))
+
+
+def test_decode_a_file_that_is_not_a_checkpoint(trained_copy):
+    garbage = trained_copy / "model.pt"
+    garbage.write_bytes(np.random.default_rng(0).bytes(1000))
+    with pytest.raises(ValueError, match=r"model\.pt: not a readable checkpoint \(not a "
+                                         r"weights-only torch\.save file: Unsupported operand"):
+        _decode(trained_copy, garbage)
+
+
+def test_decode_scp_id_with_whitespace(trained_copy):
+    scp = trained_copy / "data/fbank/dev/feats.scp"
+    lines = scp.read_text(encoding="utf-8").splitlines()
+    key, location = lines[1].split(" ", 1)
+    lines[1] = f"{key[:6]} {key[6:]} {location}"
+    scp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(TableError, match=r"dev/feats\.scp:2: 3 fields where '<utterance id> "
+                                         r"<ark path>:<byte offset>' is expected"):
+        _decode(trained_copy, _latest(trained_copy))
+    assert not (trained_copy / "decode/hyp").exists()
+
+
+# --------------------------------------------------------------------------- the catalogue
+
+
+def test_every_row_of_the_catalogue_has_its_test():
+    catalogue = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
+    rows = [line for line in catalogue.read_text(encoding="utf-8").splitlines()
+            if line.startswith("| ") and not line.startswith("| input")]
+    named = [row.rstrip(" |").rsplit("| ", 1)[1].strip("`") for row in rows]
+    tests = sorted(name for name in globals() if name.startswith("test_")
+                   and name != "test_every_row_of_the_catalogue_has_its_test")
+    assert len(rows) >= 20
+    assert sorted(named) == tests

@@ -1,0 +1,99 @@
+"""The shard server fails in the middle of an epoch: killed (SIGKILL) or stopped (SIGSTOP).
+
+Training must stop with an error naming the storage, in bounded time, with a non-zero
+exit status, never "succeed" through epochs without data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cat
+from cat.testing.training import write_tiny_experiment
+
+REPO_ROOT = Path(cat.__file__).resolve().parent.parent
+NAME = "exp/tiny"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(directory: Path):
+    """`python -m http.server` on 127.0.0.1 in its own process; yields (process, url)."""
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                                "--directory", str(directory), str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            assert time.monotonic() < deadline, "the shard server did not start"
+            time.sleep(0.05)
+        yield process, f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait()
+
+
+def _latest_step(exp_dir: Path) -> int:
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        return json.loads((exp_dir / "check/checkpoints.json").read_text())["checkpoints"][-1][
+            "step"]
+    return 0
+
+
+@pytest.mark.parametrize(("fault", "strict"), [("kill", False), ("stop", False),
+                                                ("kill", True)])
+def test_shard_server_failing_mid_epoch_stops_training_with_an_error(tmp_path, fault, strict):
+    experiment = write_tiny_experiment(tmp_path, options={
+        "epochs": 3, "check_freq": 1, "shuffle_buffer": 4, "sort_buffer": 4})
+    with _server(tmp_path / "data/wds/train") as (server, url):
+        experiment.use_shards(trset=f"{url}/data-0000{{0..7}}.tar", read_ahead_mb=0,
+                              read_timeout=2, strict_shards=strict)
+        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+        training = subprocess.Popen([sys.executable, "-m", "cat.ctc.train", NAME],
+                                    cwd=tmp_path, env=environment, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while _latest_step(experiment.exp_dir) < 1:
+                assert training.poll() is None, training.stderr.read()[-3000:]
+                assert time.monotonic() < deadline, "training did not start"
+                time.sleep(0.02)
+            server.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+            began = time.monotonic()
+            _, errors = training.communicate(timeout=150)
+            seconds = time.monotonic() - began
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(training.pid, signal.SIGKILL)
+    assert training.returncode != 0
+    assert "DataUnavailableError" in errors and url in errors, errors[-3000:]
+    if strict:
+        assert "strict_shards is set" in errors
+    else:
+        assert "more than bad_shard_limit=0.1" in errors
+    # One shard: 4 attempts 1, 2 and 4 s apart, each up to read_timeout (2 s) when stopped.
+    assert seconds < 60, seconds
+    print(f"server {fault}{' (strict)' if strict else ''}: training stopped {seconds:.1f} s "
+          f"later: {errors.strip().splitlines()[-1][:200]}")
