@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cat.shared.pipeline import StreamConfig
-from cat.shared.shardlist import load_shard_list
+from cat.loading.samples import StreamConfig
+from cat.loading.shardlist import load_shard_list
 from cat.testing.epochs import (
     cut_of_epoch,
     longest_decile_share,

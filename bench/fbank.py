@@ -25,9 +25,10 @@ import kaldi_native_fbank
 import numpy as np
 import torch
 
-from cat.data.features import FbankOptions, compute_fbank, extract, read_audio, resample
+from cat.core.io import read_table
+from cat.features.extract import extract
+from cat.features.fbank import FbankOptions, compute_fbank, read_audio, resample
 from cat.testing.audio import make_data_dir, write_kaldi_data_dir
-from cat.utils.io import read_table
 
 
 def peer_fbank(waveform: np.ndarray, options: FbankOptions, fetch: bool = True,

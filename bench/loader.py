@@ -62,16 +62,16 @@ import kaldiio
 import numpy as np
 import webdataset
 
-from cat.data import prep_wds
-from cat.data.pack import MapPack, write_map_pack
-from cat.shared import tokenizer as tokenizers
-from cat.shared.config import TrainOptions, train_option_defaults
-from cat.shared.data import LengthFilter
-from cat.shared.manager import DistributedContext
-from cat.shared.shardlist import load_shard_list
-from cat.shared.train_data import MapTrainData, StreamTrainData
+from cat.core.config import TrainOptions, train_option_defaults
+from cat.core.io import atomic_write, write_table
+from cat.formats import prep_wds, shard_format
+from cat.formats.mappack import MapPack, write_map_pack
+from cat.loading.batch import LengthFilter
+from cat.loading.shardlist import load_shard_list
 from cat.testing.features import utterance_ids, write_feature_corpus
-from cat.utils.io import atomic_write, write_table
+from cat.text import tokenizer as tokenizers
+from cat.training.distributed import DistributedContext
+from cat.training.train_data import MapTrainData, StreamTrainData
 
 MEGABYTE = 1e6
 FEAT_DIM = 80
@@ -161,7 +161,7 @@ def _write_x10_lists(root: Path, feats_scp: Path, transcripts: dict[str, str],
 
 def _write_x10_shards(shard_dir: Path, folder: Path) -> list[str]:
     """Links naming every shard 10 times, with an index.jsonl describing them."""
-    index = prep_wds.read_index(shard_dir)
+    index = shard_format.read_index(shard_dir)
     folder.mkdir(parents=True, exist_ok=True)
     header = dict(index.header)
     for field in ("num_shards", "num_utts", "num_frames"):
@@ -174,7 +174,7 @@ def _write_x10_shards(shard_dir: Path, folder: Path) -> list[str]:
             (folder / name).symlink_to(Path("..") / shard_dir.name / record["shard"])
             lines.append(json.dumps({**record, "shard": name}, ensure_ascii=False))
             paths.append(str(folder / name))
-    with atomic_write(folder / prep_wds.INDEX_NAME) as f:
+    with atomic_write(folder / shard_format.INDEX_NAME) as f:
         f.write("\n".join(lines) + "\n")
     return sorted(paths)
 

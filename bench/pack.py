@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cat.data import prep_wds
+from cat.formats import prep_wds
 from cat.testing.features import utterance_ids, write_feature_corpus
 
 MEGABYTE = 1e6

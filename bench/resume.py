@@ -39,12 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cat.data import prep_wds
-from cat.shared import tokenizer as tk
-from cat.shared.pipeline import ShardStream, StreamConfig
-from cat.shared.progress import StreamProgress
-from cat.shared.shardlist import assign_shards, load_shard_list
+from cat.formats import prep_wds, shard_format
+from cat.loading.progress import StreamProgress
+from cat.loading.samples import StreamConfig
+from cat.loading.shardlist import assign_shards, load_shard_list
+from cat.loading.stream import ShardStream
 from cat.testing.features import random_transcript, write_feature_corpus
+from cat.text import tokenizer as tk
 
 UTTS_PER_SHARD = 2000
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -58,7 +59,7 @@ def _keys(shard: int) -> list[str]:
 def prepare(root: Path, num_shards: int, real_shards: int) -> Path:
     """Write (or reuse) the shards and the index; returns the shard folder."""
     folder = root / f"wds-{num_shards}"
-    if (folder / prep_wds.INDEX_NAME).is_file():
+    if (folder / shard_format.INDEX_NAME).is_file():
         return folder
     shutil.rmtree(root, ignore_errors=True)
     rng = np.random.default_rng(0)
@@ -71,12 +72,12 @@ def prepare(root: Path, num_shards: int, real_shards: int) -> Path:
                                       dim=80, transcripts=texts, seed=index)
         prep_wds.pack_data(corpus.feats_scp, corpus.text, root / f"real-{index}",
                            utts_per_file=UTTS_PER_SHARD, dtype="float16")
-        record = prep_wds.read_index(root / f"real-{index}").shards[0]
+        record = shard_format.read_index(root / f"real-{index}").shards[0]
         real.append((root / f"real-{index}" / record["shard"], record))
         if index == 0:
             tk.save(tk.train_sentencepiece([corpus.text], "char", 0), root / "tokenizer.tknz")
     folder.mkdir(parents=True)
-    header = {"format": prep_wds.INDEX_FORMAT, "version": prep_wds.INDEX_VERSION,
+    header = {"format": shard_format.INDEX_FORMAT, "version": shard_format.INDEX_VERSION,
               "fmt": prep_wds.DEFAULT_FMT, "dtype": "float16", "feat_dim": 80,
               "utts_per_file": UTTS_PER_SHARD, "seed": 0, "frame_range": None,
               "num_shards": num_shards, "num_utts": 0, "num_frames": 0}
@@ -88,7 +89,7 @@ def prepare(root: Path, num_shards: int, real_shards: int) -> Path:
         lines.append(json.dumps({**record, "shard": name}, ensure_ascii=False))
         header["num_utts"] += record["num_utts"]
         header["num_frames"] += record["num_frames"]
-    (folder / prep_wds.INDEX_NAME).write_text(
+    (folder / shard_format.INDEX_NAME).write_text(
         json.dumps(header) + "\n" + "\n".join(lines) + "\n", encoding="utf-8")
     return folder
 
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT / "resume")
     args = parser.parse_args()
     folder = prepare(args.out, args.shards, args.real_shards)
-    index = folder / prep_wds.INDEX_NAME
+    index = folder / shard_format.INDEX_NAME
     utts = args.shards * UTTS_PER_SHARD
     print(f"index: {args.shards} shards, {utts / 1e6:.1f} M utterances, "
           f"{index.stat().st_size / 1e6:.0f} MB")

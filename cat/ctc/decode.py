@@ -1,4 +1,4 @@
-"""Decode a Kaldi feature directory with a trained CTC model (see cat.shared.inference).
+"""Decode a Kaldi feature directory with a trained CTC model (see cat.decoding.inference).
 
 Usage:
     python -m cat.ctc.decode exp/<name> --data data/fbank/test \
@@ -7,7 +7,7 @@ Usage:
 
 import sys
 
-from cat.shared.inference import main
+from cat.decoding.inference import main
 
 if __name__ == "__main__":
     sys.exit(main("ctc"))

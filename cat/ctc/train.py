@@ -1,7 +1,7 @@
 """Train a CTC model for one experiment (stage 3 of the recipes).
 
 Reads `exp/<name>/hyper-p.json` (`train.option`, documented in
-`cat/shared/schemas/hyper-p.schema.json`) and `exp/<name>/config.json`; the training
+`cat/core/schemas/hyper-p.schema.json`) and `exp/<name>/config.json`; the training
 loop, data loading and checkpoints are `cat.shared.manager`'s. Paths in the JSON files
 are relative to the recipe directory, so run it from there.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cat.shared.manager import run_cli
+from cat.training.cli import run_cli
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.data.datadir import DataDirError, SkipReport, write_data_dir
 from cat.data.download import DownloadError, download
-from cat.utils.io import PathLike, atomic_write, setup_logging
 
 logger = logging.getLogger(__name__)
 

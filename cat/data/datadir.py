@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-from cat.utils.io import PathLike, atomic_write, iter_table, setup_logging, write_table
+from cat.core.io import PathLike, atomic_write, iter_table, setup_logging, write_table
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cat.utils.io import PathLike, setup_logging
+from cat.core.io import PathLike, setup_logging
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from cat.utils.io import atomic_write, setup_logging
+from cat.core.io import atomic_write, setup_logging
 
 logger = logging.getLogger(__name__)
 

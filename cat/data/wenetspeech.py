@@ -34,8 +34,8 @@ from typing import IO, BinaryIO
 
 import ijson
 
+from cat.core.io import PathLike, atomic_write, iter_table, setup_logging
 from cat.data.datadir import DataDirError, SkipReport, write_data_dir
-from cat.utils.io import PathLike, atomic_write, iter_table, setup_logging
 
 logger = logging.getLogger(__name__)
 

@@ -30,13 +30,19 @@ raise the encoder's time reduction.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 import torch
 import torchaudio
 from torch import nn
 
-from cat.ctc.model import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
+from cat.core.config import ConfigError
+from cat.models.heads import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
+from cat.models.registry import build_component
+from cat.models.specaug import SpecAugment
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
-from cat.shared.specaug import SpecAugment
 
 BLANK = 0
 State = tuple[torch.Tensor, ...]
@@ -224,3 +230,25 @@ class TransducerModel(nn.Module):
                                               beam_size)
             return [hyps[0][0] if hyps else [] for hyps in nbest]
         raise ValueError(f"unknown RNN-T decoding method {method!r}; allowed: greedy, beam")
+
+
+# Read-only registries of this family: config names map to classes here and nowhere else.
+PREDICTORS: Mapping[str, type[nn.Module]] = MappingProxyType({
+    "LSTMPredictor": LSTMPredictor,
+    "StatelessPredictor": StatelessPredictor,
+})
+JOINERS: Mapping[str, type[nn.Module]] = MappingProxyType({"JointNet": JointNet})
+
+
+def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
+                specaug: SpecAugment | None, source: str = "config.json") -> TransducerModel:
+    """The RNN-T model of `config` (`decoder`, `joiner`, `trainer`) around `encoder`."""
+    predictor = build_component(PREDICTORS, config["decoder"], "decoder.kwargs", source,
+                                num_classes)
+    joiner = build_component(JOINERS, config["joiner"], "joiner.kwargs", source,
+                             encoder.output_dim, predictor.output_dim, num_classes)
+    try:
+        return TransducerModel(encoder, predictor, joiner, specaug,
+                               **config.get("trainer", {}))
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None

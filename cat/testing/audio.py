@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from cat.utils.io import PathLike, write_table
+from cat.core.io import PathLike, write_table
 
 # soundfile (format, subtype) per file extension.
 AUDIO_FORMATS = {

@@ -16,9 +16,10 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from cat.shared import config as config_module
-from cat.shared.manager import Manager, init_distributed, shutdown_distributed
-from cat.utils.io import setup_logging
+from cat.core import config as config_module
+from cat.core.io import setup_logging
+from cat.training.distributed import init_distributed, shutdown_distributed
+from cat.training.manager import Manager
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cat.shared import tokenizer as tk
-from cat.shared.data import Batch
-from cat.shared.pipeline import ORDINAL_BITS, ShardStream, StreamConfig
-from cat.shared.progress import StreamProgress
-from cat.shared.shardlist import ShardList, load_shard_list
+from cat.loading.batch import Batch
+from cat.loading.progress import StreamProgress
+from cat.loading.samples import ORDINAL_BITS, StreamConfig
+from cat.loading.shardlist import ShardList, load_shard_list
+from cat.loading.stream import ShardStream
 from cat.testing.features import (
     FeatureCorpus,
     random_transcript,
@@ -32,6 +32,7 @@ from cat.testing.features import (
     write_feature_corpus,
 )
 from cat.testing.shards import write_uneven_shards
+from cat.text import tokenizer as tk
 
 
 def _next_batch(batches: Iterator[Batch], progress: StreamProgress) -> Batch | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import kaldiio
 import numpy as np
 
-from cat.utils.io import PathLike, write_table
+from cat.core.io import PathLike, write_table
 
 #: A small pool of common characters for random Mandarin transcripts.
 CHINESE_CHARACTERS = (

@@ -5,7 +5,7 @@ A descendant is remembered by `(pid, start time)`, so a pid reused by an unrelat
 process after the original ended is not taken for a survivor; zombies count as gone.
 
 Usage:
-    with ProcessTree.start([sys.executable, "-m", "cat.data.prep_wds", ...], cwd=root) as tree:
+    with ProcessTree.start([sys.executable, "-m", "cat.formats.prep_wds", ...], cwd=root) as tree:
         tree.wait_for(lambda: len(tree.remember()) >= 3, 60, "three worker processes")
         survivors = tree.kill_parent_and_wait(timeout=10)
     assert not survivors

@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cat.core.io import PathLike
 from cat.data.download import md5sum
 from cat.testing.audio import make_audio_file
-from cat.utils.io import PathLike
 
 # (set, speaker, utterance id) of each audio file of the default tiny AISHELL-1 release.
 TINY_AISHELL_AUDIO: tuple[tuple[str, str, str], ...] = (

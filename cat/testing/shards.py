@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from cat.data import prep_wds
+from cat.core.io import PathLike, write_table
+from cat.formats import prep_wds, shard_format
 from cat.testing.features import FeatureCorpus
-from cat.utils.io import PathLike, write_table
 
 
 def write_corpus_subset(corpus: FeatureCorpus, keys: Sequence[str], directory: PathLike
@@ -41,7 +41,7 @@ def write_corpus_subset(corpus: FeatureCorpus, keys: Sequence[str], directory: P
 
 def write_shards(corpus: FeatureCorpus, out: PathLike, utts_per_file: int,
                  filter_group: Sequence[str] | None = None, seed: int = 0) -> list[Path]:
-    """Pack the whole corpus with `cat.data.prep_wds.pack_data`; returns the shard paths."""
+    """Pack the whole corpus with `cat.formats.prep_wds.pack_data`; returns the shard paths."""
     out = Path(out)
     prep_wds.pack_data(corpus.feats_scp, corpus.text, out, filter_group=filter_group,
                        utts_per_file=utts_per_file, seed=seed)
@@ -91,7 +91,7 @@ def write_raw_shard(path: PathLike, samples: Sequence[tuple[str, np.ndarray, str
             for extension, data in members:
                 if skip.get(key) == extension:
                     continue
-                info = tarfile.TarInfo(f"{prep_wds.encode_key(key)}.{extension}")
+                info = tarfile.TarInfo(f"{shard_format.encode_key(key)}.{extension}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     return path

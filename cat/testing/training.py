@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from cat.data.pack import write_map_pack
-from cat.shared import tokenizer as tk
+from cat.core.io import PathLike
+from cat.formats.mappack import write_map_pack
 from cat.testing.features import (
     FeatureCorpus,
     random_transcript,
@@ -30,7 +30,7 @@ from cat.testing.features import (
     write_feature_corpus,
 )
 from cat.testing.shards import write_shards
-from cat.utils.io import PathLike
+from cat.text import tokenizer as tk
 
 
 def tiny_model_config(kind: str = "ctc", feat_dim: int = 8, peak_lr: float = 3e-3,

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cat.shared.checkpoint import read_model_state
-from cat.utils.io import PathLike, atomic_write, setup_logging
+from cat.core.io import PathLike, atomic_write, setup_logging
+from cat.training.checkpoint import read_model_state
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,14 @@
 """Stages 2-4 of the recipes for one experiment, driven by `exp/<name>/hyper-p.json`.
 
 * `prepare` (stage 2): trains the tokenizer (`tokenizer`: type, option-train, file)
-  from the `text` files of `data.train`, unless the file exists; writes map-style packs
-  (`cat.data.pack`) of the training set (unless `train.option.large_dataset`), of the dev
-  set(s) and of each test set to `exp/<name>/pack/`; and, for `large_dataset`, packs
-  `data.train` into tar shards with an index (`cat.data.prep_wds.pack_data`) as
-  `data.shards` describes (directory, length groups, dtype).
+  from the `text` files of `data.train`, unless the file exists, and writes map-style
+  packs (`cat.formats.mappack`) of the training set (unless
+  `train.option.large_dataset`) and of the dev set(s) to `exp/<name>/pack/`. The tar
+  shards of `large_dataset` are written by the recipe's `local/prep_wds.py pack-exp`
+  (`cat.formats.prep_wds`), from `data.shards`. Test sets get no pack: decoding reads
+  their `feats.scp` directly, in the test set's own order and with its own ids, and
+  scores against its `text`, so a pack (whose labels are token ids of the training
+  tokenizer, made for training) would be written and never read.
 * `train` (stage 3): runs `train.bin` (`python -m cat.ctc.train exp/<name>`, under
   `torchrun` with `--nproc` > 1); an interrupted run is resumed from its last checkpoint.
 * `decode` (stage 4): averages checkpoints (`inference.avgmodel`), decodes every
@@ -17,7 +20,7 @@ re-run skips finished work and redoes work whose inputs changed. Paths are relat
 the recipe directory, where the commands run.
 
 Usage:
-    python -m cat.utils.pipeline prepare exp/synth-ctc --nj 2
+    python -m cat.utils.pipeline prepare exp/synth-ctc
     python -m cat.utils.pipeline train exp/synth-ctc --nproc 1
     python -m cat.utils.pipeline decode exp/synth-ctc --nj 2
 """
@@ -26,17 +29,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cat.shared.config import (
+from cat.core.config import (
     CONFIG_NAME,
     HYPER_NAME,
     TrainOptions,
@@ -45,11 +46,11 @@ from cat.shared.config import (
     load_hyper,
     resolve_train_options,
 )
-from cat.utils.io import PathLike, atomic_write, setup_logging
+from cat.core.io import PathLike, atomic_write, setup_logging
+from cat.core.stages import is_done, mark_done, signature
 
 logger = logging.getLogger(__name__)
 
-DONE_SUFFIX = ".done"
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -58,31 +59,6 @@ DONE_SUFFIX = ".done"
 def _set_name(feature_dir: str) -> str:
     """`data/fbank/test` -> `test`."""
     return Path(feature_dir).name
-
-
-def signature(*parts: Any, files: Sequence[PathLike] = ()) -> str:
-    """A digest of `parts` and of the size and modification time of `files`."""
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode())
-    for path in files:
-        stat = os.stat(path)
-        digest.update(f"{os.fspath(path)} {stat.st_size} {stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
-
-
-def _done_path(output: PathLike) -> Path:
-    output = Path(output)
-    return output.with_name(output.name + DONE_SUFFIX)
-
-
-def is_done(output: PathLike, sig: str) -> bool:
-    """True when `output` exists and was made from inputs with signature `sig`."""
-    done = _done_path(output)
-    return Path(output).exists() and done.is_file() and done.read_text() == sig
-
-
-def mark_done(output: PathLike, sig: str) -> None:
-    with atomic_write(_done_path(output)) as f:
-        f.write(sig)
 
 
 def _feature_files(feature_dirs: Sequence[str], names: Sequence[str]) -> list[Path]:
@@ -129,7 +105,7 @@ class Plan:
 
 def prepare_tokenizer(plan: Plan) -> Path:
     """Train the tokenizer from `data.train` unless its file already exists."""
-    from cat.shared import tokenizer as tokenizers
+    from cat.text import tokenizer as tokenizers
 
     path = Path(plan.options.tokenizer)
     if path.is_file():
@@ -153,7 +129,8 @@ def prepare_tokenizer(plan: Plan) -> Path:
 def prepare_pack(feature_dirs: Sequence[str], out: PathLike, tokenizer: PathLike,
                  frame_range: str | None) -> None:
     """A map-style pack of `feature_dirs` (skipped when up to date)."""
-    from cat.data.pack import FrameRange, write_map_pack
+    from cat.formats.mappack import write_map_pack
+    from cat.formats.tables import FrameRange
 
     scps = _feature_files(feature_dirs, ["feats.scp"])
     texts = _feature_files(feature_dirs, ["text"])
@@ -167,50 +144,17 @@ def prepare_pack(feature_dirs: Sequence[str], out: PathLike, tokenizer: PathLike
     mark_done(out, sig)
 
 
-def prepare_shards(plan: Plan, nj: int) -> None:
-    """Tar shards of `data.train` as `data.shards` describes (skipped when up to date)."""
-    from cat.data.prep_wds import UTTS_PER_FILE, pack_data
-
-    shards = plan.data.get("shards")
-    if not shards:
-        raise ValueError(f"{plan.exp_dir / HYPER_NAME}: train.option.large_dataset is true, "
-                         "so data.shards must say where and how to write the tar shards "
-                         '(e.g. {"dir": "data/wds/train", "filter_group": ["10:1000", '
-                         '"1000:2000"]})')
-    train = plan.section("train")
-    scps = _feature_files(train, ["feats.scp"])
-    texts = _feature_files(train, ["text"])
-    out = Path(shards["dir"])
-    groups = shards.get("filter_group")
-    settings = {"filter_group": groups, "dtype": shards.get("dtype", "float32"),
-                "utts_per_file": shards.get("utts_per_file", UTTS_PER_FILE),
-                "seed": shards.get("seed", 0)}
-    sig = signature("shards", settings, files=[*scps, *texts])
-    if is_done(out, sig):
-        logger.info("shards in %s are up to date", out)
-        return
-    summary = pack_data([str(p) for p in scps], [str(p) for p in texts], str(out),
-                        filter_group=groups, utts_per_file=settings["utts_per_file"],
-                        num_jobs=nj, dtype=settings["dtype"], seed=settings["seed"])
-    logger.info("sharded %s into %s: %s", ", ".join(train), out, summary)
-    mark_done(out, sig)
-
-
-def prepare(exp_dir: PathLike, nj: int = 1) -> None:
-    """Stage 2 for one experiment."""
+def prepare(exp_dir: PathLike) -> None:
+    """Stage 2 for one experiment: tokenizer and map-style packs (the tar shards are
+    `cat.formats.prep_wds pack-exp`'s)."""
     plan = Plan.load(exp_dir)
     tokenizer = prepare_tokenizer(plan)
     options = plan.options
-    if options.large_dataset:
-        prepare_shards(plan, nj)
-    else:
+    if not options.large_dataset:
         prepare_pack(plan.section("train"), options.trset[0], tokenizer,
                      plan.data.get("filter"))
     if not options.dev_large_dataset:
         prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
-    for test in as_list(plan.data.get("test")):
-        prepare_pack([test], plan.exp_dir / "pack" / "test" / f"{_set_name(test)}.npz",
-                     tokenizer, None)
 
 
 # ----------------------------------------------------------------------------- stage 3
@@ -246,7 +190,7 @@ def select_checkpoint(plan: Plan) -> Path:
     """The model to decode: an average per `inference.avgmodel`, else the best checkpoint."""
     import torch
 
-    from cat.shared.checkpoint import CheckpointManager
+    from cat.training.checkpoint import CheckpointManager
     from cat.utils.avgmodel import average_checkpoints
 
     manager = CheckpointManager(plan.exp_dir / "check")
@@ -273,8 +217,8 @@ def select_checkpoint(plan: Plan) -> Path:
 
 def decode(exp_dir: PathLike, nj: int = 1) -> Path:
     """Stage 4: decode and score every test set; returns the results table's path."""
-    from cat.shared.inference import DecodeOptions, decode_set
-    from cat.utils.io import read_table
+    from cat.core.io import read_table
+    from cat.decoding.inference import DecodeOptions, decode_set
     from cat.utils.wer import format_summary, score, write_alignments
 
     plan = Plan.load(exp_dir)
@@ -345,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cat.utils.pipeline",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("prepare", "stage 2: tokenizer, packs, shards"),
+    for name, help_text in (("prepare", "stage 2: tokenizer and map-style packs"),
                             ("train", "stage 3: training"),
                             ("decode", "stage 4: decoding and scoring")):
         command = sub.add_parser(name, help=help_text)
@@ -358,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     if args.command == "prepare":
-        prepare(args.exp_dir, args.nj)
+        prepare(args.exp_dir)
     elif args.command == "train":
         train(args.exp_dir, args.nproc)
     else:

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 
 from rapidfuzz.distance import Levenshtein
 
-from cat.utils.io import PathLike, atomic_write, read_table, setup_logging
+from cat.core.io import PathLike, atomic_write, read_table, setup_logging
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import kaldiio
 import pytest
 
+from cat.core.io import read_table
 from cat.data import aishell
 from cat.data.aishell import AishellError, find_release, prepare, read_transcript
 from cat.testing.release import TINY_AISHELL_AUDIO, TINY_AISHELL_TRANSCRIPT, make_aishell_release
-from cat.utils.io import read_table
 
 EXPECTED_TEXT = {
     "train": {

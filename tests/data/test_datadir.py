@@ -10,6 +10,7 @@ from pathlib import Path
 import kaldiio
 import pytest
 
+from cat.core.io import read_table
 from cat.data.datadir import (
     DataDirError,
     SkipReport,
@@ -20,7 +21,6 @@ from cat.data.datadir import (
     write_data_dir,
 )
 from cat.testing.audio import make_audio_file, write_kaldi_data_dir
-from cat.utils.io import read_table
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

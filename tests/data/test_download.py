@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from cat.core.io import read_table
 from cat.data import aishell
 from cat.data import download as download_module
 from cat.data.aishell import AishellError, download_and_extract, prepare
 from cat.data.download import ChecksumError, DownloadError, download, md5sum
 from cat.testing.release import make_aishell_archives, serve_directory, write_tar_gz
-from cat.utils.io import read_table
 
 
 def make_blob(directory: Path, size: int = 300_000) -> tuple[Path, str]:

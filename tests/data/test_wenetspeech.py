@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
+from cat.core.io import read_table
 from cat.data import wenetspeech
 from cat.data.wenetspeech import WenetSpeechError, iter_audios, prepare, set_name
 from cat.testing.release import (
@@ -18,7 +19,6 @@ from cat.testing.release import (
     wenetspeech_audio,
     write_wenetspeech_json,
 )
-from cat.utils.io import read_table
 
 YOUTUBE, PODCAST = "Y0000000000_--5llN02F84", "X0000000001_12345678"
 

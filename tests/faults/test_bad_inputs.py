@@ -14,20 +14,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cat.data import aishell, features, pack, prep_wds
-from cat.shared import config as config_module
-from cat.shared import tokenizer as tk
-from cat.shared.checkpoint import CheckpointManager, CheckpointMismatchError
-from cat.shared.inference import DecodeOptions, decode_set
-from cat.shared.manager import DataChangedError, train
-from cat.shared.model import ConfigError
-from cat.shared.pipeline import CorruptShardError, DataUnavailableError
+from cat.core import config as config_module
+from cat.core.config import ConfigError
+from cat.core.io import TableError, write_table
+from cat.data import aishell
+from cat.decoding.inference import DecodeOptions, decode_set
+from cat.features import extract
+from cat.formats import mappack, prep_wds, shard_format
+from cat.loading.reader import DataUnavailableError
+from cat.loading.tar import CorruptShardError
 from cat.testing.audio import make_audio_file, make_corrupt_file, write_kaldi_data_dir
 from cat.testing.features import write_feature_corpus
 from cat.testing.release import make_aishell_release
 from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
 from cat.testing.training import write_tiny_experiment
-from cat.utils.io import TableError, write_table
+from cat.text import tokenizer as tk
+from cat.training.checkpoint import CheckpointManager, CheckpointMismatchError
+from cat.training.cli import train
+from cat.training.report import DataChangedError
 
 NAME = "exp/tiny"
 GBK_LINE = "BAC009S0002W0003 今天天气很好".encode("gbk")
@@ -76,7 +80,7 @@ def extracted(tmp_path_factory):
         "stereo": str(make_audio_file(root / "stereo.wav", 1.0, channels=2, seed=4)),
     }
     data = write_kaldi_data_dir(root / "data", wav_scp)
-    summary = features.extract(data, root / "fbank", progress=False)
+    summary = extract.extract(data, root / "fbank", progress=False)
     skipped = dict(line.split(" ", 1) for line in
                    (root / "fbank/skipped.txt").read_text(encoding="utf-8").splitlines())
     frames = dict(line.split() for line in
@@ -126,7 +130,7 @@ def test_wav_scp_not_utf8(tmp_path):
     (data / "wav.scp").write_bytes(b"a /audio/a.wav\n" + "b /音频/b.wav\n".encode("gbk"))
     with pytest.raises(TableError, match=r"wav\.scp:2: not valid UTF-8 \(invalid continuation "
                                          r"byte at byte 4 of the line\); it may be GBK"):
-        features.extract(data, tmp_path / "fbank", progress=False)
+        extract.extract(data, tmp_path / "fbank", progress=False)
 
 
 def test_duplicate_id_in_wav_scp(tmp_path):
@@ -134,14 +138,14 @@ def test_duplicate_id_in_wav_scp(tmp_path):
     data.mkdir()
     (data / "wav.scp").write_text("a /audio/a.wav\na /audio/b.wav\n", encoding="utf-8")
     with pytest.raises(TableError, match=r"wav\.scp:2: duplicate key 'a' \(first on line 1\)"):
-        features.extract(data, tmp_path / "fbank", progress=False)
+        extract.extract(data, tmp_path / "fbank", progress=False)
 
 
 def test_no_readable_audio_at_all(tmp_path):
     data = write_kaldi_data_dir(tmp_path / "data", {"a": str(tmp_path / "a.wav")})
-    with pytest.raises(features.FeatureExtractionError,
+    with pytest.raises(extract.FeatureExtractionError,
                        match=r"no utterance got features; reasons in .*skipped\.txt"):
-        features.extract(data, tmp_path / "fbank", progress=False)
+        extract.extract(data, tmp_path / "fbank", progress=False)
 
 
 # --------------------------------------------------------------------------- stage 2
@@ -181,7 +185,7 @@ def test_gbk_text_tokenizer_training(corpus):
 
 def test_gbk_text_map_pack(corpus, tokenizer_file, tmp_path):
     with pytest.raises(TableError, match=TEXT_NOT_UTF8):
-        pack.write_map_pack(corpus.feats_scp, _gbk_text(corpus), tokenizer_file,
+        mappack.write_map_pack(corpus.feats_scp, _gbk_text(corpus), tokenizer_file,
                             tmp_path / "train.npz")
     assert not (tmp_path / "train.npz").exists()
 
@@ -204,7 +208,7 @@ def test_scp_id_with_whitespace_shards(corpus, tmp_path):
 
 def test_scp_id_with_whitespace_map_pack(corpus, tokenizer_file, tmp_path):
     with pytest.raises(TableError, match=SPACED_ID):
-        pack.write_map_pack(_scp_with_spaced_id(corpus), corpus.text, tokenizer_file,
+        mappack.write_map_pack(_scp_with_spaced_id(corpus), corpus.text, tokenizer_file,
                             tmp_path / "train.npz")
 
 
@@ -226,7 +230,7 @@ def test_ids_of_scp_and_text_differ(corpus, tmp_path):
     write_table(corpus.text, text.items())
     summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
     assert summary.dropped == {"no_label": 1, "no_features": 1}
-    dropped = _dropped(tmp_path / "wds" / prep_wds.DROPPED_NAME)
+    dropped = _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME)
     assert dropped == {corpus.keys[0]: "no_label", "orphan": "no_features"}
 
 
@@ -234,14 +238,14 @@ def test_empty_transcript(corpus, tmp_path):
     write_table(corpus.text, {**corpus.transcripts, corpus.keys[1]: ""}.items())
     summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
     assert summary.dropped == {"empty_label": 1}
-    assert _dropped(tmp_path / "wds" / prep_wds.DROPPED_NAME) == {corpus.keys[1]: "empty_label"}
+    assert _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME) == {corpus.keys[1]: "empty_label"}
 
 
 def test_space_only_transcript(corpus, tokenizer_file, tmp_path):
     lines = [f"{key} {'   ' if key == corpus.keys[2] else text}\n"
              for key, text in corpus.transcripts.items()]
     corpus.text.write_text("".join(lines), encoding="utf-8")
-    counts = pack.write_map_pack(corpus.feats_scp, corpus.text, tokenizer_file,
+    counts = mappack.write_map_pack(corpus.feats_scp, corpus.text, tokenizer_file,
                                  tmp_path / "train.npz")
     assert counts["dropped_empty_label"] == 1 and counts["num_utts"] == 5
     assert _dropped(tmp_path / "train.dropped.txt") == {corpus.keys[2]: "empty_label"}

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import cat
-from cat.data import prep_wds
-from cat.shared.checkpoint import CheckpointManager, load_checkpoint
+from cat.formats import shard_check, shard_format
 from cat.testing.features import write_feature_corpus
 from cat.testing.processes import ProcessTree
 from cat.testing.training import write_tiny_experiment
+from cat.training.checkpoint import CheckpointManager, load_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420),
               pytest.mark.skipif(not Path("/proc/self/stat").is_file(),
@@ -41,7 +41,7 @@ def _run(command: list[str], cwd: Path) -> str:
 
 
 def _pack_command(corpus, out: Path) -> list[str]:
-    return [sys.executable, "-m", "cat.data.prep_wds", "pack", "--scp", str(corpus.feats_scp),
+    return [sys.executable, "-m", "cat.formats.prep_wds", "pack", "--scp", str(corpus.feats_scp),
             "--text", str(corpus.text), "--out", str(out), "--nj", "2", "--utts-per-file", "2"]
 
 
@@ -67,7 +67,7 @@ def test_packing_killed_then_rerun_is_byte_identical(packed, tmp_path, shards_do
                       f"{shards_done} finished shards")
         survivors = tree.kill_parent_and_wait(GONE_WITHIN_SECONDS)
     assert not survivors, f"packing workers outlived kill -9: {sorted(survivors.values())}"
-    assert not (out / prep_wds.INDEX_NAME).exists(), "packing ended before it was killed"
+    assert not (out / shard_format.INDEX_NAME).exists(), "packing ended before it was killed"
     finished = len(list(out.glob("data-*.tar")))
     assert finished < NUM_UTTS // 2
     log = _run(_pack_command(corpus, out), tmp_path)
@@ -75,7 +75,7 @@ def test_packing_killed_then_rerun_is_byte_identical(packed, tmp_path, shards_do
     assert _files(out) == _files(clean)
     for name in _files(clean):
         assert filecmp.cmp(out / name, clean / name, shallow=False), name
-    assert prep_wds.validate(out) == []
+    assert shard_check.validate(out) == []
 
 
 def _train(root: Path, *extra: str) -> list[str]:

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import cat
-from cat.shared.model import build_model
-from cat.shared.tokenizer import load as load_tokenizer
+from cat.models.registry import build_model
 from cat.testing.features import write_feature_corpus
 from cat.testing.processes import ProcessTree, command_line
 from cat.testing.training import write_tiny_experiment
+from cat.text.tokenizer import load as load_tokenizer
 
 pytestmark = [pytest.mark.skipif(not Path("/proc/self/stat").is_file(),
                                  reason="needs Linux /proc"),
@@ -57,7 +57,7 @@ def _python(*args: str) -> list[str]:
 
 
 def test_process_pool_workers_end_with_their_parent(tmp_path):
-    script = ("import time\nfrom cat.utils.process import process_pool\n"
+    script = ("import time\nfrom cat.core.process import process_pool\n"
               "pool = process_pool(2)\n"
               "futures = [pool.submit(time.sleep, 600) for _ in range(2)]\n"
               "[f.result() for f in futures]\n")
@@ -67,7 +67,7 @@ def test_process_pool_workers_end_with_their_parent(tmp_path):
 
 
 def test_portable_parent_check_without_prctl(tmp_path):
-    child = ("import time\nfrom cat.utils.process import die_with_parent\n"
+    child = ("import time\nfrom cat.core.process import die_with_parent\n"
              "die_with_parent({parent}, poll_seconds=0.2, use_prctl=False)\n"
              "time.sleep(600)\n")
     parent = ("import os, subprocess, sys, time\n"
@@ -81,7 +81,7 @@ def test_portable_parent_check_without_prctl(tmp_path):
 def test_packing_workers_end_with_their_parent(tmp_path):
     corpus = write_feature_corpus(tmp_path / "feats", num_utts=8, dim=4)
     _blocking_arks(corpus)
-    command = _python("-m", "cat.data.prep_wds", "pack", "--scp", str(corpus.feats_scp),
+    command = _python("-m", "cat.formats.prep_wds", "pack", "--scp", str(corpus.feats_scp),
                       "--text", str(corpus.text), "--out", str(tmp_path / "wds"), "--nj", "2",
                       "--utts-per-file", "2")
     with ProcessTree.start(command, cwd=tmp_path, env=ENVIRONMENT) as tree:
@@ -101,7 +101,7 @@ def test_feature_workers_and_their_commands_end_with_their_parent(tmp_path):
     (data / "wav.scp").write_text(
         "".join(f"rec{i} {sys.executable} {command_file} |\n" for i in (1, 2)),
         encoding="utf-8")
-    command = _python("-m", "cat.data.features", "--nj", "2", "--no-progress", str(data),
+    command = _python("-m", "cat.features.extract", "--nj", "2", "--no-progress", str(data),
                       str(tmp_path / "fbank"))
     with ProcessTree.start(command, cwd=tmp_path, env=ENVIRONMENT) as tree:
         tree.wait_for(lambda: sum(str(command_file) in command_line(pid)

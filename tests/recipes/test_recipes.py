@@ -16,8 +16,8 @@ from pathlib import Path
 import kaldiio
 import pytest
 
-from cat.data.pack import MapPack
-from cat.data.prep_wds import validate
+from cat.formats.mappack import MapPack
+from cat.formats.shard_check import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 CER_LINE = re.compile(r"^\| (\w+) \| ([0-9.]+) \| (\d+) / (\d+) \|", re.MULTILINE)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cat.models.encoder import ConformerNet
 from cat.rnnt.model import JointNet, LSTMPredictor, StatelessPredictor, TransducerModel
-from cat.shared.encoder import ConformerNet
 
 
 @pytest.fixture(autouse=True)

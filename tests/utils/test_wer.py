@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cat.utils.io import TableError
+from cat.core.io import TableError
 from cat.utils.wer import ScoreResult, align, format_summary, main, score, tokenize
 
 

@@ -1,0 +1,561 @@
+"""Stage 1: Kaldi-compatible log-mel filterbank features for a Kaldi data directory.
+
+Reads `wav.scp` (audio files readable by soundfile: WAV, FLAC, Ogg Opus ...; or Kaldi
+pipe commands ending in `|` whose stdout is audio), the optional `segments`, and copies
+`text` and `utt2spk` through. Features are 80-dim log-mel fbank computed with
+`torchaudio.compliance.kaldi.fbank` (25 ms window, 10 ms shift, dither 0 unless asked,
+other options at their Kaldi defaults) on audio scaled to the int16 range as Kaldi reads
+it, after resampling to `--sample-rate` when a file's rate differs.
+
+Work is split by recording over `--nj` processes; each recording is decoded once per
+job and all its segments are cut from the decoded waveform. With `--speed-perturb`,
+each recording is also speed-changed as sox `speed` does (tempo and pitch together,
+duration / factor) and the segments of the copy `sp<factor>-<utt>` are cut from the
+changed recording at times / factor, like Kaldi's `perturb_data_dir_speed.sh`.
+
+Output layout of <feat-dir> (tables sorted in byte order, written atomically):
+    feats.scp, utt2num_frames       features of every utterance that got some
+    text, utt2spk, spk2utt          copied for exactly those utterances (when present)
+    skipped.txt                     `<utt> <reason>` for every utterance without features
+    arks/feats.<job>.{ark,scp}      the matrices, written by kaldiio (also the job's
+                                    utt2num_frames.<job> and skipped.<job>)
+    arks/done.<job>                 a job's completion marker (hash of options and inputs)
+    split<nj>/<job>/                each job's wav.scp (and segments)
+    log/extract.<job>.log           each job's log
+
+A finished job is not redone on a re-run with the same options and inputs; an
+unfinished one is redone from scratch. Unreadable audio is skipped, listed and counted;
+the run fails only if every utterance failed or an input table is malformed.
+
+Usage:
+    python -m cat.features.extract --nj 4 --speed-perturb 0.9,1.1 data/train data/train_sp_fbank
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import heapq
+import json
+import logging
+import os
+import sys
+import traceback
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import kaldiio
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from cat.core.io import (
+    PathLike,
+    TableError,
+    atomic_write,
+    iter_table,
+    read_table,
+    setup_logging,
+    write_table,
+)
+from cat.core.process import process_pool
+from cat.features.fbank import (
+    AudioError,
+    FbankOptions,
+    compute_fbank,
+    read_audio_with_channels,
+    resample,
+    speed_perturb,
+)
+from cat.features.plan import (
+    DEFAULT_MAX_OVERSHOOT,
+    FORMAT_VERSION,
+    KALDI_AUTOMATIC_COMPRESSION,
+    Job,
+    JobFiles,
+    Plan,
+    check_speed_factors,
+    finished_job,
+    job_digest,
+    plan_jobs,
+    remove_stale_outputs,
+    speed_prefix,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class FeatureExtractionError(RuntimeError):
+    """The stage failed as a whole: a job crashed, or no utterance got features."""
+
+
+@dataclass(frozen=True)
+class ExtractSummary:
+    """What `extract` produced: counts, and which jobs ran or were reused from a past run."""
+
+    num_utterances: int
+    num_skipped: int
+    num_frames: int
+    jobs_run: tuple[int, ...]
+    jobs_reused: tuple[int, ...]
+    #: recordings resampled or cut to channel 0, by kind ("resampled from 8000 Hz ...")
+    conversions: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# One job (runs in a worker process)
+
+
+def _read_job_segments(path: Path) -> dict[str, list[tuple[str, float, float]]]:
+    segments: dict[str, list[tuple[str, float, float]]] = {}
+    for utt, value in iter_table(path):
+        recording, start, end = value.split()
+        segments.setdefault(recording, []).append((utt, float(start), float(end)))
+    return segments
+
+
+def _segment_span(start: float, end: float, num_samples: int, sample_rate: int,
+                  max_overshoot: float) -> tuple[int, int] | str:
+    """Sample range of a segment, as Kaldi's extract-segments computes it, or why it is unusable."""
+    begin = int(start * sample_rate)
+    stop = num_samples if end == -1 else int(end * sample_rate)
+    if num_samples == 0:
+        return "empty audio"
+    if start < 0:
+        return f"segment starts before the recording ({start} s)"
+    if begin >= num_samples:
+        return (f"segment starts at {start} s, after the recording end "
+                f"({num_samples / sample_rate} s)")
+    if stop > num_samples:
+        if stop - num_samples > int(max_overshoot * sample_rate):
+            return (f"segment ends at {end} s, more than {max_overshoot} s after the recording "
+                    f"end ({num_samples / sample_rate} s)")
+        stop = num_samples
+    if stop <= begin:
+        return f"empty segment ({start} s to {end} s)"
+    return begin, stop
+
+
+def _recording_features(
+    recording: str, spec: str, pieces: list[tuple[str, float, float]] | None, job: Job,
+    conversions: collections.Counter | None = None,
+) -> Iterator[tuple[str, np.ndarray | str]]:
+    """Yield `(utterance, features or skip reason)` for every utterance of one recording.
+
+    `pieces` are the recording's segments, or None for a whole-recording utterance.
+    The recording is decoded once; each speed factor changes it once. Recordings
+    resampled or cut to their first channel are counted in `conversions`.
+    """
+    sample_rate = job.options.sample_rate
+    pieces = pieces if pieces is not None else [(recording, 0.0, -1.0)]
+    copies = [("", 1.0)] + [(speed_prefix(f), f) for f in job.speed_factors]
+    try:
+        waveform, rate, channels = read_audio_with_channels(spec)
+        waveform = resample(waveform, rate, sample_rate)
+    except AudioError as error:
+        for prefix, _ in copies:
+            for utt, _, _ in pieces:
+                yield prefix + utt, str(error)
+        return
+    if conversions is not None:
+        if rate != sample_rate:
+            conversions[f"resampled from {rate} Hz to {sample_rate} Hz"] += 1
+        if channels > 1:
+            conversions[f"{channels} channels, channel 0 used"] += 1
+    spans = [(utt, _segment_span(start, end, len(waveform), sample_rate, job.max_overshoot))
+             for utt, start, end in pieces]
+    for prefix, factor in copies:
+        audio = waveform if factor == 1.0 else speed_perturb(waveform, sample_rate, factor)
+        for utt, span in spans:
+            key = prefix + utt
+            if isinstance(span, str):
+                yield key, span
+                continue
+            begin, stop = int(span[0] / factor), min(int(span[1] / factor), len(audio))
+            try:
+                yield key, compute_fbank(audio[begin:stop], sample_rate, job.options,
+                                         seed=zlib.crc32(key.encode()))
+            except AudioError as error:
+                yield key, str(error)
+
+
+@contextlib.contextmanager
+def _job_log(path: Path) -> Iterator[None]:
+    """Send this module's log records to `path` while the block runs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s: %(message)s",
+                                           "%Y-%m-%d %H:%M:%S"))
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+
+
+def _run_job(job: Job) -> dict:
+    """Compute and write one job's features; returns the completion marker's content."""
+    files = JobFiles.of(Path(job.feat_dir), job.index)
+    # The marker goes first so that a crash from here on leaves the job unfinished.
+    for path in (files.marker, files.ark, files.scp, files.num_frames, files.skipped):
+        path.unlink(missing_ok=True)
+    input_dir = Path(job.input_dir)
+    recordings = read_table(input_dir / "wav.scp")
+    segments = _read_job_segments(input_dir / "segments") if job.has_segments else None
+    num_pieces = sum(map(len, segments.values())) if segments is not None else len(recordings)
+    logger.info("job %d: %d recording(s), %d utterance(s) x %d speed(s); options %s",
+                job.index, len(recordings), num_pieces, 1 + len(job.speed_factors),
+                dataclasses.asdict(job.options))
+
+    entries: list[tuple[str, int, int]] = []
+    skipped: list[tuple[str, str]] = []
+    conversions: collections.Counter = collections.Counter()
+    compression = KALDI_AUTOMATIC_COMPRESSION if job.compress else None
+    partial = files.ark.with_name(files.ark.name + ".tmp")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(partial, "wb") as ark, tqdm(
+            total=num_pieces * (1 + len(job.speed_factors)),
+            desc=f"fbank {job.index}/{job.num_jobs}", unit="utt", position=job.index - 1,
+            disable=not job.progress, mininterval=1.0, dynamic_ncols=True,
+        ) as bar:
+            for recording, spec in recordings.items():
+                pieces = segments[recording] if segments is not None else None
+                for key, result in _recording_features(recording, spec, pieces, job,
+                                                       conversions):
+                    if isinstance(result, str):
+                        reason = " ".join(result.split())  # one line per entry in skipped.txt
+                        skipped.append((key, reason))
+                        logger.warning("%s: skipped: %s", key, reason)
+                    else:
+                        # kaldiio writes "<key> " and then the matrix, where the scp points.
+                        offset = ark.tell() + len(key.encode("utf-8")) + 1
+                        kaldiio.save_ark(ark, {key: result}, compression_method=compression)
+                        entries.append((key, offset, result.shape[0]))
+                    bar.update()
+            ark.flush()
+            os.fsync(ark.fileno())
+        os.replace(partial, files.ark)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+    write_table(files.scp, ((key, f"{files.ark}:{offset}") for key, offset, _ in entries))
+    write_table(files.num_frames, ((key, frames) for key, _, frames in entries))
+    write_table(files.skipped, skipped)
+    marker = {"digest": job.digest, "ark_bytes": files.ark.stat().st_size,
+              "num_utterances": len(entries), "num_skipped": len(skipped),
+              "conversions": dict(conversions),
+              "num_frames": sum(frames for _, _, frames in entries)}
+    with atomic_write(files.marker) as f:
+        json.dump(marker, f)
+    logger.info("job %d: %d utterance(s) with features, %d skipped", job.index,
+                len(entries), len(skipped))
+    return marker
+
+
+def _run_job_logged(job: Job) -> dict:
+    """Run one job with one torch thread, logging to its log file; errors go in the result."""
+    files = JobFiles.of(Path(job.feat_dir), job.index)
+    threads = torch.get_num_threads()
+    # Jobs are the unit of parallelism: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        with _job_log(files.log):
+            try:
+                return _run_job(job)
+            except Exception:
+                logger.error("job %d failed:\n%s", job.index, traceback.format_exc())
+                return {"error": traceback.format_exc(limit=1).strip().splitlines()[-1]}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_jobs(jobs: list[Job], num_processes: int) -> list[dict]:
+    """Run jobs in parallel processes (in this process when there is only one)."""
+    if len(jobs) == 1:
+        return [_run_job_logged(jobs[0])]
+    # Spawned workers (forking a process that has used torch is unsafe) that end with
+    # this process.
+    with process_pool(min(num_processes, len(jobs))) as pool:
+        futures = [pool.submit(_run_job_logged, job) for job in jobs]
+        results = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except concurrent.futures.process.BrokenProcessPool as error:
+                results.append({"error": f"worker process died: {error}"})
+        return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging
+
+
+def _write_sorted(path: Path, rows: Iterable[tuple[str, str]]) -> int:
+    """Write `(key, value)` rows that arrive in byte order, atomically; returns the count."""
+    count, previous = 0, None
+    with atomic_write(path) as f:
+        for key, value in rows:
+            if previous is not None and key <= previous:
+                raise FeatureExtractionError(f"{path}: key {key!r} is repeated or out of order "
+                                             f"(after {previous!r})")
+            f.write(f"{key} {value}\n" if value else f"{key}\n")
+            previous = key
+            count += 1
+    return count
+
+
+def _merged(paths: Iterable[Path], allow_empty_value: bool = False) -> Iterator[tuple[str, str]]:
+    """Rows of several sorted tables, merged in byte order."""
+    tables = [iter_table(path, allow_empty_value) for path in paths]
+    return heapq.merge(*tables, key=lambda row: row[0])
+
+
+def _expanded(rows: dict[str, str], prefixes: Sequence[str], keep: Callable[[str, str], bool],
+              prefix_value: bool) -> Iterator[tuple[str, str]]:
+    """Rows of a base table for every speed prefix, in byte order, filtered by `keep`."""
+    keys = sorted(rows)
+
+    def copy(prefix: str) -> Iterator[tuple[str, str]]:
+        for key in keys:
+            if keep(prefix, key):
+                yield prefix + key, (prefix + rows[key]) if prefix_value else rows[key]
+
+    return heapq.merge(*(copy(prefix) for prefix in prefixes), key=lambda row: row[0])
+
+
+def _copy_tables(data_dir: Path, feat_dir: Path, plan: Plan, prefixes: Sequence[str],
+                 skipped: set[str]) -> None:
+    """Write text, utt2spk and spk2utt for exactly the utterances that got features."""
+    def keep(prefix: str, utt: str) -> bool:
+        return utt in plan.utterances and prefix + utt not in skipped
+
+    # Copies left by an earlier run from inputs that no longer exist would be stale.
+    for name in ("text", "utt2spk", "spk2utt"):
+        if not (data_dir / name).is_file():
+            (feat_dir / name).unlink(missing_ok=True)
+    if (data_dir / "text").is_file():
+        text = read_table(data_dir / "text", allow_empty_value=True)
+        _report_coverage(data_dir / "text", text, plan.utterances)
+        _write_sorted(feat_dir / "text", _expanded(text, prefixes, keep, prefix_value=False))
+    if (data_dir / "utt2spk").is_file():
+        utt2spk = read_table(data_dir / "utt2spk")
+        _report_coverage(data_dir / "utt2spk", utt2spk, plan.utterances)
+        _write_sorted(feat_dir / "utt2spk", _expanded(utt2spk, prefixes, keep, prefix_value=True))
+        speakers: dict[str, list[str]] = {}
+        for utt in sorted(utt2spk):
+            speakers.setdefault(utt2spk[utt], []).append(utt)
+
+        def spk2utt(prefix: str) -> Iterator[tuple[str, str]]:
+            for speaker in sorted(speakers):
+                utts = [prefix + utt for utt in speakers[speaker] if keep(prefix, utt)]
+                if utts:
+                    yield prefix + speaker, " ".join(utts)
+
+        _write_sorted(feat_dir / "spk2utt",
+                      heapq.merge(*(spk2utt(p) for p in prefixes), key=lambda row: row[0]))
+
+
+def _report_coverage(path: Path, table: dict[str, str], utterances: set[str]) -> None:
+    without_audio = sum(1 for key in table if key not in utterances)
+    missing = sum(1 for utt in utterances if utt not in table)
+    if without_audio:
+        logger.warning("%s: %d entr(ies) have no audio in wav.scp/segments; not copied",
+                       path, without_audio)
+    if missing:
+        logger.warning("%s: %d utterance(s) with audio have no entry", path, missing)
+
+
+def _merge(data_dir: Path, feat_dir: Path, plan: Plan, prefixes: Sequence[str]
+           ) -> tuple[int, int, int]:
+    """Write the merged tables; returns (utterances, skipped, frames)."""
+    jobs = [JobFiles.of(feat_dir, index) for index in range(1, plan.num_jobs + 1)]
+    num_utterances = _write_sorted(feat_dir / "feats.scp", _merged(job.scp for job in jobs))
+    num_frames = 0
+
+    def frames() -> Iterator[tuple[str, str]]:
+        nonlocal num_frames
+        for key, value in _merged(job.num_frames for job in jobs):
+            num_frames += int(value)
+            yield key, value
+
+    _write_sorted(feat_dir / "utt2num_frames", frames())
+    skipped = dict(_merged(job.skipped for job in jobs))
+    write_table(feat_dir / "skipped.txt", skipped.items())
+    expected = len(plan.utterances) * len(prefixes)
+    if num_utterances + len(skipped) != expected:
+        raise FeatureExtractionError(f"{feat_dir}: {num_utterances} utterance(s) with features "
+                                     f"and {len(skipped)} skipped, expected {expected} in all")
+    _copy_tables(data_dir, feat_dir, plan, prefixes, set(skipped))
+    return num_utterances, len(skipped), num_frames
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+
+
+def extract(
+    data_dir: PathLike,
+    feat_dir: PathLike,
+    nj: int = 1,
+    options: FbankOptions | None = None,
+    speed_factors: Sequence[float] = (),
+    compress: bool = False,
+    max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
+    progress: bool = True,
+) -> ExtractSummary:
+    """Compute fbank features for the data dir `data_dir` into `feat_dir` (see module doc).
+
+    Jobs finished by an earlier run with the same inputs and options are reused.
+    Raises `TableError` for malformed input tables and `FeatureExtractionError` when a
+    job crashed or no utterance got features.
+    """
+    options = options or FbankOptions()
+    factors = check_speed_factors(speed_factors)
+    if nj < 1:
+        raise ValueError(f"nj must be at least 1, got {nj}")
+    if max_overshoot < 0:
+        raise ValueError(f"max_overshoot must not be negative, got {max_overshoot}")
+    data_dir, feat_dir = Path(data_dir), Path(feat_dir).resolve()
+    if feat_dir == data_dir.resolve():
+        raise ValueError(f"{feat_dir}: the feature dir must differ from the data dir")
+
+    plan = plan_jobs(data_dir, feat_dir, nj, factors)
+    remove_stale_outputs(feat_dir, plan.num_jobs, plan.split_dir)
+    jobs, reused = _pending_jobs(feat_dir, plan, options, factors, compress, max_overshoot,
+                                 progress)
+    if reused:
+        logger.info("reusing %d finished job(s): %s", len(reused), _job_list(reused))
+    failed = []
+    for job, result in zip(jobs, _run_jobs(jobs, nj) if jobs else [], strict=True):
+        if "error" in result:
+            failed.append(job.index)
+            logger.error("job %d failed (%s); see %s", job.index, result["error"],
+                         JobFiles.of(feat_dir, job.index).log)
+    if failed:
+        raise FeatureExtractionError(f"{len(failed)} feature job(s) failed: {_job_list(failed)}")
+
+    prefixes = [""] + [speed_prefix(f) for f in factors]
+    num_utterances, num_skipped, frames = _merge(data_dir, feat_dir, plan, prefixes)
+    summary = ExtractSummary(num_utterances, num_skipped, frames,
+                             tuple(job.index for job in jobs), tuple(reused),
+                             _conversions(feat_dir, plan.num_jobs))
+    _log_summary(feat_dir, summary, options)
+    if num_utterances == 0:
+        raise FeatureExtractionError(f"no utterance got features; reasons in "
+                                     f"{feat_dir / 'skipped.txt'}")
+    return summary
+
+
+def _pending_jobs(feat_dir: Path, plan: Plan, options: FbankOptions, factors: tuple[float, ...],
+                  compress: bool, max_overshoot: float, progress: bool,
+                  ) -> tuple[list[Job], list[int]]:
+    """The jobs to run, and the indices of finished jobs to reuse."""
+    jobs, reused = [], []
+    for index in range(1, plan.num_jobs + 1):
+        files = JobFiles.of(feat_dir, index)
+        input_dir = plan.split_dir / str(index)
+        fields = {"version": FORMAT_VERSION, "options": dataclasses.asdict(options),
+                  "speed_factors": list(factors), "compress": compress,
+                  "max_overshoot": max_overshoot, "ark": str(files.ark)}
+        digest = job_digest(fields, input_dir)
+        if finished_job(files, digest) is not None:
+            reused.append(index)
+            continue
+        jobs.append(Job(index, plan.num_jobs, str(feat_dir), str(input_dir), plan.has_segments,
+                         options, factors, compress, max_overshoot, digest, progress))
+    return jobs, reused
+
+
+def _conversions(feat_dir: Path, num_jobs: int) -> dict[str, int]:
+    """Recordings resampled or cut to one channel, summed over the jobs' markers."""
+    total: collections.Counter = collections.Counter()
+    for index in range(1, num_jobs + 1):
+        marker = json.loads(JobFiles.of(feat_dir, index).marker.read_text(encoding="utf-8"))
+        total.update(marker.get("conversions", {}))
+    return dict(sorted(total.items()))
+
+
+def _job_list(indices: Sequence[int]) -> str:
+    return ", ".join(map(str, indices))
+
+
+def _log_summary(feat_dir: Path, summary: ExtractSummary, options: FbankOptions) -> None:
+    hours = summary.num_frames * options.frame_shift_ms / 1000 / 3600
+    logger.info("%s: features for %d utterance(s) (%.2f h); jobs run: %d, reused: %d",
+                feat_dir, summary.num_utterances, hours, len(summary.jobs_run),
+                len(summary.jobs_reused))
+    if summary.num_skipped:
+        logger.warning("%d utterance(s) skipped; reasons in %s", summary.num_skipped,
+                       feat_dir / "skipped.txt")
+    for kind, count in summary.conversions.items():
+        logger.warning("%d recording(s): %s", count, kind)
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parse_factors(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from None
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m cat.features.extract", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data_dir", help="Kaldi data dir with wav.scp (+ segments, text, utt2spk)")
+    parser.add_argument("feat_dir", help="output dir (feats.scp, utt2num_frames, arks/, ...)")
+    parser.add_argument("--nj", type=int, default=1, help="parallel jobs (default %(default)s)")
+    parser.add_argument("--num-mel-bins", type=int, default=80, help="default %(default)s")
+    parser.add_argument("--sample-rate", type=int, default=16000,
+                        help="audio is resampled to this rate (default %(default)s)")
+    parser.add_argument("--dither", type=float, default=0.0,
+                        help="Kaldi dithering; 0 keeps features reproducible (default 0)")
+    parser.add_argument("--speed-perturb", type=_parse_factors, default=(), metavar="F1,F2",
+                        help="also write sp<F>-<utt> copies at these speeds, e.g. 0.9,1.1")
+    parser.add_argument("--compress", type=_parse_bool, default=False, metavar="true|false",
+                        help="write Kaldi-compressed matrices (default false)")
+    parser.add_argument("--max-overshoot", type=float, default=DEFAULT_MAX_OVERSHOOT,
+                        help="seconds a segment may end past its recording (default %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parse_args(argv)
+    setup_logging(args.verbose)
+    options = FbankOptions(num_mel_bins=args.num_mel_bins, sample_rate=args.sample_rate,
+                           dither=args.dither)
+    try:
+        extract(args.data_dir, args.feat_dir, nj=args.nj, options=options,
+                speed_factors=args.speed_perturb, compress=args.compress,
+                max_overshoot=args.max_overshoot, progress=not args.no_progress)
+    except (TableError, FeatureExtractionError, ValueError, FileNotFoundError) as error:
+        logger.error("%s", error)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

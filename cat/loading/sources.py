@@ -1,0 +1,178 @@
+"""Where shards come from: local files, http(s) URLs, `pipe:` commands; storage errors.
+
+`open_shard` opens a shard as a binary stream; `read_shard` streams its members. An
+HTTP body that ends early raises `StorageError` instead of looking like a truncated tar.
+
+Storage errors are not corrupt data: `classify` tells a transient storage error (a
+refused or reset connection, a timeout, HTTP 5xx or 429, a failed `pipe:` command,
+other I/O errors), worth retrying, from a shard that is not there (a missing file,
+HTTP 4xx) and from corrupt data (`CorruptShardError`: a malformed or truncated tar).
+
+Usage:
+    for name, data in read_shard("https://host/wds/data-00000.tar", timeout=30): ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import http.client
+import io
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from zlib_ng.zlib_ng import crc32
+
+from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
+from cat.loading.tar import BufferPool, CorruptShardError, MemberFilter, iter_tar_members
+
+
+class StorageError(OSError):
+    """A shard could not be read from its storage; `transient` when worth retrying."""
+
+    def __init__(self, message: str, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+#: Causes of a shard that could not be read to its end (`classify`).
+TRANSIENT, UNAVAILABLE, CORRUPT = "transient", "unavailable", "corrupt"
+_PERMANENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR}
+
+
+def classify(error: BaseException) -> str:
+    """`TRANSIENT`, `UNAVAILABLE` or `CORRUPT` (see the module docstring)."""
+    if isinstance(error, CorruptShardError):
+        return CORRUPT
+    if isinstance(error, StorageError):
+        return TRANSIENT if error.transient else UNAVAILABLE
+    if isinstance(error, urllib.error.HTTPError):
+        return TRANSIENT if error.code >= 500 or error.code == 429 else UNAVAILABLE
+    if isinstance(error, urllib.error.URLError) and isinstance(error.reason, BaseException):
+        return classify(error.reason)
+    if isinstance(error, (http.client.HTTPException, ConnectionError, TimeoutError)):
+        return TRANSIENT
+    if isinstance(error, OSError) and error.errno in _PERMANENT_ERRNOS:
+        return UNAVAILABLE
+    return TRANSIENT
+
+
+def describe(error: BaseException) -> str:
+    """`Type: message` of an error (the reason of a URL error; a StorageError's message)."""
+    if isinstance(error, StorageError):
+        return str(error)
+    if isinstance(error, urllib.error.URLError) and not isinstance(error,
+                                                                   urllib.error.HTTPError):
+        return f"{type(error.reason).__name__}: {error.reason}"
+    return f"{type(error).__name__}: {error}"
+
+
+@contextlib.contextmanager
+def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[BinaryIO]:
+    """A binary stream of a local file, an http(s) URL or a `pipe:` command's stdout.
+
+    A `pipe:` command that exits with an error after its output was read raises OSError.
+    """
+    if url.startswith(("http://", "https://")):
+        try:
+            response = urllib.request.urlopen(url, timeout=timeout)
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
+            raise StorageError(f"cannot fetch it: {describe(error)}",
+                               classify(error) == TRANSIENT) from None
+        with response:
+            yield _HttpBody(response)
+        return
+    if url.startswith("pipe:"):
+        process = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE,
+                                   bufsize=1 << 20)
+        finished = False
+        try:
+            yield process.stdout
+            finished = True
+        finally:
+            if not finished:
+                process.kill()
+            process.stdout.close()
+            status = process.wait()
+        if finished and status != 0:
+            raise StorageError(f"the command exited with status {status}", True)
+        return
+    with open(url, "rb") as f:
+        yield f
+
+
+def read_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None,
+               keep: MemberFilter | None = None
+               ) -> Iterator[tuple[str, bytes | memoryview | None]]:
+    """Members of one shard, streamed (errors name the shard; `pool`, `keep`: see
+    iter_tar_members)."""
+    with open_shard(url, timeout) as stream:
+        yield from iter_tar_members(stream, url, pool, keep)
+        if not isinstance(stream, (io.BufferedReader, io.FileIO)):
+            # Let pipe commands and servers finish writing the archive's trailing blocks.
+            while stream.read(1 << 16):
+                pass
+
+
+class _HttpBody:
+    """An HTTP response body whose early end (a closed connection) raises StorageError
+    instead of looking like the end of the data (which would read as a truncated tar)."""
+
+    def __init__(self, response: http.client.HTTPResponse) -> None:
+        self.response = response
+
+    def _check(self, count: int, wanted: int) -> None:
+        left = getattr(self.response, "length", None)
+        if wanted and not count and left:
+            raise StorageError(f"the connection closed {left} bytes before the end", True)
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.response.read(size)
+        self._check(len(data), size)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        count = self.response.readinto(view)
+        self._check(count, len(view))
+        return count
+
+
+class ChecksumReader:
+    """A binary stream that keeps the CRC-32 of the bytes read through it; a seek (members
+    passed over) makes it unknown (None)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self.checksum: int | None = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        if self.checksum is not None:
+            self.checksum = crc32(data, self.checksum)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        readinto = getattr(self.stream, "readinto", None)
+        if readinto is None:
+            data = self.read(len(view))
+            view[:len(data)] = data
+            return len(data)
+        count = readinto(view)
+        if self.checksum is not None and count:
+            self.checksum = crc32(view[:count], self.checksum)
+        return count
+
+    def seekable(self) -> bool:
+        seekable = getattr(self.stream, "seekable", None)
+        return bool(seekable and seekable())
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.checksum = None
+        return self.stream.seek(offset, whence)
+
+    def finish(self) -> int | None:
+        """Read what is left (the archive's trailing blocks); the checksum of it all."""
+        while self.read(1 << 16):
+            pass
+        return self.checksum

@@ -1,0 +1,218 @@
+"""Stages 2-6 of the streaming loader, each a generator: sample dict in, sample dict out.
+
+    prepare_samples  decode the features, tokenize the transcript, decide the verdict
+    ShuffleBuffer    in-memory shuffle buffer
+    settle_samples   act on the verdicts as samples leave the shuffle buffer
+    SortBatcher      sort buffer cut into batches by padded frames
+    collate_batches  padding collate, with the worker's events and position
+
+`ShuffleBuffer` and `SortBatcher` keep their whole state in attributes, so that a
+`WorkerPosition` can describe it and a resume rebuild it (`cat.loading.stream`).
+
+Usage:
+    stream = prepare_samples(reader, judge)
+    stream = settle_samples(ShuffleBuffer(3000, rng)(stream), events)
+    batches = collate_batches(SortBatcher(500, 64, 20000, rng)(stream), events, 80)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from cat.formats.tables import transcript_verdict
+from cat.loading.batch import (
+    LengthFilter,
+    StreamEvents,
+    Utterance,
+    collate,
+    empty_batch,
+    form_batches,
+)
+from cat.loading.samples import WorkerPosition, decode_npy
+from cat.loading.tar import BufferPool
+
+logger = logging.getLogger(__name__)
+
+
+def judge_sample(sample: dict[str, Any], feat_dim: int, feat_dim_source: str,
+           urls: Sequence[str], encode: Callable[[str], list[int]],
+           length_filter: LengthFilter | None, strict: bool) -> None:
+    """Decode, tokenize and filter one sample in place; a verdict goes under `drop` or
+    `error`, and the first failed check decides it."""
+    where = f"shard {urls[sample['shard']]}: utterance {sample['key']!r}"
+
+    def undecodable(reason: str, error: Exception) -> None:
+        if strict:
+            sample["error"] = f"{where}: {reason} {error} (strict_shards is set)"
+        else:
+            sample["drop"] = f"{reason} {error}"
+
+    data = sample.pop("npy")
+    if isinstance(data, memoryview):
+        sample["buffer"] = data.obj
+    try:
+        features = decode_npy(data)
+    except (ValueError, KeyError) as error:
+        undecodable("corrupt_features", error)
+        return
+    if features.shape[1] != feat_dim:
+        sample["error"] = (f"{where} has {features.shape[1]}-dim features, but "
+                           f"{feat_dim_source} is {feat_dim}")
+        return
+    sample["features"] = features
+    try:
+        text = str(sample.pop("txt"), "utf-8")
+    except UnicodeDecodeError as error:
+        undecodable("bad_text", error)
+        return
+    ids = encode(text) if text.strip() else []
+    reason = transcript_verdict(text, ids)
+    if reason:
+        sample["drop"] = reason
+        return
+    sample["label"] = label = np.asarray(ids, np.int32)
+    if length_filter is not None:
+        reason = length_filter.reason(len(features), label)
+        if reason:
+            sample["drop"] = reason
+
+
+def prepare_samples(samples: Iterable[dict[str, Any]], judge: Callable[[dict[str, Any]], None]
+                    ) -> Iterator[dict[str, Any]]:
+    """Stage 2: decode `npy` into `features` [T, D] (a view on the bytes; a pooled buffer
+    under them is kept as `buffer`), tokenize `txt` into `label` ids (int32) and decide
+    the sample's verdict (`judge`, i.e. `judge_sample`), as each sample is read.
+
+    Done before the shuffle buffer, this work overlaps reading: while the buffer fills,
+    storage is the limit (cold disk, network), and the buffer then empties faster.
+    Nothing is reported here: a sample to leave out carries `drop` (its reason), one that
+    is an error carries `error` (its message), and `settle_samples` acts on them where
+    the sample leaves the shuffle buffer, so events and errors keep their place.
+    """
+    for sample in samples:
+        judge(sample)
+        yield sample
+
+
+class ShuffleBuffer:
+    """Stage 3: a buffer of `size` samples; each new sample replaces a random one, and
+    when the input ends the rest leaves in random order. `samples` and `draining` are
+    its whole state (with the shared `rng`): see `WorkerPosition`."""
+
+    def __init__(self, size: int, rng: random.Random) -> None:
+        self.size = size
+        self.rng = rng
+        self.samples: list[dict[str, Any]] = []
+        self.draining = False
+
+    def __call__(self, upstream: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        if self.size <= 1:
+            yield from upstream
+            return
+        samples = self.samples
+        if not self.draining:
+            for sample in upstream:
+                if len(samples) < self.size:
+                    samples.append(sample)
+                    continue
+                position = self.rng.randrange(self.size)
+                samples[position], sample = sample, samples[position]
+                yield sample
+            self.rng.shuffle(samples)
+            self.draining = True
+        while samples:
+            yield samples.pop()
+
+
+def settle_samples(samples: Iterable[dict[str, Any]], events: StreamEvents,
+                   pool: BufferPool | None = None) -> Iterator[dict[str, Any]]:
+    """Stage 4: report (`events.dropped`) the samples `prepare_samples` left out and give
+    their buffers back to `pool`; raise a sample's error (ValueError naming the shard)."""
+    for sample in samples:
+        if "error" in sample:
+            raise ValueError(sample["error"])
+        reason = sample.get("drop")
+        if reason is None:
+            yield sample
+            continue
+        events.dropped.append((sample["key"], reason, sample["shard"]))
+        if pool is not None and "buffer" in sample:
+            pool.give_back(sample["buffer"])
+
+
+class SortBatcher:
+    """Stage 5: sort `sort_buffer` samples by length and cut them into batches within
+    `batch_size` utterances and `max_frames` padded frames.
+
+    Each buffer leaves whole, its batches in random order when `rng` is given (see the
+    module docstring for why no batch waits for the next buffer). `buffer`, `pending`
+    (batches cut, not yet sent) and `upstream_done` are its whole state.
+    """
+
+    def __init__(self, sort_buffer: int, batch_size: int, max_frames: int,
+                 rng: random.Random | None) -> None:
+        self.sort_buffer = max(1, sort_buffer)
+        self.batch_size = batch_size
+        self.max_frames = max_frames
+        self.rng = rng
+        self.buffer: list[dict[str, Any]] = []
+        self.pending: list[list[dict[str, Any]]] = []
+        self.upstream_done = False
+
+    def __call__(self, upstream: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+        yield from self._send()
+        if not self.upstream_done:
+            for sample in upstream:
+                self.buffer.append(sample)
+                if len(self.buffer) >= self.sort_buffer:
+                    self._cut()
+                    yield from self._send()
+            self.upstream_done = True
+            self._cut()
+        yield from self._send()
+
+    def _send(self) -> Iterator[list[dict[str, Any]]]:
+        while self.pending:
+            yield self.pending.pop(0)
+
+    def _cut(self) -> None:
+        buffer = self.buffer
+        buffer.sort(key=lambda s: len(s["features"]))
+        lengths = np.fromiter((len(s["features"]) for s in buffer), np.int64, len(buffer))
+        batches = form_batches(lengths, np.arange(len(buffer)), self.batch_size,
+                               self.max_frames)
+        if self.rng is not None:
+            self.rng.shuffle(batches)
+        self.pending += [[buffer[i] for i in batch] for batch in batches]
+        self.buffer = []
+
+
+def collate_batches(groups: Iterable[list[dict[str, Any]]], events: StreamEvents,
+                    feat_dim: int, pool: BufferPool | None = None,
+                    collate_fn: Callable[..., Any] = collate,
+                    position: Callable[[], WorkerPosition] | None = None) -> Iterator[Any]:
+    """Stage 6: padding collate; events so far ride along, with the worker's `position`
+    after the batch; a final batch without utterances flushes the last events.
+
+    The batch holds copies, so the samples' pooled buffers go back to `pool` here.
+    `collate_fn(utterances, events)` may be a `cat.loading.transport.SharedCollate`.
+    """
+    for group in groups:
+        utterances = [Utterance(s["key"], s["features"], s["label"], s["id"]) for s in group]
+        if position is not None:
+            events.position = position()
+        batch = collate_fn(utterances, events.drain())
+        if pool is not None:
+            for sample in group:
+                if "buffer" in sample:
+                    pool.give_back(sample["buffer"])
+        yield batch
+    if events:
+        if position is not None:
+            events.position = position()
+        yield empty_batch(feat_dim, events.drain())

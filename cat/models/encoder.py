@@ -1,0 +1,137 @@
+"""Acoustic encoders: `ConformerNet` (convolutional subsampling + Conformer blocks).
+
+An encoder maps padded features `[B, T, idim]` with lengths `[B]` to hidden
+states `[B, T', output_dim]` with lengths `[B]`. Padded output frames are
+zero. `output_lengths(feat_lens)` gives `T'` without running the network, so a
+data filter can drop utterances that are too short for their labels (CTC needs
+`T'` >= number of labels + number of repeated adjacent labels).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cat.models.layer import (
+    ConformerBlock,
+    Conv2dSubsampling,
+    RelPositionalEncoding,
+    TimeReduction,
+    lengths_to_padding_mask,
+)
+
+
+class FeatureNormalizer(nn.Module):
+    """Global mean and variance normalisation of the input features.
+
+    The statistics are buffers, saved in checkpoints; until `set_stats` is called they
+    are the identity (mean 0, scale 1) and `initialized` is False.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("inv_std", torch.ones(dim))
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def set_stats(self, mean: torch.Tensor, std: torch.Tensor, floor: float = 1e-3) -> None:
+        """Use per-dimension `mean` and `std` (floored at `floor`) from now on."""
+        if mean.shape != self.mean.shape or std.shape != self.mean.shape:
+            raise ValueError(f"feature statistics of shape {tuple(mean.shape)}/"
+                             f"{tuple(std.shape)}, expected {tuple(self.mean.shape)}")
+        self.mean.copy_(mean)
+        self.inv_std.copy_(1.0 / std.clamp(min=floor))
+        self.initialized.fill_(True)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return (feats - self.mean) * self.inv_std
+
+
+class ConformerNet(nn.Module):
+    """Conformer encoder (Gulati et al. 2020) with relative-position self-attention.
+
+    Args:
+        idim: input feature dimension (80 for the project's fbank).
+        hdim: model (attention) dimension; must be even and divisible by `num_heads`.
+        num_cells: number of Conformer blocks.
+        num_heads: attention heads.
+        kernel_size: depthwise convolution kernel (odd).
+        ffn_mult: feed-forward hidden size = `ffn_mult * hdim`.
+        dropout: dropout of the residual branches and the subsampled input.
+        dropout_attn: dropout on the attention weights.
+        conv_norm: "batchnorm" or "layernorm" in the convolution module.
+        subsampling_channels: channels of the conv2d subsampling (default `hdim`).
+        time_reduction_factor: extra frame-rate reduction (1 = none) by frame stacking.
+        time_reduction_position: number of blocks run before the extra reduction
+            (0 = right after the conv subsampling, which makes all blocks cheaper).
+        global_cmvn: normalise the input features with a global mean and standard
+            deviation held in the model (see `FeatureNormalizer`), so checkpoints carry
+            them to decoding. The trainer sets them from training data before step 0.
+
+    Frame rate: 4x from the subsampling times `time_reduction_factor`.
+    """
+
+    def __init__(self, idim: int, hdim: int, num_cells: int, num_heads: int = 4,
+                 kernel_size: int = 15, ffn_mult: int = 4, dropout: float = 0.1,
+                 dropout_attn: float = 0.0, conv_norm: str = "batchnorm",
+                 subsampling_channels: int | None = None, time_reduction_factor: int = 1,
+                 time_reduction_position: int = 0, global_cmvn: bool = False) -> None:
+        super().__init__()
+        if not 0 <= time_reduction_position <= num_cells:
+            raise ValueError(f"time_reduction_position={time_reduction_position} must be within "
+                             f"[0, num_cells={num_cells}]")
+        self.output_dim = hdim
+        self.normalizer = FeatureNormalizer(idim) if global_cmvn else None
+        self.subsampling = Conv2dSubsampling(idim, hdim, subsampling_channels)
+        self.positional = RelPositionalEncoding(hdim, dropout)
+        self.cells = nn.ModuleList(
+            ConformerBlock(hdim, num_heads, ffn_mult * hdim, kernel_size, dropout, dropout_attn,
+                           conv_norm)
+            for _ in range(num_cells)
+        )
+        self.time_reduction = (TimeReduction(hdim, time_reduction_factor)
+                               if time_reduction_factor > 1 else None)
+        self.time_reduction_position = time_reduction_position
+
+    @property
+    def frame_rate_factor(self) -> int:
+        """Total frame-rate reduction from input features to encoder output."""
+        return 4 * (self.time_reduction.factor if self.time_reduction is not None else 1)
+
+    def output_lengths(self, feat_lens: torch.Tensor) -> torch.Tensor:
+        """Encoder output lengths for inputs of `feat_lens` frames."""
+        lengths = Conv2dSubsampling.output_lengths(feat_lens)
+        if self.time_reduction is not None:
+            lengths = self.time_reduction.output_lengths(lengths)
+        return lengths
+
+    def _run_cells(self, x: torch.Tensor, lengths: torch.Tensor, cells: nn.ModuleList,
+                   scale_input: bool) -> torch.Tensor:
+        if scale_input:
+            x, pos_emb = self.positional(x)
+        else:
+            pos_emb = self.positional.position_embeddings(x.size(1), x.device, x.dtype)
+            pos_emb = self.positional.dropout(pos_emb)
+        padding_mask = lengths_to_padding_mask(lengths, x.size(1))
+        for cell in cells:
+            x = cell(x, pos_emb, padding_mask)
+        return x
+
+    def forward(self, feats: torch.Tensor,
+                feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`feats` [B, T, idim] float, `feat_lens` [B] long -> ([B, T', hdim], lengths [B])."""
+        if self.normalizer is not None:
+            feats = self.normalizer(feats)
+        x, lengths = self.subsampling(feats, feat_lens.to(feats.device))
+        if x.size(1) == 0:
+            # Every utterance is shorter than the subsampling window: nothing to encode.
+            return x.new_zeros(x.size(0), 0, self.output_dim), self.output_lengths(feat_lens)
+        if self.time_reduction is None:
+            x = self._run_cells(x, lengths, self.cells, scale_input=True)
+        else:
+            split = self.time_reduction_position
+            x = self._run_cells(x, lengths, self.cells[:split], scale_input=True)
+            x, lengths = self.time_reduction(x, lengths)
+            x = self._run_cells(x, lengths, self.cells[split:], scale_input=False)
+        x = x.masked_fill(lengths_to_padding_mask(lengths, x.size(1)).unsqueeze(-1), 0.0)
+        return x, lengths

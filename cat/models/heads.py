@@ -1,0 +1,64 @@
+"""What the model families share: loss normalisation, batch checks, blank-heavy output init.
+
+Usage:
+    feats, feat_lens = on_device(device, feats, feat_lens)
+    check_batch(feats, feat_lens, labels, label_lens)
+    init_blank_bias(head, blank_prob=0.9)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+LOSS_NORMALIZATIONS = ("utterance", "token")
+
+
+def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Move lengths and labels to the features' device (collate output may be on CPU)."""
+    return tuple(t.to(device) for t in tensors)
+
+
+def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
+                label_lens: torch.Tensor, num_classes: int) -> None:
+    """Raise ValueError on shapes or label values a model cannot train on."""
+    batch = feats.size(0)
+    if feats.dim() != 3:
+        raise ValueError(f"feats must be [B, T, D], got shape {tuple(feats.shape)}")
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be [B, U], got shape {tuple(labels.shape)}")
+    if (feat_lens.shape != (batch,) or label_lens.shape != (batch,)
+            or labels.size(0) != batch):
+        raise ValueError(f"batch size mismatch: feats {tuple(feats.shape)}, feat_lens "
+                         f"{tuple(feat_lens.shape)}, labels {tuple(labels.shape)}, label_lens "
+                         f"{tuple(label_lens.shape)}")
+    if batch and (int(feat_lens.max()) > feats.size(1) or int(label_lens.max()) > labels.size(1)
+                  or int(feat_lens.min()) < 0 or int(label_lens.min()) < 0):
+        raise ValueError("feat_lens/label_lens exceed the padded sizes or are negative")
+    valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
+    bad = valid & ((labels < 1) | (labels >= num_classes))
+    if bad.any():
+        row = int(bad.any(dim=1).nonzero()[0])
+        raise ValueError(f"labels of utterance {row} in the batch hold ids outside "
+                         f"[1, {num_classes}) (0 is blank): {labels[row][valid[row]].tolist()}")
+
+
+def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:
+    """Make the output start with probability `blank_prob` for blank (0), the rest uniform.
+
+    From a near-uniform start, a CTC or RNN-T model first lowers its loss by emitting
+    blank everywhere, and the quickest way there is to make its output independent of
+    the input: a saddle it can take thousands of steps to leave, the longer the larger
+    the vocabulary. Starting at that point already leaves the first gradients to telling
+    the tokens apart. `blank_prob` 0 keeps PyTorch's default initialisation.
+    """
+    if not 0.0 <= blank_prob < 1.0:
+        raise ValueError(f"blank_init_prob must be in [0, 1), got {blank_prob}")
+    if blank_prob == 0.0:
+        return
+    num_tokens = head.out_features - 1
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[0] = math.log(blank_prob / (1.0 - blank_prob) * num_tokens)

@@ -1,0 +1,346 @@
+"""The training manager: data loaders from `hyper-p.json`, the training loop, checkpoints.
+
+`train(exp_dir, expected_bin, resume)` runs stage 3 for one experiment, in one process or
+under torchrun (one process per rank; nccl on GPU, gloo on CPU):
+
+1. Load and validate `hyper-p.json` + `config.json` (`cat.core.config`), export `env`,
+   set the CPU threads, save `exp/<name>/resolved.json` (resolved options + git commit).
+2. Build the model for the tokenizer's vocabulary, and a `LengthFilter` from the
+   encoder's subsampling (`cat.training.setup`).
+3. Build the data: `large_dataset: false` -> `MapTrainData` (map pack, bucketing batch
+   sampler, equal batch counts per rank); `true` -> `StreamTrainData` (tar shards,
+   `cat.loading.stream`). Dev data is a map pack unless `dev_large_dataset`.
+4. Loop over epochs and optimizer updates; evaluate and checkpoint every `check_freq`
+   updates or at the end of every epoch; stop at `epochs`, `max_steps`, the scheduler's
+   `stop_step` or the time budget (always with a checkpoint).
+
+Each update (`cat.training.update.Updater`) agrees across ranks on whether any rank ran
+out of data, so every rank ends the epoch at the same update; the utterances that cut
+leaves untrained are counted per epoch in `exp/<name>/log/epoch-<EEE>.json`. The loss is
+the exact mean over every utterance (or token) of the update on every rank.
+
+Logging: tqdm on rank 0; TensorBoard scalars in `exp/<name>/log/tensorboard/` and the same
+scalars in `exp/<name>/log/scalars.jsonl` (train/dev loss, lr, grad norm, utterances/s,
+data-wait fraction = time blocked on the loader / wall time); `exp/<name>/monitor.png`
+plots them after training. Utterances left out are listed per epoch in
+`exp/<name>/log/drops/` (`<utt> <reason> [detail]`), and with `log_utterances` the trained
+utterance ids in `exp/<name>/log/utts/` (one line per batch); both stay true across a
+resume (`cat.training.train_data.EpochLog`).
+
+Resume (`--resume`): the latest checkpoint restores model, optimizer, scheduler, scaler,
+RNG states and data position. Map-style epochs continue at the next batch (the batch
+order is a function of (seed, epoch)); streaming epochs continue exactly where each
+DataLoader worker of each rank stood (`cat.loading.stream`: buffers, reading position
+and random state), so the epoch trains the same utterances, each once, and a resumed run
+ends with the same model as an uninterrupted one (with up to one worker per rank; with
+more, the same utterances in another order). The checkpoint records what decides the
+data (`identity()`: shards with their CRC-32, world size, workers, batching, tokenizer,
+filter, seed); when any of it changed, `--resume` stops with an error naming the change,
+and `--resume-restart-epoch` starts the interrupted epoch again from its beginning
+instead (its utterances trained so far are counted as retrained).
+
+Coverage: at the end of every epoch, `exp/<name>/log/coverage.jsonl` gets a line with
+the utterances trained, dropped per reason, lost in corrupt shards, cut by the epoch's
+end (and the share of the epoch this is), retrained, and the lengths of the cut ones
+(histogram and mean against the corpus mean), so any epoch can be audited afterwards.
+
+Usage:
+    python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch]
+    torchrun --nproc-per-node 2 -m cat.ctc.train exp/ctc-v1
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cat.core import config as config_module
+from cat.core.config import Experiment
+from cat.core.io import atomic_write
+from cat.training import setup
+from cat.training.checkpoint import CheckpointManager, load_checkpoint, load_model_state
+from cat.training.distributed import DistributedContext, set_threads
+from cat.training.monitor import Monitor, plot_scalars
+from cat.training.report import DataChangedError, check_epoch, epoch_record, write_coverage
+from cat.training.train_data import StreamTrainData
+from cat.training.update import Updater
+from cat.training.watchdog import NoWatchdog, Watchdog, start_watchdog
+
+logger = logging.getLogger(__name__)
+
+
+class Manager:
+    """Owns one training run (see the module docstring)."""
+
+    def __init__(self, experiment: Experiment, context: DistributedContext,
+                 resume: bool = False, restart_epoch: bool = False) -> None:
+        self.experiment = experiment
+        self.options = experiment.options
+        self.context = context
+        self.exp_dir = experiment.directory
+        self.log_dir = self.exp_dir / "log"
+        self.start_time = time.monotonic()
+        self.elapsed_before = 0.0
+        self.step = 0
+        self.epoch = 1
+        # This rank's data state to continue the first epoch after a resume.
+        self.resume_state: dict[str, Any] | None = None
+        self.restart_epoch = restart_epoch
+        self.in_epoch = False
+        self.epoch_start_step = 0
+        self.retrained = 0
+        self.last_checkpoint_step = -1
+        self.watchdog: Watchdog | NoWatchdog = NoWatchdog()
+
+        self.threads = set_threads(self.options.threads, context)
+        self.model, self.num_classes = setup.build_model(experiment, context)
+        self.feat_dim = int(experiment.config["encoder"]["kwargs"]["idim"])
+        self.train_data, self.dev_data = setup.build_data(self.options, self.model,
+                                                          self.feat_dim, context, self.log_dir)
+        if not resume:
+            setup.init_feature_stats(self.model, self.train_data, self.feat_dim)
+        self.updater = Updater(self.model, experiment.config["scheduler"], self.options,
+                               context)
+        self.checkpoints = CheckpointManager(self.exp_dir / "check", self.options.keep_checkpoints)
+        if resume:
+            self._resume()
+        elif self.checkpoints.latest() is not None:
+            raise FileExistsError(f"{self.checkpoints.directory} already holds checkpoints; "
+                                  "pass --resume to continue, or remove them")
+        self.monitor = Monitor(self.log_dir, context.is_main)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def evaluate(self) -> float:
+        """Mean dev loss over all ranks (see `Updater.evaluate`)."""
+        return self.updater.evaluate(self.dev_data.loader)
+
+    def _data_record(self) -> dict[str, Any]:
+        ranks = self.context.gather(self.train_data.state()) if self.in_epoch else None
+        return {"kind": self.train_data.kind, "seed": self.options.seed, "epoch": self.epoch,
+                "epoch_seed": [self.options.seed, self.epoch],
+                "world_size": self.context.world_size, "identity": self.train_data.identity(),
+                "epoch_start_step": self.epoch_start_step, "ranks": ranks}
+
+    def _rng_state(self) -> dict[str, Any]:
+        device = self.context.device
+        return {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+    def save_checkpoint(self) -> None:
+        """Evaluate on dev, then write a checkpoint of the current position (all ranks)."""
+        self.watchdog.pause()  # evaluation and writing may take long
+        dev_loss = self.evaluate()
+        data = self._data_record()
+        rng = self.context.gather(self._rng_state())
+        if self.context.is_main:
+            state = {
+                "format": "cat-checkpoint", "version": 1, "model": self.model.state_dict(),
+                **self.updater.state(), "epoch": self.epoch, "step": self.step,
+                "dev_loss": dev_loss, "data": data, "rng": rng,
+                "meta": {"num_classes": self.num_classes,
+                         "train_bin": self.experiment.train_bin,
+                         "elapsed_seconds": self.elapsed()},
+            }
+            path = self.checkpoints.save(state, self.epoch, self.step, dev_loss)
+            logger.info("epoch %d, step %d: dev loss %.4f; saved %s", self.epoch, self.step,
+                        dev_loss, path)
+        self.monitor.add(self.step, loss__dev=dev_loss)
+        self.last_checkpoint_step = self.step
+        self.context.barrier()
+        self.watchdog.resume()
+
+    def _resume(self) -> None:
+        path = self.checkpoints.latest()
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpoints.directory}")
+        state = load_checkpoint(path)
+        load_model_state(self.model, state["model"], path,
+                         self.exp_dir / config_module.CONFIG_NAME)
+        self.updater.load(state)
+        self.step = int(state["step"])
+        self.epoch = int(state["epoch"])
+        self.last_checkpoint_step = self.step
+        self.elapsed_before = float(state["meta"].get("elapsed_seconds", 0.0))
+        self.resume_state = self._resume_data(state["data"], path)
+        rng, device = state.get("rng"), self.context.device
+        if rng and len(rng) == self.context.world_size:
+            torch.set_rng_state(rng[self.context.rank]["torch"])
+            if device.type == "cuda" and rng[self.context.rank]["cuda"] is not None:
+                torch.cuda.set_rng_state(rng[self.context.rank]["cuda"], device)
+        logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
+
+    def _resume_data(self, data: dict[str, Any], path: Path) -> dict[str, Any] | None:
+        """This rank's state to continue the checkpoint's epoch (None: from its start)."""
+        ranks = data.get("ranks")
+        self.epoch_start_step = int(data.get("epoch_start_step", self.step))
+        if ranks is None:
+            return None
+        changes = self.train_data.identity_changes(data.get("identity"))
+        if not changes:
+            return ranks[self.context.rank]
+        trained = sum(int(r["trained"] if "trained" in r else r["progress"]["trained"])
+                      for r in ranks)
+        problem = (f"{path}: epoch {self.epoch} cannot continue where it stopped, because "
+                   f"what decides its data changed: {'; '.join(changes)}")
+        if not self.restart_epoch:
+            raise DataChangedError(
+                f"{problem}. Restore the previous data and settings, or resume with "
+                f"--resume-restart-epoch to train epoch {self.epoch} again from its beginning "
+                f"(its {trained} utterances trained so far are then trained again)")
+        logger.warning("%s; epoch %d starts again from its beginning "
+                       "(--resume-restart-epoch): %d utterances are trained again",
+                       problem, self.epoch, trained)
+        self.retrained = trained
+        self.epoch_start_step = self.step
+        return None
+
+    # ------------------------------------------------------------------ loop
+
+    def elapsed(self) -> float:
+        """Training seconds, including those before a resume."""
+        return self.elapsed_before + time.monotonic() - self.start_time
+
+    def _stop_reason(self) -> str | None:
+        if self.options.max_steps and self.step >= self.options.max_steps:
+            return f"max_steps={self.options.max_steps} reached"
+        if self.updater.scheduler.should_stop():
+            return f"the scheduler's stop_step ({self.updater.scheduler.stop_step}) reached"
+        return None
+
+    def run(self) -> None:
+        """Train until the epochs, steps or time run out; checkpoint; plot the scalars."""
+        if self.context.is_main:
+            config_module.save_resolved(self.experiment, {
+                "world_size": self.context.world_size, "threads_per_rank": self.threads,
+                "num_classes": self.num_classes})
+        self.watchdog = start_watchdog(self.context.rank, self.context.world_size,
+                                       self.options.stall_seconds)
+        stopped = self._stop_reason()
+        while stopped is None and self.epoch <= self.options.epochs:
+            stopped = self.train_epoch()
+        self.watchdog.stop()
+        if self.last_checkpoint_step != self.step:
+            self.save_checkpoint()
+        logger.info("training finished after %d updates (%s)", self.step,
+                    stopped or f"{self.options.epochs} epochs")
+        if self.updater.skipped:
+            logger.warning("%d updates were skipped for a non-finite gradient norm",
+                           self.updater.skipped)
+        self.monitor.close()
+        if self.context.is_main and (self.log_dir / "scalars.jsonl").is_file():
+            plot_scalars(self.log_dir / "scalars.jsonl", self.exp_dir / "monitor.png")
+
+    def close(self) -> None:
+        """Release files: scalar writers, ark handles, epoch logs; stop the watchdog."""
+        self.watchdog.stop()
+        self.monitor.close()
+        self.train_data.close()
+        self.dev_data.close()
+
+    def train_epoch(self) -> str | None:
+        """Train one epoch (or its rest); returns why training stops, or None."""
+        epoch, data = self.epoch, self.train_data
+        data.start_epoch(epoch, self.resume_state)
+        if self.resume_state is None and not self.retrained:
+            self.epoch_start_step = self.step
+        self.resume_state = None
+        self.in_epoch = True
+        self.model.train()
+        interval = {"time": time.perf_counter(), "wait": 0.0, "utts": 0.0, "steps": 0}
+        progress = tqdm(total=data.steps_hint(), desc=f"epoch {epoch}", unit="step",
+                        disable=None if self.context.is_main else True, leave=False)
+        iterator = iter(data)
+        stopped = None
+        while True:
+            batches, exhausted, wait = self.updater.take(
+                iterator, lambda batch: data.note(batch, trained=False))
+            out_of_time = (self.options.time_budget_minutes > 0
+                           and self.elapsed() > self.options.time_budget_minutes * 60)
+            totals = self.updater.sync(batches, exhausted, out_of_time)
+            if totals.exhausted:
+                for batch in batches:
+                    data.note(batch, trained=False)
+                break
+            stats = self.updater.update(batches, totals.normalizer)
+            for batch in batches:
+                data.note(batch, trained=True)
+            self.step += 1
+            self.watchdog.beat(self.step)
+            progress.update()
+            interval["wait"] += wait
+            interval["utts"] += totals.utterances
+            interval["steps"] += 1
+            if self.step % self.options.log_interval == 0:
+                self._log_interval(interval, stats)
+            stopped = self._stop_reason() or ("time budget reached" if totals.out_of_time
+                                              else None)
+            if stopped or (self.options.check_freq and self.step % self.options.check_freq == 0):
+                began = time.perf_counter()
+                self.save_checkpoint()
+                interval["time"] += time.perf_counter() - began  # throughput excludes it
+            if stopped:
+                break
+        del iterator
+        progress.close()
+        if stopped is None:
+            self._finish_epoch(epoch, self.step - self.epoch_start_step)
+        data.end_epoch()
+        return stopped
+
+    def _log_interval(self, interval: dict[str, float], stats: dict[str, float]) -> None:
+        now = time.perf_counter()
+        seconds = max(now - interval["time"], 1e-9)
+        self.monitor.add(self.step, loss__train=stats["loss"], lr=stats["lr"],
+                         grad_norm=stats["grad_norm"],
+                         throughput__utts_per_second=interval["utts"] / seconds,
+                         data__wait_fraction=min(1.0, interval["wait"] / seconds))
+        interval.update(time=now, wait=0.0, utts=0.0, steps=0)
+
+    def _finish_epoch(self, epoch: int, steps: int) -> None:
+        summary = {**self.train_data.summary(), "updates": steps,
+                   "cut_lengths": self.train_data.cut_profile()}
+        summaries = self.context.gather(summary)
+        if isinstance(self.train_data, StreamTrainData):
+            self.train_data.last_steps = steps
+        self.epoch = epoch + 1
+        self.in_epoch = False
+        record = epoch_record(epoch, steps, summaries, self.retrained)
+        if self.context.is_main:
+            self._report_epoch(record)
+        if self.train_data.kind == "stream":
+            check_epoch(record, self.options.bad_shard_limit)  # on every rank alike
+        self.retrained = 0
+        if not self.options.check_freq:
+            self.save_checkpoint()
+
+    def _report_epoch(self, record: dict[str, Any]) -> None:
+        epoch = record["epoch"]
+        with atomic_write(self.log_dir / f"epoch-{epoch:03d}.json") as f:
+            json.dump(record, f, indent=1)
+            f.write("\n")
+        coverage = {key: value for key, value in record.items() if key != "ranks"}
+        if isinstance(self.train_data, StreamTrainData):
+            shards = self.train_data.shards
+            coverage["corpus_mean_frames"] = (float(shards.num_frames.sum() / shards.num_utts.sum())
+                                             if not shards.estimated.any() else None)
+        write_coverage(self.log_dir / "coverage.jsonl", coverage)
+        dropped, cut = record["dropped"], record["not_trained"]
+        details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
+        logger.info("epoch %d: %d updates, %d utterances trained; dropped: %s; lost in "
+                    "corrupt shards: %d, in unavailable shards: %d; not trained (epoch cut at "
+                    "the first rank out of data): %s; retrained: %d", epoch, record["steps"],
+                    record["trained"], details, record["corrupt_missing"],
+                    record["unavailable_missing"],
+                    "unknown" if cut is None else f"{cut} ({record['cut_fraction']:.2%})",
+                    record["retrained"])
+        if cut is not None and cut < 0:
+            logger.error("epoch %d: %d more utterances were trained or dropped than the "
+                         "indexes list: the shards hold utterances their index.jsonl does not "
+                         "list (repacked without a new index?)", epoch, -cut)

@@ -1,0 +1,97 @@
+"""Epoch reports: totals over ranks, the coverage report, and the checks that stop training.
+
+`epoch_record` sums the ranks' summaries of an epoch (`log/epoch-<EEE>.json`);
+`write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained, dropped per
+reason, lost, cut by the epoch's end and its lengths, retrained); `check_epoch` stops
+training when an epoch trained nothing or more of its shards failed than
+`bad_shard_limit` allows.
+
+Usage:
+    record = epoch_record(epoch, steps, summaries)
+    write_coverage(Path("exp/asr/log/coverage.jsonl"), record)
+    check_epoch(record, bad_shard_limit=0.1)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from cat.core.io import atomic_write
+from cat.loading.reader import DataUnavailableError, storage_of
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- epoch reports
+
+
+class DataChangedError(RuntimeError):
+    """`--resume` found that what decides the interrupted epoch's data changed."""
+
+
+def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
+                 retrained: int = 0) -> dict[str, Any]:
+    """The epoch's totals over ranks (`log/epoch-<EEE>.json`), per-rank summaries kept."""
+    dropped: dict[str, int] = {}
+    for summary in summaries:
+        for reason, count in summary["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + count
+    not_trained = [s["not_trained"] for s in summaries]
+    cut = None if None in not_trained else int(sum(not_trained))
+    expected = [s["expected"] for s in summaries]
+    total = None if None in expected else int(sum(expected)) + dropped.get("epoch_remainder", 0)
+    profiles = [s.get("cut_lengths") for s in summaries]
+    cut_lengths = None
+    if profiles and None not in profiles:
+        count = sum(p["count"] for p in profiles)
+        frames = sum(p["count"] * (p["mean_frames"] or 0.0) for p in profiles)
+        cut_lengths = {"count": count, "mean_frames": frames / count if count else None,
+                       "histogram": {name: sum(p["histogram"][name] for p in profiles)
+                                     for name in profiles[0]["histogram"]}}
+    return {"epoch": epoch, "steps": steps, "expected": total,
+            "trained": sum(s["trained"] for s in summaries), "dropped": dropped,
+            "corrupt_missing": sum(s.get("corrupt_missing", 0) for s in summaries),
+            "unavailable_missing": sum(s.get("unavailable_missing", 0) for s in summaries),
+            "not_trained": cut,
+            "cut_fraction": cut / total if cut is not None and total else None,
+            "retrained": retrained + sum(s.get("retrained", 0) for s in summaries),
+            "cut_lengths": cut_lengths,
+            "corrupt_shards": [url for s in summaries for url in s.get("corrupt_shards", [])],
+            "unavailable_shards": [url for s in summaries
+                                   for url in s.get("unavailable_shards", [])],
+            "shards": sum(s.get("shards", 0) for s in summaries),
+            "ranks": summaries}
+
+
+def check_epoch(record: dict[str, Any], bad_shard_limit: float) -> None:
+    """Raise DataUnavailableError for an epoch that trained nothing, or whose unavailable
+    and corrupt shards exceed `bad_shard_limit` of its shards (the record names them)."""
+    failed = record["unavailable_shards"] + record["corrupt_shards"]
+    epoch = record["epoch"]
+    if record["trained"] and len(failed) <= bad_shard_limit * record["shards"]:
+        return
+    why = (f"epoch {epoch} trained no utterance" if not record["trained"] else
+           f"{len(failed)} of the {record['shards']} shards of epoch {epoch} could not be "
+           f"read, more than train.option.bad_shard_limit={bad_shard_limit:g}")
+    details = []
+    for kind in ("unavailable", "corrupt"):
+        urls = record[f"{kind}_shards"]
+        if urls:
+            details.append(f"{len(urls)} {kind} ({', '.join(urls[:3])}"
+                           f"{', ...' if len(urls) > 3 else ''}; storage: {storage_of(urls)})")
+    raise DataUnavailableError(f"{why}: {'; '.join(details) or 'no shard failed'} (see "
+                               f"log/epoch-{epoch:03d}.json)")
+
+
+def write_coverage(path: Path, record: dict[str, Any]) -> None:
+    """Add (or replace) the line of `record["epoch"]` in `coverage.jsonl`, atomically."""
+    lines = []
+    if path.is_file():
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and json.loads(line).get("epoch") < record["epoch"]]
+    lines.append(json.dumps(record))
+    with atomic_write(path) as f:
+        f.write("\n".join(lines) + "\n")

@@ -1,0 +1,130 @@
+"""What a training run is built from: the model, its length filter, the data, global CMVN.
+
+`build_model` builds the model of `config.json` for the tokenizer's vocabulary (seeded
+alike on every rank, then each rank reseeded for its own dropout and SpecAugment);
+`build_data` the training data (`MapTrainData` for a map pack, `StreamTrainData` for tar
+shards) with a `LengthFilter` from the encoder's own subsampling, and the dev data;
+`init_feature_stats` the encoder's global CMVN from training utterances.
+
+Usage:
+    model, num_classes = build_model(experiment, context)
+    train_data, dev_data = build_data(experiment.options, model, feat_dim, context, log_dir)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cat.core import config as config_module
+from cat.core.config import Experiment
+from cat.formats.mappack import MapPack
+from cat.formats.tables import FrameRange
+from cat.loading.batch import LengthFilter
+from cat.loading.shardlist import load_shard_list
+from cat.models import registry
+from cat.text.tokenizer import load as load_tokenizer
+from cat.training.distributed import DistributedContext
+from cat.training.train_data import DevData, MapTrainData, StreamTrainData
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(experiment: Experiment, context: DistributedContext
+                ) -> tuple[torch.nn.Module, int]:
+    """The model of `config.json` on the rank's device, and its number of classes."""
+    options = experiment.options
+    num_classes = load_tokenizer(options.tokenizer).vocab_size
+    torch.manual_seed(options.seed)
+    model = registry.build_model(experiment.config, num_classes,
+                                 str(experiment.directory / config_module.CONFIG_NAME))
+    # Training randomness (dropout, SpecAugment) differs per rank, reproducibly.
+    torch.manual_seed(int(np.random.SeedSequence([options.seed, context.rank])
+                          .generate_state(1)[0]))
+    logger.info("model %s: %d parameters, %d classes", config_module.model_kind(
+        experiment.config), sum(p.numel() for p in model.parameters()), num_classes)
+    return model.to(context.device), num_classes
+
+
+def build_length_filter(model: torch.nn.Module, frame_range: FrameRange | None,
+                        longest: int) -> LengthFilter:
+    """`LengthFilter` with the encoder's own output lengths (its subsampling)."""
+    encoder = model.encoder
+    limit = max(frame_range.high if frame_range and frame_range.high else 0, longest, 4096)
+    with torch.no_grad():
+        table = encoder.output_lengths(torch.arange(limit + 1)).numpy().astype(np.int64)
+    return LengthFilter(frame_range, table, int(getattr(encoder, "frame_rate_factor", 1)),
+                        ctc=getattr(model, "ctc_alignment", False))
+
+
+def open_pack(path: str, tokenizer: str) -> MapPack:
+    """The map pack at `path`, checked to be encoded with the run's tokenizer."""
+    pack = MapPack(path)
+    meta = pack.meta.get("tokenizer", {})
+    digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    if meta.get("sha256") not in (None, digest):
+        raise ValueError(f"{path} was encoded with the tokenizer {meta.get('file')}, which "
+                         f"differs from train.option.tokenizer {tokenizer}; repack or fix "
+                         "the tokenizer path")
+    return pack
+
+
+def build_data(options: config_module.TrainOptions, model: torch.nn.Module, feat_dim: int,
+               context: DistributedContext, log_dir: Path
+               ) -> tuple[MapTrainData | StreamTrainData, DevData]:
+    """The training data of `trset` (map pack or tar shards) and the dev data."""
+    frame_range = FrameRange.parse(options.filter) if options.filter else None
+    train_data: MapTrainData | StreamTrainData
+    if options.large_dataset:
+        shards = load_shard_list(options.trset, options.utts_per_shard_estimate,
+                                 options.read_timeout)
+        longest = shards.longest
+        train_data = StreamTrainData(options, build_length_filter(model, frame_range, longest),
+                                     feat_dim, context, log_dir, shards)
+        logger.info("training on %d shards (%d utterances) from %s", len(shards),
+                    int(shards.num_utts.sum()), options.trset)
+    else:
+        pack = open_pack(options.trset[0], options.tokenizer)
+        longest = int(pack.num_frames.max(initial=0))
+        train_data = MapTrainData(options, build_length_filter(model, frame_range, longest),
+                                  feat_dim, context, log_dir, pack)
+    if frame_range is not None and frame_range.high is not None:
+        longest = min(longest, frame_range.high - 1)
+    if options.max_frames and longest > options.max_frames:
+        logger.warning("utterances of up to %d frames exceed max_frames=%d; each of them "
+                       "forms a batch of its own", longest, options.max_frames)
+    dev_pack = None if options.dev_large_dataset else open_pack(options.devset[0],
+                                                                options.tokenizer)
+    return train_data, DevData(options, feat_dim, context, dev_pack)
+
+
+def init_feature_stats(model: torch.nn.Module, train_data: MapTrainData | StreamTrainData,
+                       feat_dim: int, max_utts: int = 2000) -> None:
+    """Set the encoder's global CMVN (when configured) from training utterances.
+
+    Every rank computes the same statistics from the same utterances, so the models stay
+    identical; a resumed run takes them from the checkpoint instead.
+    """
+    normalizer = getattr(getattr(model, "encoder", None), "normalizer", None)
+    if normalizer is None or bool(normalizer.initialized):
+        return
+    total = np.zeros(feat_dim)
+    squares = np.zeros(feat_dim)
+    frames = 0
+    for feats in train_data.feature_samples(max_utts):
+        feats = np.asarray(feats, dtype=np.float64)
+        total += feats.sum(axis=0)
+        squares += np.square(feats).sum(axis=0)
+        frames += feats.shape[0]
+    if frames == 0:
+        raise ValueError(f"trset {train_data.options.trset}: no features to compute the "
+                         "global CMVN statistics from")
+    mean = total / frames
+    std = np.sqrt(np.maximum(squares / frames - np.square(mean), 0.0))
+    normalizer.set_stats(torch.as_tensor(mean, dtype=torch.float32),
+                         torch.as_tensor(std, dtype=torch.float32))
+    logger.info("global CMVN from %d frames of training data", frames)

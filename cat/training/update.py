@@ -1,0 +1,175 @@
+"""One optimizer update over every rank: take the batches, agree on the step, back-propagate.
+
+Epoch end under DDP: before each update every rank takes `grad_accum` batches from its
+loader (`Updater.take`), then ONE all-reduce (`Updater.sync`) carries [loss normaliser,
+utterances, "ran out of data", "out of time"]. If any rank ran out, every rank ends the
+epoch at that same update, so no rank waits in a collective that others never join.
+
+Loss normalisation: the model returns `loss = batch sum / normalizer` (utterances or
+tokens). The same all-reduce gives `step_normalizer`, the normaliser summed over the
+update's micro-batches on all ranks, and each micro-batch back-propagates
+`loss * normalizer * world_size / step_normalizer`. DDP averages gradients over ranks
+(divides by world_size), so the update's gradient is the exact mean over every
+utterance (or token) of the update on every rank, whatever the batch sizes.
+Non-final micro-batches run under `no_sync`. Gradients are clipped to `grad_norm`, an
+update with a non-finite gradient norm is skipped (and counted), AMP (float16 autocast +
+GradScaler) is used on GPU only, and the learning rate follows the scheduler per update.
+
+Usage:
+    updater = Updater(model, config["scheduler"], options, context)
+    batches, exhausted, wait = updater.take(iterator, note)
+    totals = updater.sync(batches, exhausted, out_of_time=False)
+    stats = updater.update(batches, totals.normalizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cat.core import config as config_module
+from cat.loading.batch import Batch
+from cat.training.distributed import DistributedContext
+from cat.training.scheduler import build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def batch_normalizer(batch: Batch, loss_normalization: str) -> float:
+    """The model's loss normaliser of a batch: utterances, or label tokens (at least 1)."""
+    if loss_normalization == "token":
+        return float(max(int(batch.label_lens.sum()), 1))
+    return float(len(batch))
+
+
+@dataclasses.dataclass
+class StepTotals:
+    """What the ranks agreed on before an update (sums over ranks, flags of any rank)."""
+
+    normalizer: float
+    utterances: float
+    exhausted: bool
+    out_of_time: bool
+
+
+class Updater:
+    """The model's optimizer, scheduler, AMP scaler and DDP wrapper, and one update."""
+
+    def __init__(self, model: torch.nn.Module, scheduler_config: dict[str, Any],
+                 options: config_module.TrainOptions, context: DistributedContext) -> None:
+        self.model = model
+        self.options = options
+        self.context = context
+        self.device = context.device
+        self.loss_normalization = model.loss_normalization
+        self.scheduler = build_scheduler(scheduler_config, model.parameters())
+        self.optimizer = self.scheduler.optimizer
+        self.amp = options.amp and self.device.type == "cuda"
+        if options.amp and not self.amp:
+            logger.warning("train.option.amp is ignored on CPU")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
+        self.ddp = None
+        if context.distributed:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.skipped = 0
+
+    def state(self) -> dict[str, Any]:
+        """Scheduler (with the optimizer) and scaler states, for a checkpoint."""
+        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue from `state()` of a checkpoint."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+
+    def take(self, iterator: Iterator[Batch], note_empty: Callable[[Batch], None]
+             ) -> tuple[list[Batch], bool, float]:
+        """Up to `grad_accum` non-empty batches, whether the loader ran dry, and the seconds
+        spent waiting for it; batches without utterances (events only) go to `note_empty`."""
+        batches: list[Batch] = []
+        wait = 0.0
+        while len(batches) < self.options.grad_accum:
+            begin = time.perf_counter()
+            batch = next(iterator, None)
+            wait += time.perf_counter() - begin
+            if batch is None:
+                return batches, True, wait
+            if len(batch) == 0:
+                note_empty(batch)
+                continue
+            batches.append(batch)
+        return batches, False, wait
+
+    def sync(self, batches: Iterable[Batch], exhausted: bool, out_of_time: bool) -> StepTotals:
+        """The one all-reduce before an update (see the module docstring)."""
+        batches = list(batches)
+        local = [sum(batch_normalizer(b, self.loss_normalization) for b in batches),
+                 float(sum(len(b) for b in batches)), float(exhausted), float(out_of_time)]
+        total = self.context.all_reduce_sum(local)
+        return StepTotals(total[0], total[1], total[2] > 0, total[3] > 0)
+
+    def update(self, batches: list[Batch], step_normalizer: float) -> dict[str, float]:
+        """Forward/backward every micro-batch, clip, step; returns logging stats."""
+        model = self.ddp or self.model
+        loss_sum = normalizer_sum = 0.0
+        for position, batch in enumerate(batches):
+            batch = batch.to(self.device, non_blocking=True)
+            sync = position == len(batches) - 1 or self.ddp is None
+            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), \
+                    torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+                loss, stats = model(batch.feats, batch.feat_lens, batch.labels, batch.label_lens)
+                normalizer = batch_normalizer(batch, self.loss_normalization)
+                if stats["normalizer"] != normalizer:
+                    raise RuntimeError(f"the model normalised by {stats['normalizer']}, the "
+                                       f"trainer expected {normalizer}")
+                scale = normalizer * self.context.world_size / step_normalizer
+                self.scaler.scale(loss * scale).backward()
+            loss_sum += stats["loss_sum"]
+            normalizer_sum += normalizer
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.options.grad_norm if self.options.grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if math.isfinite(grad_norm) or self.amp:
+            # With AMP the scaler skips non-finite updates itself and lowers its scale.
+            self.scaler.step(self.optimizer)
+        else:
+            self.skipped += 1
+            logger.warning("non-finite gradient norm; update skipped")
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.lr
+        self.scheduler.step()
+        return {"loss": loss_sum / max(normalizer_sum, 1e-12), "grad_norm": grad_norm, "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable[Batch]) -> float:
+        """Mean loss over `loader` (per utterance or token, as the model normalises), over
+        all ranks."""
+        if self.context.distributed:
+            # BatchNorm statistics drift apart per rank between DDP's broadcasts.
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, 0)
+        self.model.eval()
+        totals = [0.0, 0.0]
+        for batch in loader:
+            if not len(batch):
+                continue
+            batch = batch.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+                _, stats = self.model(batch.feats, batch.feat_lens, batch.labels,
+                                      batch.label_lens)
+            totals[0] += stats["loss_sum"]
+            totals[1] += stats["normalizer"]
+        self.model.train()
+        loss_sum, normalizer = self.context.all_reduce_sum(totals)
+        return loss_sum / normalizer if normalizer else math.nan

@@ -1,0 +1,150 @@
+"""hyper-p.json / config.json loading: schema, unknown keys, defaults, resolved copy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import jsonschema
+import pytest
+
+from cat.core import config
+from cat.core.config import ConfigError
+from cat.testing.training import tiny_model_config
+
+
+def _write_exp(tmp_path, hyper: dict, model: dict | None = None):
+    exp = tmp_path / "exp" / "asr"
+    exp.mkdir(parents=True)
+    (exp / "hyper-p.json").write_text(json.dumps(hyper), encoding="utf-8")
+    (exp / "config.json").write_text(json.dumps(model or tiny_model_config()), encoding="utf-8")
+    return exp
+
+
+def _hyper(**option) -> dict:
+    return {
+        "data": {"train": ["data/fbank/train_sp"], "dev": "data/fbank/dev",
+                 "test": ["data/fbank/dev", "data/fbank/test"], "filter": "10:2000"},
+        "tokenizer": {"type": "sentencepiece",
+                      "option-train": {"model_type": "char", "vocab_size": 0},
+                      "file": "exp/asr/tokenizer.tknz"},
+        "env": {"OMP_NUM_THREADS": "2"},
+        "train": {"bin": "cat.ctc.train", "option": option},
+        "inference": {"avgmodel": {"mode": "best", "num": 5},
+                      "infer": {"bin": "cat.ctc.decode", "option": {"beam_size": 8, "any": 1}},
+                      "er": {"cer": True}},
+    }
+
+
+def test_schema_is_valid_and_matches_the_options_dataclass():
+    schema = config.load_hyper_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    properties = schema["$defs"]["trainOption"]["properties"]
+    assert set(properties) == {f.name for f in dataclasses.fields(config.TrainOptions)}
+    for key, spec in properties.items():
+        assert "default" in spec and spec.get("description"), key
+
+
+def test_defaults_and_placeholders_are_resolved(tmp_path):
+    exp = _write_exp(tmp_path, _hyper(batch_size=16))
+    experiment = config.load_experiment(exp, "cat.ctc.train")
+    options = experiment.options
+    assert options.batch_size == 16
+    assert options.trset == [str(exp / "pack" / "train.npz")]
+    assert options.devset == [str(exp / "pack" / "dev.npz")]
+    assert options.tokenizer == "exp/asr/tokenizer.tknz"
+    assert options.filter == "10:2000"
+    assert options.large_dataset is False and options.shuffle_buffer == 3000
+    assert experiment.hyper["train"]["option"]["max_frames"] == 20000
+    assert experiment.config["encoder"]["type"] == "ConformerNet"
+
+
+def test_large_dataset_options(tmp_path):
+    pattern = "data/wds/train/{10_1000,1000_2000}/data-*.tar"
+    exp = _write_exp(tmp_path, _hyper(large_dataset=True, trset=pattern,
+                                      tokenizer="other.tknz", filter="10:1000"))
+    options = config.load_experiment(exp).options
+    assert (options.trset, options.tokenizer, options.filter) == \
+        ([pattern], "other.tknz", "10:1000")
+
+
+@pytest.mark.parametrize(("hyper_change", "message"), [
+    (lambda h: h["train"]["option"].update({"large-dataset": True}),
+     r"hyper-p.json: train.option: unknown key 'large-dataset' \(did you mean "
+     r"'large_dataset'\?\); allowed keys: amp, bad_shard_limit, batch_size, check_freq"),
+    (lambda h: h.update(commit="abc"), r"hyper-p.json: \(top level\): unknown key 'commit'"),
+    (lambda h: h["inference"]["avgmodel"].update(nbest=3),
+     r"inference.avgmodel: unknown key 'nbest'; allowed keys: mode, num"),
+    (lambda h: h["inference"]["er"].update(oracle=True), r"inference.er: unknown key 'oracle'"),
+    (lambda h: h["data"].update(dtrain=["x"]), r"data: unknown key 'dtrain'"),
+    (lambda h: h["train"]["option"].update(batch_size="64"),
+     r"train.option.batch_size: '64' is not of type 'integer'"),
+    (lambda h: h["train"]["option"].update(grad_accum=0),
+     r"train.option.grad_accum: 0 is less than the minimum of 1"),
+    (lambda h: h["data"].update(filter="10-2000"), r"data.filter: '10-2000' does not match"),
+    (lambda h: h["tokenizer"]["option-train"].update(min_count=2),
+     r"tokenizer.option-train: 'min_count' should not be valid"),
+    (lambda h: h["train"].update(bin="cat.lm.train"), r"train.bin: 'cat.lm.train' is not one of"),
+])
+def test_bad_hyper_keys_are_named(tmp_path, hyper_change, message):
+    hyper = _hyper()
+    hyper_change(hyper)
+    exp = _write_exp(tmp_path, hyper)
+    with pytest.raises(ConfigError, match=message):
+        config.load_experiment(exp)
+
+
+def test_resolution_errors_name_the_key(tmp_path):
+    exp = _write_exp(tmp_path, _hyper(large_dataset=True))
+    with pytest.raises(ConfigError, match=r"train.option.trset: required when large_dataset"):
+        config.load_experiment(exp)
+    hyper = _hyper(trset=["a.npz", "b.npz"])
+    exp = _write_exp(tmp_path / "2", hyper)
+    with pytest.raises(ConfigError, match=r"train.option.trset: a map-style set is one pack"):
+        config.load_experiment(exp)
+    hyper = _hyper()
+    del hyper["tokenizer"]["file"]
+    exp = _write_exp(tmp_path / "3", hyper)
+    with pytest.raises(ConfigError, match=r"train.option.tokenizer: not set, and "
+                                          r"tokenizer.file is missing"):
+        config.load_experiment(exp)
+    exp = _write_exp(tmp_path / "4", {"data": {}})
+    with pytest.raises(ConfigError, match=r"train: missing"):
+        config.load_experiment(exp)
+
+
+def test_train_bin_must_match_the_entry_point(tmp_path):
+    exp = _write_exp(tmp_path, _hyper())
+    with pytest.raises(ConfigError, match=r"train.bin is 'cat.ctc.train', but this is "
+                                          r"cat.rnnt.train"):
+        config.load_experiment(exp, "cat.rnnt.train")
+
+
+def test_invalid_json_and_bad_model_config_are_named(tmp_path):
+    exp = _write_exp(tmp_path, _hyper())
+    (exp / "hyper-p.json").write_text('{"train": {"bin": "cat.ctc.train",}}', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"hyper-p.json:1:\d+: invalid JSON"):
+        config.load_experiment(exp)
+    model = tiny_model_config()
+    model["encoder"]["kwargs"]["hidden"] = 3
+    exp = _write_exp(tmp_path / "2", _hyper(), model)
+    with pytest.raises(ConfigError, match=r"config.json: encoder.kwargs: unknown key 'hidden'"):
+        config.load_experiment(exp)
+    with pytest.raises(FileNotFoundError, match=r"hyper-p.json does not exist"):
+        config.load_experiment(tmp_path / "missing")
+
+
+def test_resolved_copy_records_commit_and_env(tmp_path, monkeypatch):
+    exp = _write_exp(tmp_path, _hyper())
+    experiment = config.load_experiment(exp)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    config.apply_env(experiment.hyper)
+    assert os.environ["OMP_NUM_THREADS"] == "2"
+    path = config.save_resolved(experiment, {"world_size": 1})
+    document = json.loads(path.read_text(encoding="utf-8"))
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", document["commit"])
+    assert document["hyper-p"]["train"]["option"]["batch_size"] == 64
+    assert document["config"] == experiment.config and document["world_size"] == 1
+    assert config.git_commit(tmp_path) == "unknown"

@@ -1,0 +1,198 @@
+"""Tests of the Conformer encoder and its building blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cat.models.encoder import ConformerNet
+from cat.models.layer import (
+    Conv2dSubsampling,
+    RelPositionalEncoding,
+    RelPositionMultiHeadAttention,
+    TimeReduction,
+    lengths_to_padding_mask,
+)
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny_encoder(**overrides) -> ConformerNet:
+    kwargs = {"idim": 20, "hdim": 16, "num_cells": 2, "num_heads": 2, "kernel_size": 5,
+              "dropout": 0.1}
+    kwargs.update(overrides)
+    torch.manual_seed(0)
+    return ConformerNet(**kwargs)
+
+
+def test_padding_mask_marks_positions_beyond_length():
+    mask = lengths_to_padding_mask(torch.tensor([3, 1]), 4)
+    assert mask.tolist() == [[False, False, False, True], [False, True, True, True]]
+
+
+@pytest.mark.parametrize("length", [7, 8, 9, 10, 11, 50, 101])
+def test_subsampling_lengths_match_convolution_output(length):
+    layer = Conv2dSubsampling(20, 8)
+    out, out_lens = layer(torch.randn(1, length, 20), torch.tensor([length]))
+    assert out.shape == (1, int(out_lens[0]), 8)
+    assert int(out_lens[0]) == ((length - 1) // 2 - 1) // 2
+
+
+def test_subsampling_of_too_short_input_gives_no_frames():
+    out, out_lens = Conv2dSubsampling(20, 8)(torch.randn(2, 6, 20), torch.tensor([6, 3]))
+    assert out.shape == (2, 0, 8)
+    assert out_lens.tolist() == [0, 0]
+
+
+def test_time_reduction_stacks_frames_and_rounds_up():
+    layer = TimeReduction(4, 2)
+    out, out_lens = layer(torch.randn(2, 5, 4), torch.tensor([5, 3]))
+    assert out.shape == (2, 3, 4)
+    assert out_lens.tolist() == [3, 2]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"conv_norm": "layernorm"},
+    {"time_reduction_factor": 2},
+    {"time_reduction_factor": 3, "time_reduction_position": 1},
+])
+def test_output_shapes_and_lengths(overrides):
+    encoder = tiny_encoder(**overrides).eval()
+    feat_lens = torch.tensor([64, 40, 23])
+    out, out_lens = encoder(torch.randn(3, 64, 20), feat_lens)
+    assert out_lens.tolist() == encoder.output_lengths(feat_lens).tolist()
+    assert out.shape == (3, int(out_lens.max()), 16)
+    factor = encoder.frame_rate_factor
+    assert factor == 4 * overrides.get("time_reduction_factor", 1)
+    assert out_lens.tolist() == [math.ceil((((n - 1) // 2 - 1) // 2) / (factor // 4))
+                                 for n in feat_lens.tolist()]
+    padded = lengths_to_padding_mask(out_lens, out.size(1))
+    assert torch.all(out[padded] == 0)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"conv_norm": "layernorm"},
+    {"time_reduction_factor": 2},
+    {"time_reduction_factor": 2, "time_reduction_position": 1},
+])
+def test_padding_does_not_change_valid_outputs(overrides):
+    encoder = tiny_encoder(**overrides).eval()
+    feat_lens = torch.tensor([70, 45, 29])
+    feats = torch.randn(3, 70, 20)
+    for index, length in enumerate(feat_lens.tolist()):
+        feats[index, length:] = 0.0
+    batch_out, batch_lens = encoder(feats, feat_lens)
+    for index, length in enumerate(feat_lens.tolist()):
+        alone, alone_lens = encoder(feats[index:index + 1, :length], feat_lens[index:index + 1])
+        assert int(alone_lens[0]) == int(batch_lens[index])
+        torch.testing.assert_close(batch_out[index, :int(alone_lens[0])], alone[0],
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_padding_garbage_does_not_leak_into_valid_outputs():
+    encoder = tiny_encoder().eval()
+    feat_lens = torch.tensor([40, 25])
+    feats = torch.randn(2, 40, 20)
+    noisy = feats.clone()
+    noisy[1, 25:] = 1000.0
+    out, _ = encoder(feats, feat_lens)
+    out_noisy, out_lens = encoder(noisy, feat_lens)
+    valid = int(out_lens[1])
+    torch.testing.assert_close(out[1, :valid], out_noisy[1, :valid], rtol=1e-4, atol=1e-5)
+
+
+def test_relative_attention_scores_match_the_definition():
+    torch.manual_seed(1)
+    dim, heads, time = 8, 2, 5
+    attention = RelPositionMultiHeadAttention(dim, heads, dropout=0.0)
+    x = torch.randn(1, time, dim)
+    pos_emb = RelPositionalEncoding(dim, 0.0).position_embeddings(time, x.device, x.dtype)
+    scores, _ = attention.scores(x, pos_emb)
+    head_dim = dim // heads
+    query = attention.linear_q(x).view(time, heads, head_dim)
+    key = attention.linear_k(x).view(time, heads, head_dim)
+    position = attention.linear_pos(pos_emb[0]).view(2 * time - 1, heads, head_dim)
+    for h in range(heads):
+        for i in range(time):
+            for j in range(time):
+                relative = i - j  # embedding row of relative position r is time - 1 - r
+                expected = ((query[i, h] + attention.pos_bias_u[h]) @ key[j, h]
+                            + (query[i, h] + attention.pos_bias_v[h])
+                            @ position[time - 1 - relative, h]) / math.sqrt(head_dim)
+                torch.testing.assert_close(scores[0, h, i, j], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_position_term_depends_only_on_relative_distance():
+    torch.manual_seed(2)
+    attention = RelPositionMultiHeadAttention(8, 2, dropout=0.0)
+    with torch.no_grad():
+        for layer in (attention.linear_q, attention.linear_k):
+            layer.weight.zero_()
+            layer.bias.zero_()
+    time = 6
+    x = torch.randn(1, time, 8)
+    pos_emb = RelPositionalEncoding(8, 0.0).position_embeddings(time, x.device, x.dtype)
+    scores, _ = attention.scores(x, pos_emb)
+    for i in range(1, time):
+        for j in range(1, time):
+            torch.testing.assert_close(scores[0, :, i, j], scores[0, :, i - 1, j - 1])
+    assert not torch.allclose(scores[0, :, 0, 1], scores[0, :, 1, 0])
+
+
+def test_position_embeddings_are_sinusoids_of_relative_positions():
+    embeddings = RelPositionalEncoding(4, 0.0).position_embeddings(3, torch.device("cpu"),
+                                                                 torch.float32)
+    assert embeddings.shape == (1, 5, 4)
+    for row, position in enumerate([2, 1, 0, -1, -2]):
+        expected = [math.sin(position), math.cos(position),
+                    math.sin(position / 100.0), math.cos(position / 100.0)]
+        torch.testing.assert_close(embeddings[0, row], torch.tensor(expected), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_utterance_shorter_than_subsampling_window_gives_empty_finite_output():
+    encoder = tiny_encoder().eval()
+    out, out_lens = encoder(torch.randn(2, 30, 20), torch.tensor([30, 5]))
+    assert out_lens.tolist() == [6, 0]
+    assert torch.isfinite(out).all()
+    assert torch.all(out[1] == 0)
+
+
+def test_gradients_reach_every_parameter():
+    encoder = tiny_encoder(time_reduction_factor=2).train()
+    out, _ = encoder(torch.randn(2, 40, 20), torch.tensor([40, 33]))
+    out.sum().backward()
+    missing = [name for name, p in encoder.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"kernel_size": 4}, "kernel_size must be odd"),
+    ({"hdim": 18, "num_heads": 4}, "divisible by num_heads"),
+    ({"conv_norm": "groupnorm"}, "conv norm"),
+    ({"time_reduction_position": 3}, "time_reduction_position"),
+    ({"idim": 4}, "too small"),
+])
+def test_invalid_sizes_raise_with_the_option_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_encoder(**overrides)
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_batch_of_too_short_utterances_gives_empty_output(factor):
+    encoder = tiny_encoder(time_reduction_factor=factor).eval()
+    out, out_lens = encoder(torch.randn(2, 6, 20), torch.tensor([6, 4]))
+    assert out.shape == (2, 0, 16)
+    assert out_lens.tolist() == [0, 0]

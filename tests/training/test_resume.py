@@ -1,0 +1,105 @@
+"""Training killed with SIGKILL at several steps of an epoch, then `--resume`d: the epoch
+trains what an uninterrupted one trains, each utterance once, in the same batches."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cat
+from cat.testing.training import write_tiny_experiment
+from cat.training.checkpoint import CheckpointManager, load_checkpoint
+from cat.training.cli import train
+
+REPO_ROOT = Path(cat.__file__).resolve().parent.parent
+NAME = "exp/tiny"
+KILL_STEPS = (5, 14, 23)  # of an epoch of 40 updates
+TIMEOUT_SECONDS = 180
+
+
+def _experiment(root: Path, large_dataset: bool, workers: int):
+    experiment = write_tiny_experiment(root, num_train=160, utts_per_shard=10, options={
+        "epochs": 1, "batch_size": 4, "check_freq": 1, "keep_checkpoints": 1,
+        "log_utterances": True, "workers": workers, "shuffle_buffer": 12, "sort_buffer": 8})
+    if large_dataset:
+        experiment.use_shards()
+    return experiment
+
+
+def _latest_step(exp_dir: Path) -> int:
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        listed = json.loads((exp_dir / "check/checkpoints.json").read_text())
+        return int(listed["checkpoints"][-1]["step"])
+    return 0
+
+
+def _train_until_killed(root: Path, step: int, resume: bool) -> int:
+    """Start training in a new process and SIGKILL it once a checkpoint at `step` (or
+    later) exists; returns the step of the checkpoint the kill left behind."""
+    command = [sys.executable, "-m", "cat.ctc.train", NAME, *(["--resume"] if resume else [])]
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    try:
+        while _latest_step(root / NAME) < step:
+            assert process.poll() is None, f"training ended before step {step}:\n" \
+                                           f"{process.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"no checkpoint at step {step} in time"
+            time.sleep(0.005)
+        process.kill()  # the training process only, as a node failure would
+        process.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # its DataLoader workers, if any remain
+        process.stderr.close()
+    return _latest_step(root / NAME)
+
+
+def _outcome(experiment) -> tuple[list[str], dict, dict]:
+    log = experiment.exp_dir / "log"
+    batches = (log / "utts/epoch-001.rank-0.txt").read_text().splitlines()
+    summary = json.loads((log / "epoch-001.json").read_text())
+    model = load_checkpoint(CheckpointManager(experiment.exp_dir / "check").latest())["model"]
+    return batches, summary, model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("large_dataset", "workers"), [(False, 1), (False, 2), (True, 1),
+                                                        (True, 2)])
+def test_sigkill_at_three_steps_then_resume_trains_the_same_epoch(tmp_path, monkeypatch,
+                                                                   large_dataset, workers):
+    straight = _experiment(tmp_path / "straight", large_dataset, workers)
+    monkeypatch.chdir(straight.root)
+    train(NAME, "cat.ctc.train")
+    expected_batches, expected_summary, expected_model = _outcome(straight)
+    assert expected_summary["steps"] == 40 == len(expected_batches)
+
+    killed = _experiment(tmp_path / "killed", large_dataset, workers)
+    stops = [_train_until_killed(killed.root, step, resume=step != KILL_STEPS[0])
+             for step in KILL_STEPS]
+    assert all(a < b < 40 for a, b in itertools.pairwise(stops)), stops
+    monkeypatch.chdir(killed.root)
+    train(NAME, "cat.ctc.train", resume=True)
+    batches, summary, model = _outcome(killed)
+
+    assert sorted(k for b in batches for k in b.split()) == \
+        sorted(k for b in expected_batches for k in b.split()) == killed.train.keys
+    assert summary["trained"] == 160 and summary["retrained"] == 0
+    assert summary["steps"] == expected_summary["steps"]
+    if workers == 1 or not large_dataset:
+        # One worker (or map-style batches, fixed by seed and epoch): the same batches in
+        # the same order, hence the same model.
+        assert batches == expected_batches
+        for key, value in expected_model.items():
+            assert torch.equal(value, model[key]), key

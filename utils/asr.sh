@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The stages every ASR recipe shares, run from a recipe directory (egs/<corpus>/) by its
+# run.sh, which holds the corpus's settings and its own data preparation, local/data.sh.
+#
+# Stages:
+#   0  data preparation: local/data.sh $local_data_opts -> data/<set>/
+#   1  features: 80-dim fbank -> data/fbank/<set> (the training set speed-perturbed into
+#      data/fbank/<train_set>_sp when --speed_perturb is given)
+#   2  tokenizer and map-style packs (cat.utils.pipeline prepare); the tar shards the
+#      experiment streams, in the length groups of its hyper-p.json data.shards
+#      (local/prep_wds.py pack-exp; nothing for a map-style experiment)
+#   3  training (exp/<name>/hyper-p.json + config.json)
+#   4  decoding and CER scoring
+#
+# Usage (from egs/<corpus>/run.sh):
+#   ../../utils/asr.sh --exp exp/ctc-v1 --train_set train --test_sets "dev test" \
+#     --speed_perturb 0.9,1.1 --local_data_opts "--aishell_root /data/aishell"
+# Every stage skips work that is already done; a failed stage stops the script.
+set -euo pipefail
+utils=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=stage_lib.sh
+. "$utils/stage_lib.sh"
+
+stage=0                 # first stage to run
+stop_stage=4            # last stage to run
+nj=2                    # parallel jobs for features, packing and decoding
+nproc=1                 # training processes (GPUs, or CPU processes with gloo)
+exp=                    # experiment directory (required)
+train_set=train         # training set under data/
+test_sets="dev test"    # other sets under data/ that get features
+speed_perturb=          # speed factors added to the training set (e.g. 0.9,1.1)
+local_data_opts=        # options of local/data.sh (stage 0)
+
+# shellcheck source=parse_options.sh
+. "$utils/parse_options.sh"
+
+if [ -z "$exp" ]; then
+  echo "$0: --exp is required (an experiment directory holding hyper-p.json)" >&2
+  exit 1
+fi
+
+if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
+  log "Stage 0: data preparation (local/data.sh $local_data_opts)"
+  # shellcheck disable=SC2086  # the options are words
+  bash local/data.sh $local_data_opts
+fi
+
+if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
+  log "Stage 1: fbank features"
+  for part in "$train_set" $test_sets; do
+    out=data/fbank/$part
+    opts=()
+    if [ "$part" = "$train_set" ] && [ -n "$speed_perturb" ]; then
+      out=data/fbank/${part}_sp
+      opts=(--speed-perturb "$speed_perturb")
+    fi
+    signature="$(cat data/.prepare.done) ${opts[*]}"
+    if is_done "$out/.done" "$signature"; then
+      log "  $out already extracted"
+      continue
+    fi
+    python -m cat.features.extract --nj "$nj" "${opts[@]}" "data/$part" "$out"
+    mark_done "$out/.done" "$signature"
+  done
+fi
+
+if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
+  log "Stage 2: tokenizer, packs and shards for $exp"
+  python -m cat.utils.pipeline prepare "$exp"
+  python local/prep_wds.py pack-exp "$exp" --nj "$nj"
+fi
+
+if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
+  log "Stage 3: training $exp"
+  python -m cat.utils.pipeline train "$exp" --nproc "$nproc"
+fi
+
+if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
+  log "Stage 4: decoding and scoring $exp"
+  python -m cat.utils.pipeline decode "$exp" --nj "$nj"
+  cat "$exp/RESULTS.md"
+fi
+log "Done: stages $stage-$stop_stage"
