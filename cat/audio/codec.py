@@ -10,8 +10,8 @@ Formats (the extension of an audio shard member; soundfile/libsndfile does the w
 
 Opus is lossy. At 32 kbit/s on 16 kHz speech with a 30 dB noise floor, the 80-dim
 log-mel features of the decoded audio differ from those of the original by 0.36 on
-average (natural log), mostly because Opus drops part of the noise between 4 and 8 kHz
-(the top 25 bins lose 0.5 to 0.8 of mean log energy); at 64 kbit/s the mean difference
+average (natural log), mostly because Opus drops part of the noise above about 3 kHz
+(bins 54 to 79 lose 0.3 to 0.85 of mean log energy); at 64 kbit/s the mean difference
 is 0.12 and the per-bin means agree within 0.15. Choose the bitrate with that in mind
 (`bench/audio_bytes.py` prints the bytes per hour of each). libsndfile takes the Opus
 bitrate as a "compression level" in [0, 1], mapped linearly onto 256 down to 6 kbit/s per
@@ -23,15 +23,15 @@ input rate recorded in its header), channel 0 of multi-channel audio, like the s
 features (`cat.data.features.read_audio`). `decode(..., sample_rate=16000)` also
 resamples.
 
-Resampling uses libsoxr (`soxr`, "HQ": linear phase, passband flat to 91 % of the lower
-Nyquist frequency, stopband from Nyquist, over 130 dB of attenuation), the library sox's
-`rate` effect comes from. Measured against torchaudio's default band-limited sinc
-(`torchaudio.functional.resample`, 6 zero crossings, rolloff 0.99) on one core: soxr
-is 1.7 to 5 times faster from 48, 44.1, 22.05 and 8 kHz to 16 kHz (2 to 3.6 times slower
-for the 11:10 and 9:10 ratios of speed perturbation, where it still runs over 5 000
-times real time), and keeps a tone above the new Nyquist frequency 134 dB down where
-torchaudio leaves it 10 dB down (aliasing), with a flat passband where torchaudio loses
-1.8 dB at 7 kHz.
+Resampling uses libsoxr (`soxr`, quality "HQ": a linear-phase low-pass with its stopband
+from the lower Nyquist frequency on), the library sox's `rate` effect comes from. It was
+chosen over torchaudio's default band-limited sinc (`torchaudio.functional.resample`: 6
+zero crossings, rolloff 0.99) by measurement (`bench/audio_bytes.py`, one core):
+torchaudio leaves a tone above the new Nyquist frequency only 11 dB down (aliasing into
+the top mel bins) and loses 1.8 dB at 7 kHz, where soxr removes it by 136 dB or more and
+keeps 7 kHz within 0.01 dB; soxr was 3 to 4 times faster from 48, 44.1 and 8 kHz, 0.7
+to 1.0 times as fast from 22.05 kHz, and runs at about 5 000 times real time at the 9:10
+and 11:10 ratios of speed perturbation (0.7 to 0.9 times torchaudio's speed there).
 
 Usage:
     data = encode(waveform, 16000, "opus")

@@ -20,6 +20,7 @@ from cat.audio.codec import (
     set_ogg_serial,
     to_int16,
 )
+from cat.testing.imports import disallowed_imports
 
 
 def _waveform(seconds: float = 1.0, rate: int = 16000, seed: int = 0) -> np.ndarray:
@@ -194,3 +195,9 @@ def test_resample_length_and_identity():
     np.testing.assert_array_equal(resample(waveform, 16000, 16000), waveform)
     with pytest.raises(ValueError, match="positive"):
         resample(waveform, 0, 16000)
+
+
+def test_the_audio_package_imports_only_what_it_may():
+    """Every floor above can use cat.audio: it needs nothing else from cat."""
+    allowed = {"numpy", "soundfile", "soxr", "torch", "torchaudio", "cat.utils.io"}
+    assert disallowed_imports("cat.audio", allowed) == {}

@@ -11,6 +11,7 @@ import concurrent.futures
 import errno
 import io
 import json
+import pickle
 import tarfile
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from cat.storage.s3 import (
     index_url,
     split_s3_url,
 )
+from cat.testing.imports import disallowed_imports
 from cat.testing.seaweedfs import SeaweedS3, seaweedfs_s3
 from cat.testing.uio import make_uio_corpus
 
@@ -255,3 +257,14 @@ def test_a_stopped_server_gives_a_transient_error_naming_the_url(fragile):
     with pytest.raises(S3TransientError) as reopen:
         _bounded(store.open, url, reader.position)
     assert str(reopen.value).startswith(url) and reopen.value.errno == errno.EIO
+
+
+def test_the_storage_package_imports_only_what_it_may():
+    allowed = {"numpy", "boto3", "botocore", "fsspec", "braceexpand", "cat.utils.io"}
+    assert disallowed_imports("cat.storage", allowed) == {}
+
+
+def test_a_store_pickles_without_its_client():
+    store = S3Store(S3Options(endpoint_url="http://127.0.0.1:1", read_timeout=7))
+    copy = pickle.loads(pickle.dumps(store))
+    assert copy.options == store.options and copy._client is None
