@@ -7,8 +7,9 @@ would take fixed ports, are off), all data, sockets and logs stay in `work_dir`,
 telemetry is off, and the S3 gateway accepts one identity with generated keys (given to
 the test by `SeaweedS3.environment()`). It waits a bounded time for the gateway to
 answer, and on leaving the block, also after a failure, kills the whole process group
-and waits for it. The server also dies with the process that started it (Linux
-`PR_SET_PDEATHSIG`), so a killed test run leaves nothing behind.
+and waits for it. The server also dies with the thread that started it (Linux
+`PR_SET_PDEATHSIG`), so a killed test run leaves nothing behind: start it from the
+thread that will stop it.
 
 `pause()` / `resume()` freeze and thaw the server (SIGSTOP / SIGCONT: connections stay
 open but nothing answers, as with a hung store) and `stop()` kills it at once (open
@@ -39,7 +40,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,15 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the parent dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent() -> Callable[[], None]:
+    """What the child runs before exec to get SIGKILL when the thread that started it
+    ends; libc is loaded here, in the parent, so the child only makes the call."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def request() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return request
 
 
 @dataclasses.dataclass
@@ -231,7 +237,7 @@ def _launch(weed: str, work_dir: Path) -> SeaweedS3:
         process = subprocess.Popen(command, cwd=work_dir, env=environment,
                                    stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+                                   start_new_session=True, preexec_fn=_die_with_parent())
     grpc_ports = {name.split(".")[0]: port for name, port in ports.items()
                   if name.endswith(".grpc")}
     return SeaweedS3(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key,
