@@ -1,0 +1,203 @@
+"""Encoding, decoding and resampling of audio shard members (cat.audio.codec)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile
+
+from cat.audio.codec import (
+    DEFAULT_OPUS_BITRATE,
+    FORMATS,
+    AudioDecodeError,
+    decode,
+    encode,
+    ogg_crc,
+    opus_compression_level,
+    resample,
+    set_ogg_serial,
+    to_int16,
+)
+from cat.testing.imports import disallowed_imports
+
+
+def _waveform(seconds: float = 1.0, rate: int = 16000, seed: int = 0) -> np.ndarray:
+    """Harmonics of a 150 Hz voice with a slow envelope plus a little noise (float32)."""
+    rng = np.random.default_rng(seed)
+    time = np.arange(round(seconds * rate)) / rate
+    voice = sum(np.sin(2 * np.pi * 150 * k * time) / k for k in range(1, 20))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 2 * time)
+    return (0.2 * voice * envelope + 0.01 * rng.standard_normal(time.size)).astype(np.float32)
+
+
+def _reference_ogg_crc(data: bytes) -> int:
+    """The Ogg page CRC bit by bit, straight from its definition."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else crc << 1
+            crc &= 0xFFFFFFFF
+    return crc
+
+
+@pytest.mark.parametrize("audio_format", ["wav", "flac"])
+def test_lossless_formats_round_trip_int16_exactly(audio_format):
+    samples = to_int16(_waveform())
+    data = encode(samples, 16000, audio_format)
+    waveform, rate = decode(data, "utt.1")
+    assert rate == 16000
+    assert waveform.dtype == np.float32
+    np.testing.assert_array_equal(to_int16(waveform), samples)
+
+
+def test_float_input_is_rounded_like_kaldi_reads_int16():
+    waveform = np.array([0.5, -0.5, 1.5, -1.5, 0.25 + 0.1 / 32768], np.float32)
+    decoded, _ = decode(encode(waveform, 16000, "wav"), "x")
+    np.testing.assert_array_equal(decoded * 32768, [16384, -16384, 32767, -32768, 8192])
+
+
+def test_flac_is_smaller_than_wav():
+    samples = _waveform(2.0)
+    assert len(encode(samples, 16000, "flac")) < len(encode(samples, 16000, "wav"))
+
+
+def test_opus_round_trip_keeps_length_rate_and_signal():
+    original = _waveform(2.0)
+    data = encode(original, 16000, "opus")
+    assert data.startswith(b"OggS") and b"OpusHead" in data[:100]
+    decoded, rate = decode(data, "utt.opus")
+    assert rate == 16000
+    assert decoded.shape == original.shape
+    error = np.mean((decoded - original) ** 2) / np.mean(original ** 2)
+    assert error < 0.05, f"Opus lost too much of the signal: relative error {error:.3f}"
+    # About the target bitrate (variable bitrate, plus Ogg/Opus headers).
+    bits_per_second = len(data) * 8 / 2.0
+    assert 0.5 * DEFAULT_OPUS_BITRATE < bits_per_second < 1.5 * DEFAULT_OPUS_BITRATE
+
+
+def test_opus_bitrate_sets_the_size():
+    samples = _waveform(3.0)
+    small, large = (len(encode(samples, 16000, "opus", opus_bitrate=b)) for b in (16000, 64000))
+    assert large > 2.5 * small
+
+
+def test_opus_encoding_is_deterministic_and_pages_are_valid():
+    samples = _waveform(1.5)
+    first, second = encode(samples, 16000, "opus"), encode(samples, 16000, "opus")
+    assert first == second
+    # Every page's CRC is right (the decoder would drop a page with a wrong one).
+    position = 0
+    while position < len(first):
+        num_segments = first[position + 26]
+        end = position + 27 + num_segments + sum(first[position + 27:position + 27 + num_segments])
+        page = bytearray(first[position:end])
+        stored = int.from_bytes(page[22:26], "little")
+        page[22:26] = bytes(4)
+        assert stored == _reference_ogg_crc(bytes(page))
+        assert int.from_bytes(page[14:18], "little") == 1
+        position = end
+
+
+def test_ogg_crc_matches_its_definition():
+    rng = np.random.default_rng(3)
+    for size in (0, 1, 7, 300, 4097):
+        data = rng.bytes(size)
+        assert ogg_crc(data) == _reference_ogg_crc(data)
+
+
+def test_set_ogg_serial_rejects_non_ogg_data():
+    with pytest.raises(ValueError, match="not an Ogg page at byte 0"):
+        set_ogg_serial(b"RIFF" + bytes(40), 1)
+
+
+def test_opus_needs_an_opus_sample_rate():
+    with pytest.raises(ValueError, match="22050 Hz"):
+        encode(_waveform(0.5, 22050), 22050, "opus")
+
+
+def test_opus_bitrate_is_mapped_onto_libsndfile_compression_level():
+    assert opus_compression_level(256000) == 0.0
+    assert opus_compression_level(6000) == 1.0
+    assert opus_compression_level(32000) == pytest.approx(0.896)
+    with pytest.raises(ValueError, match="5000"):
+        opus_compression_level(5000)
+
+
+def test_encode_rejects_unknown_formats_and_multichannel_audio():
+    with pytest.raises(ValueError, match="'mp3'"):
+        encode(_waveform(), 16000, "mp3")
+    with pytest.raises(ValueError, match="mono"):
+        encode(np.zeros((100, 2), np.float32), 16000, "wav")
+    assert FORMATS == ("wav", "flac", "opus")
+
+
+@pytest.mark.parametrize("data", [b"", b"not audio at all" * 10, bytes(1000)])
+def test_undecodable_bytes_name_their_source(data):
+    with pytest.raises(AudioDecodeError, match=r"data-00003\.tar:A/B/utt\.1\.wav"):
+        decode(data, "data-00003.tar:A/B/utt.1.wav")
+
+
+def test_truncated_wav_is_an_error():
+    data = encode(_waveform(), 16000, "wav")
+    with pytest.raises(AudioDecodeError, match=r"truncated audio utt7.*header declares 32000"):
+        decode(data[: len(data) // 2], "utt7")
+
+
+@pytest.mark.parametrize("audio_format", ["flac", "opus"])
+def test_truncated_compressed_audio_is_an_error_or_shorter(audio_format):
+    """A cut FLAC or Opus stream is either refused or gives fewer samples, never garbage."""
+    original = _waveform(2.0)
+    data = encode(original, 16000, audio_format)
+    try:
+        decoded, _ = decode(data[: len(data) // 2], "cut")
+    except AudioDecodeError as error:
+        assert "cut" in str(error)
+    else:
+        assert decoded.size < original.size
+
+
+def test_decode_takes_channel_zero_of_multichannel_audio():
+    left, right = _waveform(seed=1), _waveform(seed=2)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, to_int16(np.stack([left, right], axis=1)), 16000, format="WAV",
+                    subtype="PCM_16")
+    decoded, _ = decode(buffer.getvalue(), "stereo")
+    np.testing.assert_array_equal(to_int16(decoded), to_int16(left))
+
+
+def test_decode_resamples_when_asked():
+    original = _waveform(1.0, 48000)
+    decoded, rate = decode(encode(original, 48000, "flac"), "x", sample_rate=16000)
+    assert rate == 16000
+    assert decoded.size == 16000
+
+
+def _power_db(waveform: np.ndarray) -> float:
+    middle = waveform[len(waveform) // 10: -len(waveform) // 10]
+    return 10 * np.log10(np.mean(middle.astype(np.float64) ** 2) + 1e-30)
+
+
+@pytest.mark.parametrize("orig_rate", [48000, 44100, 22050])
+def test_resample_removes_what_the_new_rate_cannot_hold(orig_rate):
+    time = np.arange(orig_rate) / orig_rate
+    above = np.sin(2 * np.pi * 8600 * time).astype(np.float32)  # above 8 kHz: must go
+    inside = np.sin(2 * np.pi * 7000 * time).astype(np.float32)  # in the passband: must stay
+    assert _power_db(resample(above, orig_rate, 16000)) - _power_db(above) < -100
+    assert abs(_power_db(resample(inside, orig_rate, 16000)) - _power_db(inside)) < 0.05
+
+
+def test_resample_length_and_identity():
+    waveform = _waveform(0.3, 22050)
+    assert resample(waveform, 22050, 16000).size == round(waveform.size * 16000 / 22050)
+    np.testing.assert_array_equal(resample(waveform, 16000, 16000), waveform)
+    with pytest.raises(ValueError, match="positive"):
+        resample(waveform, 0, 16000)
+
+
+def test_the_audio_package_imports_only_what_it_may():
+    """Every floor above can use cat.audio: it needs nothing else from cat."""
+    allowed = {"numpy", "soundfile", "soxr", "torch", "torchaudio", "cat.utils.io"}
+    assert disallowed_imports("cat.audio", allowed) == {}
