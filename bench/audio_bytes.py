@@ -44,9 +44,9 @@ import torchaudio
 
 from cat.audio.codec import decode, encode, to_int16
 from cat.audio.speed import speed_perturb
-from cat.data.features import compute_fbank
-from cat.data.features import speed_perturb as offline_speed_perturb
 from cat.data.synth import Speaker, add_noise, synthesize
+from cat.features.fbank import compute_fbank
+from cat.features.fbank import speed_perturb as offline_speed_perturb
 
 RATE = 16000
 SENTENCES = (

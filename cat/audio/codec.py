@@ -20,7 +20,7 @@ channel; `encode` converts. libsndfile also picks a random Ogg stream serial num
 
 Decoding gives float32 samples in [-1, 1) at the rate stored in the data (Opus: the
 input rate recorded in its header), channel 0 of multi-channel audio, like the stage-1
-features (`cat.data.features.read_audio`). `decode(..., sample_rate=16000)` also
+features (`cat.features.extract.read_audio`). `decode(..., sample_rate=16000)` also
 resamples.
 
 Resampling uses libsoxr (`soxr`, quality "HQ": a linear-phase low-pass with its stopband

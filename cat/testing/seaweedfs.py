@@ -47,7 +47,7 @@ from typing import Any
 import boto3
 import botocore.config
 
-from cat.utils.io import PathLike
+from cat.core.io import PathLike
 
 REGION = "us-east-1"
 # Ports a server needs: master, volume, filer and S3, each with a gRPC port.

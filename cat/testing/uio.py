@@ -13,7 +13,7 @@ A `data.list` names the data, one entry per line: in shard mode a shard path or 
 line; in raw mode a JSON object per line with the utterance `key`, the path of its audio
 file `wav` and its transcript `txt` (non-ASCII text written as is).
 
-This module is written from that description, not from `cat.data.prep_wds`, so that a
+This module is written from that description, not from `cat.formats.prep_wds`, so that a
 test can check that our readers accept data made by someone else's tool.
 
 Usage:
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from cat.utils.io import PathLike, atomic_write
+from cat.core.io import PathLike, atomic_write
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,9 @@ import soundfile
 
 from cat.audio.codec import to_int16
 from cat.audio.speed import choose_factor, perturbed_num_samples, speed_perturb
-from cat.data.features import compute_fbank
-from cat.data.features import speed_perturb as offline_speed_perturb
 from cat.data.synth import Speaker, add_noise, synthesize
+from cat.features.fbank import compute_fbank
+from cat.features.fbank import speed_perturb as offline_speed_perturb
 
 RATE = 16000
 TOP_BINS = slice(75, 80)

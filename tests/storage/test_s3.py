@@ -260,7 +260,7 @@ def test_a_stopped_server_gives_a_transient_error_naming_the_url(fragile):
 
 
 def test_the_storage_package_imports_only_what_it_may():
-    allowed = {"numpy", "boto3", "botocore", "fsspec", "braceexpand", "cat.utils.io"}
+    allowed = {"numpy", "boto3", "botocore", "fsspec", "braceexpand", "cat.core.io"}
     assert disallowed_imports("cat.storage", allowed) == {}
 
 
