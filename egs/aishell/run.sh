@@ -8,11 +8,16 @@
 #      hyper-p.json sets train.option.large_dataset)
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
+#   5  language models (hyper-p.json: inference.lm names them, e.g. exp/lm-char-5gram):
+#      n-gram training, weights tuned on dev, decoding with shallow fusion / LODR /
+#      N-best rescoring -> exp/<name>/RESULTS-lm.md (nothing to do without inference.lm)
 #
 # Usage:
 #   bash run.sh --synthetic true                       # synthetic corpus, every stage
 #   bash run.sh --aishell_root /data/aishell --download true --exp exp/ctc-v1
 #   bash run.sh --stage 2 --stop_stage 2 --exp exp/ctc-v1
+#   bash run.sh --stage 5 --exp exp/ctc-v1             # LMs and decoding with them
+#   bash run.sh --synthetic true --stage 2 --exp exp/synth-ctc-short   # short model + LMs
 # Every stage skips work that is already done; a failed stage stops the script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -20,11 +25,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 . ../../utils/stage_lib.sh
 
 stage=0                 # first stage to run
-stop_stage=4            # last stage to run
+stop_stage=5            # last stage to run
 synthetic=false         # generate and use the synthetic corpus instead of the release
 synthetic_utts=8000     # size of the synthetic corpus, in utterances (train+dev+test)
 synthetic_seed=0        # seed of the synthetic corpus
 synthetic_dir=corpus/synthetic  # where the synthetic release is written
+lm_sentences=50000      # synthetic LM text (data/lm_text): sentences none of the corpus has
 aishell_root=corpus/aishell     # the real release: the directory holding data_aishell/
 download=false          # download the release (OpenSLR 33) into aishell_root first
 nj=2                    # parallel jobs for feature extraction and packing
@@ -46,6 +52,14 @@ if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
     python -m cat.data.synth aishell "$synthetic_dir" --num-utts "$synthetic_utts" \
       --seed "$synthetic_seed" --nj "$nj"
     root=$synthetic_dir
+    signature="$(cd "$root" && pwd) $synthetic_utts $synthetic_seed $lm_sentences"
+    if is_done data/lm_text/.done "$signature"; then
+      log "  data/lm_text/text already generated"
+    else
+      python -m cat.data.synth lm-text "$synthetic_dir" data/lm_text/text \
+        --num-sentences "$lm_sentences"
+      mark_done data/lm_text/.done "$signature"
+    fi
   else
     if $download; then
       python -m cat.data.aishell download "$aishell_root"
@@ -94,5 +108,10 @@ if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: decoding and scoring $exp"
   python -m cat.utils.pipeline decode "$exp" --nj "$nj"
   cat "$exp/RESULTS.md"
+fi
+
+if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
+  log "Stage 5: language models and decoding $exp with them"
+  python -m cat.utils.pipeline lm "$exp" --nj "$nj"
 fi
 log "Done: stages $stage-$stop_stage"

@@ -10,10 +10,13 @@
 #   2  tokenizer, tar shards of the training set in length groups, map-style dev/test packs
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
+#   5  language models (hyper-p.json: inference.lm, e.g. exp/lm-trans-5gram), decoding with
+#      them -> exp/<name>/RESULTS-lm.md (nothing to do without inference.lm)
 #
 # Usage:
 #   bash run.sh --synthetic true                                  # synthetic twin, every stage
 #   bash run.sh --wenetspeech_root /data/WenetSpeech --train_subset L --exp exp/train_l/ctc-v1
+#   bash run.sh --train_subset L --stage 5 --exp exp/train_l/rnnt-v1  # LMs, decoding with them
 # Every stage skips work that is already done; a failed stage stops the script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -21,7 +24,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 . ../../utils/stage_lib.sh
 
 stage=0                 # first stage to run
-stop_stage=4            # last stage to run
+stop_stage=5            # last stage to run
 synthetic=false         # generate and use the synthetic corpus instead of the release
 synthetic_hours=3.0     # size of the synthetic corpus, in hours of speech (all sets)
 synthetic_seed=0        # seed of the synthetic corpus
@@ -91,5 +94,10 @@ if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: decoding and scoring $exp"
   python -m cat.utils.pipeline decode "$exp" --nj "$nj"
   cat "$exp/RESULTS.md"
+fi
+
+if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
+  log "Stage 5: language models and decoding $exp with them"
+  python -m cat.utils.pipeline lm "$exp" --nj "$nj"
 fi
 log "Done: stages $stage-$stop_stage"
