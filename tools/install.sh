@@ -18,8 +18,9 @@ dev=false
 log() { echo "$(date '+%Y-%m-%d %H:%M:%S') (install.sh:${BASH_LINENO[0]}) $*" >&2; }
 
 # --- system packages --------------------------------------------------------
-# espeak-ng speaks the synthetic corpus; sox converts its audio.
-apt_packages=(espeak-ng sox)
+# espeak-ng speaks the synthetic corpus; sox converts its audio; g++ and make build the
+# kenlm Python module, which PyPI has only as source.
+apt_packages=(espeak-ng sox g++ make)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -535,23 +535,37 @@ def decode_setting(run: LMRun, name: str, setting: dict[str, Any] | None,
         spec = next(s for s in _fusion_specs(run, name, setting["fusion"])
                     if _spec_weights(s) == chosen)
     out = run.first_passes(test, [spec])[0]
-    log = json.loads((out / "decode.log").read_text(encoding="utf-8"))
-    seconds = log["decode_seconds"]
-    hyps = read_table(out / "hyp", allow_empty_value=True)
-    if setting is not None and "rescore" in setting:
-        start = time.perf_counter()
-        config = load_lm_config(setting["rescore"]["lm"])
-        rescorer = WordRescorer(run.lm(setting["rescore"]["lm"], "rescore", False),
-                                make_splitter(config["unit"], config.get("tokenizer")))
-        scores = NBestScores.compute(read_nbest(out / NBEST_NAME), rescorer)
-        hyps = scores.best(weights["rescore"]["alpha"], weights["rescore"]["beta"])
-        seconds += time.perf_counter() - start
-    result = run.score(test, hyps)
     target = run.root / name / _set_name(test)
-    write_hyp(target / "hyp", hyps)
+    rescore = setting.get("rescore") if setting is not None else None
+    files = [out / "hyp", out / NBEST_NAME]
+    if rescore is not None:
+        files.append(run.lm(rescore["lm"], f"settings.{name}.rescore.lm", token_level=False))
+    sig = signature("lm-setting", weights, files=files)
+    if is_done(target / "hyp", sig):
+        hyps = read_table(target / "hyp", allow_empty_value=True)
+        rtf = json.loads((target / "decode.json").read_text(encoding="utf-8"))["rtf"]
+    else:
+        log = json.loads((out / "decode.log").read_text(encoding="utf-8"))
+        seconds = log["decode_seconds"]
+        hyps = read_table(out / "hyp", allow_empty_value=True)
+        if rescore is not None:
+            start = time.perf_counter()
+            config = load_lm_config(rescore["lm"])
+            rescorer = WordRescorer(files[-1], make_splitter(config["unit"],
+                                                             config.get("tokenizer")))
+            scores = NBestScores.compute(read_nbest(out / NBEST_NAME), rescorer)
+            hyps = scores.best(weights["rescore"]["alpha"], weights["rescore"]["beta"])
+            seconds += time.perf_counter() - start
+        rtf = seconds / log["audio_seconds"] if log["audio_seconds"] else 0.0
+        write_hyp(target / "hyp", hyps)
+        with atomic_write(target / "decode.json") as f:
+            json.dump({"first_pass": str(out), "weights": weights, "seconds": round(seconds, 2),
+                       "rtf": round(rtf, 4)}, f, indent=1)
+            f.write("\n")
+        mark_done(target / "hyp", sig)
+    result = run.score(test, hyps)
     with atomic_write(target / "score.txt") as f:
         f.write(format_summary(result) + "\n")
-    rtf = seconds / log["audio_seconds"] if log["audio_seconds"] else 0.0
     return result, rtf
 
 
