@@ -510,6 +510,12 @@ def tune_setting(run: LMRun, name: str, setting: dict[str, Any], dev: str) -> di
     return report
 
 
+def _chosen_spec(run: LMRun, name: str, setting: dict[str, Any], weights: dict[str, Any]) -> Any:
+    """The fusion spec of a setting's grid that `weights` (from `tune_setting`) chose."""
+    return next(spec for spec in _fusion_specs(run, name, setting["fusion"])
+                if _spec_weights(spec) == weights["fusion"])
+
+
 def _spec_weights(spec: Any) -> dict[str, float]:
     weights = {"alpha": spec.alpha, "beta": spec.beta}
     if spec.lodr:
@@ -531,9 +537,7 @@ def decode_setting(run: LMRun, name: str, setting: dict[str, Any] | None,
 
     spec = None
     if setting is not None and "fusion" in setting:
-        chosen = weights["fusion"]
-        spec = next(s for s in _fusion_specs(run, name, setting["fusion"])
-                    if _spec_weights(s) == chosen)
+        spec = _chosen_spec(run, name, setting, weights)
     out = run.first_passes(test, [spec])[0]
     target = run.root / name / _set_name(test)
     rescore = setting.get("rescore") if setting is not None else None
@@ -589,11 +593,19 @@ def decode_lm(exp_dir: PathLike, nj: int = 1) -> Path | None:
     run = LMRun(plan, select_checkpoint(plan), kind, option, options, unit)
     dev = section.get("dev") or plan.section("dev")[0]
     tests = plan.section("test")
+    settings = section["settings"]
+    # Every first pass a set needs is decoded in one run, sharing the network forward.
+    run.first_passes(dev, [None, *(spec for name, setting in settings.items()
+                                   if "fusion" in setting
+                                   for spec in _fusion_specs(run, name, setting["fusion"]))])
+    chosen = {name: tune_setting(run, name, setting, dev) for name, setting in settings.items()}
+    for test in tests:
+        run.first_passes(test, [None, *(_chosen_spec(run, name, setting, chosen[name])
+                                        for name, setting in settings.items()
+                                        if "fusion" in setting)])
     rows = [("none", None, [decode_setting(run, "none", None, None, t) for t in tests])]
-    for name, setting in section["settings"].items():
-        weights = tune_setting(run, name, setting, dev)
-        rows.append((name, weights, [decode_setting(run, name, setting, weights, t)
-                                     for t in tests]))
+    rows += [(name, chosen[name], [decode_setting(run, name, setting, chosen[name], t)
+                                   for t in tests]) for name, setting in settings.items()]
     path = plan.exp_dir / LM_RESULTS_NAME
     with atomic_write(path) as f:
         f.write(_lm_table(run, dev, tests, rows))
