@@ -6,9 +6,12 @@ modified Kneser-Ney model and writes it as ARPA. `exp/<name>/train.json` records
 n-gram counts, the discounts, the time taken, and the perplexity of `eval_text` as kenlm
 scores it (sentence ends included, out-of-vocabulary tokens counted as `<unk>`).
 
-The ARPA file is what the decoders load (`kenlm.Model`). kenlm's `build_binary` is not
-part of the `kenlm` Python package; a binary made with it from `lm.arpa` elsewhere can be
-given to the decoders instead of the ARPA file (`kenlm.Model` reads both).
+The decoders load the model with `kenlm.Model`, which parses the ARPA file on every
+load. For large models `"binary": "probing" | "trie"` also writes `exp/<name>/lm.bin`
+with kenlm's `build_binary` (memory-mapped, loaded in milliseconds; trie is the smaller),
+which the decoders then use. `build_binary` is not part of the `kenlm` Python package:
+`bash tools/build_kenlm_binary.sh` compiles it from kenlm's source package into
+`tools/bin/` (or set `KENLM_BUILD_BINARY`, or put it on `PATH`).
 
 Usage:
     python -m cat.lm.train exp/lm-char-5gram
@@ -21,6 +24,9 @@ import argparse
 import json
 import logging
 import math
+import os
+import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "lm.json"
 ARPA_NAME = "lm.arpa"
+BINARY_NAME = "lm.bin"
 REPORT_NAME = "train.json"
 SCHEMA_PATH = Path(__file__).with_name("schemas") / "lm.schema.json"
 
@@ -66,6 +73,35 @@ def input_files(config: dict[str, Any]) -> list[Path]:
     if "tokenizer" in config:
         files.append(config["tokenizer"])
     return [Path(p) for p in files]
+
+
+def model_file(lm_dir: PathLike, config: dict[str, Any]) -> Path:
+    """The file the decoders load: `lm.bin` when `binary` is set, else `lm.arpa`."""
+    return Path(lm_dir) / (BINARY_NAME if config.get("binary") else ARPA_NAME)
+
+
+def find_build_binary() -> str:
+    """kenlm's build_binary: $KENLM_BUILD_BINARY, on PATH, or in the checkout's tools/bin."""
+    candidates = [os.environ.get("KENLM_BUILD_BINARY"), shutil.which("build_binary"),
+                  str(Path(__file__).resolve().parents[2] / "tools" / "bin" / "build_binary")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError("lm.json sets 'binary', but kenlm's build_binary was not found "
+                            "(KENLM_BUILD_BINARY, PATH, tools/bin): run "
+                            "bash tools/build_kenlm_binary.sh")
+
+
+def write_binary(arpa: Path, out: Path, structure: str) -> None:
+    """Convert `arpa` to a kenlm binary `out` (atomically) with build_binary."""
+    tmp = out.with_name(out.name + ".tmp")
+    command = [find_build_binary(), *(["trie"] if structure == "trie" else []), str(arpa),
+               str(tmp)]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(command)} failed: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
 
 
 def perplexity(arpa: PathLike, sentences: Sequence[list[str]]) -> dict[str, float]:
@@ -102,6 +138,8 @@ def train(lm_dir: PathLike) -> Path:
         raise DiscountError(f"{lm_dir / CONFIG_NAME}: {error}") from None
     arpa = lm_dir / ARPA_NAME
     write_arpa(model, arpa)
+    if config.get("binary"):
+        write_binary(arpa, lm_dir / BINARY_NAME, config["binary"])
     seconds = time.perf_counter() - start
     report: dict[str, Any] = {
         "unit": config["unit"], "order": config["order"], "sentences": len(sentences),
@@ -109,8 +147,11 @@ def train(lm_dir: PathLike) -> Path:
         "ngrams": [len(g) for g in model.grams],
         "discounts": [list(d) for d in model.discounts], "seconds": round(seconds, 2),
         "arpa_bytes": arpa.stat().st_size, "eval": {}}
+    if config.get("binary"):
+        report["binary_bytes"] = (lm_dir / BINARY_NAME).stat().st_size
     for path in config.get("eval_text", []):
-        report["eval"][path] = perplexity(arpa, [split(t) for t in iter_text([path])])
+        report["eval"][path] = perplexity(model_file(lm_dir, config),
+                                          [split(t) for t in iter_text([path])])
     with atomic_write(lm_dir / REPORT_NAME) as f:
         json.dump(report, f, ensure_ascii=False, indent=1)
         f.write("\n")

@@ -352,8 +352,9 @@ LM_RESULTS_NAME = "RESULTS-lm.md"
 
 
 def train_lm(lm_dir: PathLike) -> Path:
-    """Estimate `lm_dir/lm.json`'s n-gram unless `lm_dir/lm.arpa` is up to date."""
-    from cat.lm.train import ARPA_NAME, input_files, load_lm_config
+    """Estimate `lm_dir/lm.json`'s n-gram unless `lm_dir/lm.arpa` is up to date; returns the
+    file the decoders load (`lm.bin` when lm.json sets `binary`, else `lm.arpa`)."""
+    from cat.lm.train import ARPA_NAME, input_files, load_lm_config, model_file
     from cat.lm.train import train as train_ngram
 
     lm_dir = Path(lm_dir)
@@ -364,12 +365,12 @@ def train_lm(lm_dir: PathLike) -> Path:
                                     "data stages, or the synthetic LM text, come first)")
     arpa = lm_dir / ARPA_NAME
     sig = signature("lm", config, files=input_files(config))
-    if is_done(arpa, sig):
+    if is_done(arpa, sig) and model_file(lm_dir, config).is_file():
         logger.info("%s is up to date", arpa)
-        return arpa
+        return model_file(lm_dir, config)
     train_ngram(lm_dir)
     mark_done(arpa, sig)
-    return arpa
+    return model_file(lm_dir, config)
 
 
 def _grid(value: float | list[float] | None, default: float = 0.0) -> list[float]:
@@ -397,7 +398,7 @@ class LMRun:
     option: dict[str, Any]
     options: Any
     unit: str
-    arpas: dict[str, Path] = dataclasses.field(default_factory=dict)
+    models: dict[str, Path] = dataclasses.field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -407,18 +408,19 @@ class LMRun:
         return f"{self.plan.exp_dir / HYPER_NAME}: inference.lm.{key}"
 
     def lm(self, lm_dir: str, key: str, token_level: bool) -> Path:
-        """The ARPA of an LM experiment (trained when needed); fusion needs ASR tokens."""
+        """The model file of an LM experiment (trained when needed); fusion needs ASR
+        tokens."""
         from cat.lm.train import load_lm_config
         from cat.shared.config import ConfigError
 
-        if lm_dir not in self.arpas:
+        if lm_dir not in self.models:
             unit = load_lm_config(lm_dir)["unit"]
             if token_level and unit == "word":
                 raise ConfigError(f"{self.where(key)}: {lm_dir} is a word-level model; shallow "
                                   "fusion scores the ASR tokens (unit char or tokenizer); use "
                                   "word models under 'rescore'")
-            self.arpas[lm_dir] = train_lm(lm_dir)
-        return self.arpas[lm_dir]
+            self.models[lm_dir] = train_lm(lm_dir)
+        return self.models[lm_dir]
 
     def first_passes(self, data_dir: str, specs: list[Any]) -> list[Path]:
         """Output dirs of first passes of `data_dir` (decoding those not up to date in one
