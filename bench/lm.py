@@ -7,13 +7,13 @@ Decoding runs the same test set several ways in one process tree, each in its ow
 baseline), with shallow fusion of the token LM, and, when given, with LODR; N-best
 rescoring is timed on the baseline's N-best lists. Ratios are against the baseline of
 the same run. Memory: the resident-set growth of a fresh process loading each LM with
-kenlm (ARPA, and a kenlm binary when `--binary` names one), and its load time. Estimator:
+kenlm (ARPA, and kenlm binaries that `--binary` names), and its load time. Estimator:
 seconds and peak memory of `cat.lm.ngram.estimate` on an LM experiment's text.
 
 Usage (egs/aishell, after `bash run.sh --synthetic true --stage 2 --exp exp/synth-ctc-short`):
     python ../../bench/lm.py --exp exp/synth-ctc-short --data data/fbank/test \
         --lm exp/synth-lm-char-5gram --alpha 0.5 --beta 1.0 --rescore exp/synth-lm-word-3gram \
-        --rescore-alpha 0.3 --rescore-beta 0.5 --nj 2
+        --rescore-alpha 0.3 --rescore-beta 0.5 --nj 2 --binary lm.probing.bin lm.trie.bin
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--rescore", help="word LM experiment dir for N-best rescoring")
     parser.add_argument("--rescore-alpha", type=float, default=0.3)
     parser.add_argument("--rescore-beta", type=float, default=0.5)
-    parser.add_argument("--binary", help="a kenlm binary of the token LM, to compare with ARPA")
+    parser.add_argument("--binary", nargs="*", default=[],
+                        help="kenlm binaries of the token LM, to compare with its ARPA")
     parser.add_argument("--nj", type=int, default=2)
     args = parser.parse_args()
 
@@ -128,7 +129,7 @@ def main() -> None:
     print(f"{'LM file':46s} {'MB on disk':>10s} {'RSS MB':>8s} {'load s':>7s}")
     files = [Path(args.lm) / "lm.arpa"]
     files += [Path(p) / "lm.arpa" for p in (args.lodr, args.rescore) if p]
-    files += [Path(args.binary)] if args.binary else []
+    files += [Path(p) for p in args.binary]
     for path in files:
         memory = probe(MEMORY_PROBE, str(path))
         print(f"{path!s:46s} {path.stat().st_size / 1e6:10.1f} "
