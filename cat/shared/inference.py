@@ -326,17 +326,8 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
                kind: str, options: DecodeOptions) -> DecodeSummary:
     """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    scp = data_dir / "feats.scp"
-    if not scp.is_file():
-        raise FileNotFoundError(f"{scp} does not exist (run the feature stage first)")
-    device = options.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    lengths = read_lengths(data_dir)
-    batches = plan_batches(lengths, options.max_frames, options.batch_size)
-    workers = 1 if device == "cuda" else max(1, min(options.nj, len(batches)))
-    # Deal the length-sorted batches round-robin so every worker gets a similar load.
-    shares = [batches[i::workers] for i in range(workers)]
+    scp, lengths, device, shares = _plan_workers(data_dir, options)
+    workers = len(shares)
     start = time.perf_counter()
     if workers == 1:
         pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
