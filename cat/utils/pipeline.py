@@ -1,4 +1,4 @@
-"""Stages 2-4 of the recipes for one experiment, driven by `exp/<name>/hyper-p.json`.
+"""Stages 2-5 of the recipes for one experiment, driven by `exp/<name>/hyper-p.json`.
 
 * `prepare` (stage 2): trains the tokenizer (`tokenizer`: type, option-train, file)
   from the `text` files of `data.train`, unless the file exists; writes map-style packs
