@@ -131,6 +131,9 @@ def train(lm_dir: PathLike) -> Path:
     start = time.perf_counter()
     sentences = [split(text) for text in iter_text(config.get("text", []))]
     sentences += [split(text) for text in iter_text(config.get("plain_text", []), kaldi=False)]
+    if not sentences:
+        raise ValueError(f"{lm_dir / CONFIG_NAME}: the training text "
+                         f"({', '.join(map(str, input_files(config)))}) holds no sentence")
     fallback = config.get("discount_fallback")
     try:
         model = estimate(sentences, config["order"], tuple(fallback) if fallback else None)

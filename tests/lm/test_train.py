@@ -72,3 +72,11 @@ def test_too_little_text_names_the_config(tmp_path):
     (lm_dir / "lm.json").write_text(json.dumps(config))
     with pytest.raises(lm_train.DiscountError, match=r"lm\.json: 1-grams: .*discount_fallback"):
         lm_train.train(lm_dir)
+
+
+def test_empty_text_names_the_config_and_files(tmp_path):
+    lm_dir, _ = make_lm_dir(tmp_path)
+    (tmp_path / "text").write_text("utt1\nutt2 \n", encoding="utf-8")
+    (tmp_path / "plain.txt").write_text("\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"lm\.json: the training text .*text.* holds no"):
+        lm_train.train(lm_dir)
