@@ -3,7 +3,8 @@
 # environment holding the pinned requirements.
 #
 # Usage: bash tools/install.sh          # runtime requirements
-#        bash tools/install.sh --dev    # plus test, lint and benchmark tools
+#        bash tools/install.sh --dev    # plus test, lint and benchmark tools (and kenlm's
+#                                       # build_binary, tools/build_kenlm_binary.sh)
 #
 # Re-running is cheap: the virtual environment is reused, and pip only runs
 # again when a requirements file changed since the last successful install.
@@ -18,8 +19,9 @@ dev=false
 log() { echo "$(date '+%Y-%m-%d %H:%M:%S') (install.sh:${BASH_LINENO[0]}) $*" >&2; }
 
 # --- system packages --------------------------------------------------------
-# espeak-ng speaks the synthetic corpus; sox converts its audio.
-apt_packages=(espeak-ng sox)
+# espeak-ng speaks the synthetic corpus; sox converts its audio; g++ and make build the
+# kenlm Python module, which PyPI has only as source.
+apt_packages=(espeak-ng sox g++ make)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -56,5 +58,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   log "installing Python requirements from $(basename "$req")"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
   echo "$want" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
+fi
+# The tests check kenlm binaries against their ARPA, so the test set-up builds kenlm's
+# build_binary (once; the recipes build it on demand for the LMs that ask for a binary).
+if $dev; then
+  bash "$root/tools/build_kenlm_binary.sh"
 fi
 log "environment ready: $venv"

@@ -11,6 +11,9 @@
 #      (local/prep_wds.py pack-exp; nothing for a map-style experiment)
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
+#   5  language models named by hyper-p.json inference.lm (e.g. exp/lm-char-5gram):
+#      n-gram training, weights tuned on dev, decoding with shallow fusion / LODR /
+#      N-best rescoring -> exp/<name>/RESULTS-lm.md (nothing to do without inference.lm)
 #
 # Usage (from egs/<corpus>/run.sh):
 #   ../../utils/asr.sh --exp exp/ctc-v1 --train_set train --test_sets "dev test" \
@@ -22,7 +25,7 @@ utils=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$utils/stage_lib.sh"
 
 stage=0                 # first stage to run
-stop_stage=4            # last stage to run
+stop_stage=5            # last stage to run
 nj=2                    # parallel jobs for features, packing and decoding
 nproc=1                 # training processes (GPUs, or CPU processes with gloo)
 exp=                    # experiment directory (required)
@@ -79,5 +82,10 @@ if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: decoding and scoring $exp"
   python -m cat.utils.pipeline decode "$exp" --nj "$nj"
   cat "$exp/RESULTS.md"
+fi
+
+if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
+  log "Stage 5: language models and decoding $exp with them"
+  python -m cat.utils.pipeline lm "$exp" --nj "$nj"
 fi
 log "Done: stages $stage-$stop_stage"

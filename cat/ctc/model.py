@@ -35,6 +35,7 @@ from torch import nn
 
 from cat.core.config import ConfigError
 from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
+from cat.lm.scorer import ShallowFusion
 from cat.models.heads import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
 from cat.models.specaug import SpecAugment
 
@@ -115,6 +116,17 @@ class CTCModel(nn.Module):
         return loss, stats
 
     @torch.no_grad()
+    def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `nbest` searches: the log-probabilities and their lengths (one network
+        forward for any number of searches)."""
+        return self.log_probs(feats, feat_lens)
+
+    def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
+              fusion: ShallowFusion | None = None) -> list:
+        """N-best lists of a batch: CTC prefix beam search, with shallow fusion when given."""
+        return ctc_prefix_beam_search(*inputs, beam_size, fusion=fusion)
+
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                beam_size: int = 10, token_topk: int | None = None) -> list[list[int]]:
         """Decode a batch to token ids (blank removed) with greedy or prefix beam search.

@@ -15,12 +15,25 @@ Per-frame token pruning: only the `token_topk` most likely non-blank tokens of
 a frame extend prefixes. The default `beam_size + 1` loses nothing: a token
 outside the frame's top `beam + 1` is beaten, for the same prefix, by at least
 `beam` other extensions, so it can never enter the beam.
+
+Shallow fusion (`fusion`, e.g. `cat.lm.scorer.ShallowFusion`): every trie node
+also holds the weighted language-model score of its prefix (`alpha` times the
+token LM's log-probability, minus the LODR term, plus `beta` per token) and the
+LM state after it, computed once per (prefix, token) and cached. Prefixes are
+ranked by acoustic log-probability plus that score (plus the end-of-sentence
+score at the end), while `p_b`/`p_nb` stay acoustic, so paths merging into one
+prefix still add up exactly. With an LM the token pruning above is a heuristic.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from cat.lm.scorer import Fusion
 
 BLANK = 0
 
@@ -39,13 +52,30 @@ def ctc_greedy_search(log_probs: torch.Tensor, lengths: torch.Tensor,
 
 
 class _PrefixTrie:
-    """Prefixes as nodes `(parent, token)`; node 0 is the empty prefix."""
+    """Prefixes as nodes `(parent, token)`; node 0 is the empty prefix.
 
-    def __init__(self) -> None:
+    With `fusion`, `score[node]` is the prefix's weighted LM score and `states[node]` the
+    LM state after it.
+    """
+
+    def __init__(self, fusion: Fusion | None = None) -> None:
         self.parent = np.full(1024, -1, dtype=np.int64)
         self.token = np.full(1024, -1, dtype=np.int64)
+        self.score = np.zeros(1024)
         self.size = 1
         self.children: dict[tuple[int, int], int] = {}
+        self.fusion = fusion
+        self.states: list[Any] = [fusion.initial_state() if fusion is not None else None]
+        self._steps: dict[tuple[int, int], tuple[float, Any]] = {}
+
+    def step(self, node: int, token: int) -> tuple[float, Any]:
+        """The fusion score of extending `node` by `token`, and the LM state after it."""
+        key = (node, token)
+        result = self._steps.get(key)
+        if result is None:
+            result = self.fusion.step(self.states[node], token)
+            self._steps[key] = result
+        return result
 
     def child(self, parent: int, token: int) -> int:
         key = (parent, token)
@@ -55,10 +85,27 @@ class _PrefixTrie:
             if node == len(self.parent):
                 self.parent = np.concatenate([self.parent, np.full_like(self.parent, -1)])
                 self.token = np.concatenate([self.token, np.full_like(self.token, -1)])
+                self.score = np.concatenate([self.score, np.zeros_like(self.score)])
             self.parent[node], self.token[node] = parent, token
+            if self.fusion is not None:
+                delta, state = self.step(parent, token)
+                self.score[node] = self.score[parent] + delta
+                self.states.append(state)
+            else:
+                self.states.append(None)
             self.size += 1
             self.children[key] = node
         return node
+
+    def extension_scores(self, node: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """[B, K, M] fusion scores of extending prefixes `node` [B, K] by `tokens` [B, M]."""
+        delta = np.zeros((*node.shape, tokens.shape[1]))
+        if self.fusion is None:
+            return delta
+        for b, k in zip(*np.nonzero(node >= 0), strict=True):
+            parent = int(node[b, k])
+            delta[b, k] = [self.step(parent, int(token))[0] for token in tokens[b]]
+        return delta
 
     def tokens(self, node: int) -> list[int]:
         result = []
@@ -69,8 +116,8 @@ class _PrefixTrie:
 
 
 def ctc_prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, beam_size: int = 10,
-                           token_topk: int | None = None,
-                           blank: int = BLANK) -> list[list[tuple[list[int], float]]]:
+                           token_topk: int | None = None, blank: int = BLANK,
+                           fusion: Fusion | None = None) -> list[list[tuple[list[int], float]]]:
     """CTC prefix beam search on a batch.
 
     Args:
@@ -80,10 +127,12 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, beam_
         token_topk: non-blank tokens per frame allowed to extend prefixes
             (default `beam_size + 1`, which is exact; smaller is faster and approximate).
         blank: blank id.
+        fusion: a language model for shallow fusion (see the module doc), or None.
 
     Returns:
-        For each utterance, up to `beam_size` `(tokens, log_prob)` pairs, best first,
-        where `log_prob` is the total log-probability of the labeling `tokens`.
+        For each utterance, up to `beam_size` `(tokens, score)` pairs, best first, where
+        `score` is the total log-probability of the labeling `tokens`, plus, with
+        `fusion`, its weighted LM score including the end of the sentence.
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -97,7 +146,7 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, beam_
     if topk < 1:
         raise ValueError(f"token_topk must be >= 1, got {token_topk}")
     neg_inf = -np.inf
-    trie = _PrefixTrie()
+    trie = _PrefixTrie(fusion)
     rows = np.arange(batch)[:, None]
     node = np.full((batch, beam), -1, dtype=np.int64)
     node[:, 0] = 0
@@ -147,7 +196,15 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, beam_
 
         candidates = np.concatenate(
             [np.logaddexp(stay_blank, stay_nonblank), extend.reshape(batch, -1)], axis=1)
-        chosen = np.argpartition(-candidates, beam - 1, axis=1)[:, :beam]
+        if fusion is not None:
+            prefix_score = trie.score[node]  # [B, K]; rows of invalid slots are -inf anyway
+            ranks = candidates + np.concatenate(
+                [prefix_score, (prefix_score[:, :, None] + trie.extension_scores(
+                    np.where(active[:, None], node, -1), tokens)).reshape(batch, -1)],
+                axis=1)
+        else:
+            ranks = candidates
+        chosen = np.argpartition(-ranks, beam - 1, axis=1)[:, :beam]
         chosen_scores = candidates[rows, chosen]
         is_stay = chosen < beam
         slot = np.where(is_stay, chosen, (chosen - beam) // topk)
@@ -172,6 +229,10 @@ def ctc_prefix_beam_search(log_probs: torch.Tensor, lengths: torch.Tensor, beam_
         p_nonblank = np.where(keep, new_nonblank, p_nonblank)
 
     totals = np.logaddexp(p_blank, p_nonblank)
+    if fusion is not None:
+        for b, k in zip(*np.nonzero(node >= 0), strict=True):
+            prefix = int(node[b, k])
+            totals[b, k] += trie.score[prefix] + fusion.final(trie.states[prefix])
     results = []
     for b in range(batch):
         order = np.argsort(-totals[b], kind="stable")

@@ -30,9 +30,14 @@ directory records its parameters in ``synthetic.json`` (outside the release
 layout); generating again with the same parameters is a no-op, and an
 interrupted generation resumes.
 
+Language-model text (`lm-text`): more sentences from the same generator and inventory,
+none of them in the corpus's train, dev or test sets, so that the effect of a language
+model trained on text alone can be measured.
+
 Usage:
     python -m cat.data.synth aishell corpus/aishell --num-utts 3000 --seed 0
     python -m cat.data.synth wenetspeech corpus/wenetspeech --hours 0.5 --nj 2
+    python -m cat.data.synth lm-text corpus/aishell data/lm_text/text --num-sentences 50000
 """
 
 from __future__ import annotations
@@ -687,6 +692,65 @@ def make_wenetspeech(
     return out
 
 
+# ------------------------------------------------------------- language-model text
+
+
+def corpus_sentences(corpus_dir: str | os.PathLike) -> set[str]:
+    """Every sentence (spaces removed) of a synthetic AISHELL-1 or WenetSpeech corpus."""
+    out = Path(corpus_dir)
+    layout = _read_meta(out)["params"]["layout"]
+    sentences = set()
+    if layout == "aishell":
+        transcript = out / "data_aishell" / "transcript" / "aishell_transcript_v0.8.txt"
+        with open(transcript, encoding="utf-8") as f:
+            for line in f:
+                _, _, words = line.strip().partition(" ")
+                sentences.add(words.replace(" ", ""))
+    else:
+        with open(out / "WenetSpeech.json", encoding="utf-8") as f:
+            for audio in json.load(f)["audios"]:
+                sentences.update(seg["text"].replace(" ", "") for seg in audio["segments"])
+    return sentences
+
+
+def _read_meta(out: Path) -> dict:
+    meta_path = out / "synthetic.json"
+    if not meta_path.is_file():
+        raise SynthesisError(f"{meta_path} does not exist: {out} is not a synthetic corpus")
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if not meta.get("complete"):
+        raise SynthesisError(f"{meta_path}: the corpus is incomplete; generate it first")
+    return meta
+
+
+def make_lm_text(corpus_dir: str | os.PathLike, out_path: str | os.PathLike,
+                 num_sentences: int, seed: int = 0) -> Path:
+    """Write `num_sentences` text-only sentences for language models, drawn like the corpus's
+    own (same inventory, words and lengths) but none of them in its train, dev or test sets.
+
+    The output is a Kaldi `text` file (`lm-0000001 <sentence>`, no spaces, as stage 0 writes
+    transcripts). The sentences depend on the corpus's parameters and `seed` only.
+    """
+    out = Path(corpus_dir)
+    meta = _read_meta(out)
+    params = meta["params"]
+    lexicon = build_lexicon(params["num_chars"], params["distinct_sounds"], params["voice"])
+    if "".join(lexicon.chars) != meta["characters"]:
+        raise SynthesisError(f"{out}: the character inventory rebuilt now differs from the "
+                             "corpus's (another espeak-ng version?); regenerate the corpus")
+    exclude = corpus_sentences(out)
+    rng = random.Random(f"lm-{params['seed']}-{seed}")
+    sentences = sample_sentences(rng, lexicon, num_sentences, params["min_chars"],
+                                 params["max_chars"], exclude)
+    with atomic_write(out_path) as f:
+        for index, words in enumerate(sentences, 1):
+            f.write(f"lm-{index:07d} {''.join(words)}\n")
+    logger.info("wrote %d language-model sentences (none in %s) to %s", num_sentences, out,
+                out_path)
+    return Path(out_path)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -723,8 +787,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     wenet.add_argument("--split", default="0.85,0.05,0.05,0.05",
                        help="train,dev,test_net,test_meeting ratios")
     _add_common(wenet)
+    lm_text = sub.add_parser("lm-text", help="text-only sentences for language models, "
+                             "disjoint from a generated corpus")
+    lm_text.add_argument("out_dir", help="the synthetic corpus (AISHELL-1 or WenetSpeech)")
+    lm_text.add_argument("text", help="output Kaldi text file")
+    lm_text.add_argument("--num-sentences", type=int, required=True)
+    lm_text.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     setup_logging()
+    if args.layout == "lm-text":
+        make_lm_text(args.out_dir, args.text, args.num_sentences, args.seed)
+        return
     if shutil.which("espeak-ng") is None or shutil.which("sox") is None:
         parser.error("espeak-ng and sox are required (bash tools/install.sh installs them)")
     common = dict(seed=args.seed, num_chars=args.num_chars,

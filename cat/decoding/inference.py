@@ -17,9 +17,18 @@ Options (`hyper-p.json: inference.infer.option`, or the command line):
 `method` (greedy | beam), `beam_size`, `nj`, `max_frames`, `batch_size`, `device`
 (auto | cpu | cuda).
 
+With language models (`decode_passes`, used by `cat.utils.pipeline lm`): beam search
+with token-level shallow fusion and LODR (`FusionSpec`, `cat.lm.scorer`), several
+first passes (one per fusion setting, e.g. the points of a weight grid) sharing one
+network forward per batch, each writing `hyp`, `nbest.jsonl` (`cat.lm.rescore`) and
+`decode.log` into its own directory. `--lm` etc. on the command line decode one pass.
+
 Usage:
     python -m cat.ctc.decode exp/synth-ctc --data data/fbank/test \
         --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test
+    python -m cat.ctc.decode exp/synth-ctc --data data/fbank/test \
+        --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test-lm \
+        --lm exp/synth-lm-char-5gram/lm.arpa --alpha 0.3 --beta 0.5
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.process import process_pool
 from cat.formats.tables import read_feature_index
+from cat.lm.rescore import NBEST_NAME, write_nbest
+from cat.lm.scorer import ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import build_model
 from cat.text.tokenizer import load as load_tokenizer
@@ -101,6 +112,28 @@ class DecodeSummary:
     @property
     def rtf(self) -> float:
         return self.decode_seconds / self.audio_seconds if self.audio_seconds else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionSpec:
+    """Shallow fusion of a token-level n-gram (ARPA or kenlm binary `lm`), optionally
+    with LODR (`lodr`, subtracted with `lodr_weight`); see `cat.lm.scorer`."""
+
+    lm: str
+    alpha: float
+    beta: float = 0.0
+    lodr: str | None = None
+    lodr_weight: float = 0.0
+
+    def build(self, pieces: list[str], models: dict[str, TokenLM]) -> ShallowFusion:
+        """The scorer, loading each LM file once per process (`models` caches them)."""
+        for path in (self.lm, self.lodr):
+            if path is not None and path not in models:
+                models[path] = TokenLM(path, pieces)
+        return ShallowFusion(models[self.lm], self.alpha, self.beta,
+                             models[self.lodr] if self.lodr else None, self.lodr_weight)
+
+
 
 
 def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
@@ -162,10 +195,43 @@ def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches:
     return results
 
 
-def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_dir: PathLike,
-               kind: str, options: DecodeOptions) -> DecodeSummary:
-    """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`."""
-    data_dir, out_dir = Path(data_dir), Path(out_dir)
+def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
+                    batches: list[list[str]], options: DecodeOptions, device: str,
+                    specs: list[FusionSpec | None]) -> tuple[list[list], float, list[float]]:
+    """N-best beam search of `batches` once per fusion spec (one network forward per batch).
+
+    Returns, per spec, (utt, [(text, score), ...]) pairs; the forward seconds; and the
+    search seconds per spec.
+    """
+    if device == "cpu":
+        torch.set_num_threads(1)
+    model, tokenizer = load_model(exp_dir, checkpoint, kind, torch.device(device))
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    models: dict[str, TokenLM] = {}
+    fusions = [spec.build(pieces, models) if spec is not None else None for spec in specs]
+    features = kaldiio.load_scp(scp)
+    results: list[list] = [[] for _ in specs]
+    search_seconds = [0.0] * len(specs)
+    forward_seconds = 0.0
+    with torch.inference_mode():
+        for keys in batches:
+            start = time.perf_counter()
+            batch = collate([Utterance(key, features[key], NO_LABEL) for key in keys])
+            encoded = model.search_inputs(batch.feats.to(device), batch.feat_lens.to(device))
+            forward_seconds += time.perf_counter() - start
+            for index, fusion in enumerate(fusions):
+                start = time.perf_counter()
+                nbest = model.nbest(encoded, options.beam_size, fusion)
+                search_seconds[index] += time.perf_counter() - start
+                results[index] += [(key, [(tokenizer.decode(tokens), score)
+                                          for tokens, score in hyps])
+                                   for key, hyps in zip(keys, nbest, strict=True)]
+    return results, forward_seconds, search_seconds
+
+
+def _plan_workers(data_dir: Path, options: DecodeOptions) -> tuple[Path, dict[str, int], str,
+                                                                   list[list[list[str]]]]:
+    """The scp, utterance lengths, device and each worker's share of the batches."""
     scp = data_dir / "feats.scp"
     if not scp.is_file():
         raise FileNotFoundError(f"{scp} does not exist (run the feature stage first)")
@@ -176,7 +242,69 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
     batches = plan_batches(lengths, options.max_frames, options.batch_size)
     workers = 1 if device == "cuda" else max(1, min(options.nj, len(batches)))
     # Deal the length-sorted batches round-robin so every worker gets a similar load.
-    shares = [batches[i::workers] for i in range(workers)]
+    return scp, lengths, device, [batches[i::workers] for i in range(workers)]
+
+
+def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, kind: str,
+                  options: DecodeOptions,
+                  passes: list[tuple[FusionSpec | None, PathLike]]) -> list[DecodeSummary]:
+    """Beam-search `data_dir` once per (fusion, output dir) pass; each output dir gets
+    `hyp`, `nbest.jsonl` and `decode.log`. Decoding seconds of a pass: the wall time of
+    the run, shared between the passes in proportion to their search time (the network
+    forward, done once, counts for each)."""
+    if options.method != "beam":
+        raise ValueError(f"decoding with language models needs method 'beam', got "
+                         f"{options.method!r}")
+    data_dir = Path(data_dir)
+    scp, lengths, device, shares = _plan_workers(data_dir, options)
+    specs = [spec for spec, _ in passes]
+    start = time.perf_counter()
+    if len(shares) == 1:
+        outputs = [_search_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
+                                   options, device, specs)]
+    else:
+        with process_pool(len(shares)) as pool:
+            futures = [pool.submit(_search_batches, str(exp_dir), str(checkpoint), kind,
+                                   str(scp), share, options, device, specs) for share in shares]
+            outputs = [future.result() for future in futures]
+    wall = time.perf_counter() - start
+    forward_seconds = sum(out[1] for out in outputs)
+    search_seconds = [sum(out[2][i] for out in outputs) for i in range(len(passes))]
+    busy = forward_seconds + sum(search_seconds)
+    audio = sum(lengths.values()) * FRAME_SHIFT_SECONDS
+    summaries = []
+    for index, (spec, out_dir) in enumerate(passes):
+        out_dir = Path(out_dir)
+        nbest = [pair for out in outputs for pair in out[0][index]]
+        seconds = wall * (forward_seconds + search_seconds[index]) / busy if busy else wall
+        summary = DecodeSummary(len(nbest), audio, seconds)
+        write_nbest(out_dir / NBEST_NAME, nbest)
+        with atomic_write(out_dir / "hyp") as f:
+            for key, hyps in sorted(nbest):
+                text = hyps[0][0] if hyps else ""
+                f.write(f"{key} {text}\n" if text else f"{key}\n")
+        report = {"data": str(data_dir), "checkpoint": str(checkpoint), "device": device,
+                  "workers": len(shares), **dataclasses.asdict(options),
+                  "fusion": dataclasses.asdict(spec) if spec is not None else None,
+                  "num_utts": summary.num_utts, "audio_seconds": round(audio, 2),
+                  "decode_seconds": round(seconds, 2), "rtf": round(summary.rtf, 4),
+                  "passes_in_run": len(passes)}
+        with atomic_write(out_dir / "decode.log") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+        summaries.append(summary)
+    logger.info("decoded %d utterances (%.1f s of audio) from %s with %d pass%s in %.1f s "
+                "(%s, %d worker%s)", len(lengths), audio, data_dir, len(passes),
+                "es" * (len(passes) > 1), wall, device, len(shares), "s" * (len(shares) > 1))
+    return summaries
+
+
+def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_dir: PathLike,
+               kind: str, options: DecodeOptions) -> DecodeSummary:
+    """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`."""
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    scp, lengths, device, shares = _plan_workers(data_dir, options)
+    workers = len(shares)
     start = time.perf_counter()
     if workers == 1:
         pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
@@ -219,6 +347,12 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-frames", type=int, default=defaults.max_frames)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device)
+    lm = parser.add_argument_group("shallow fusion (beam search; also writes nbest.jsonl)")
+    lm.add_argument("--lm", help="token-level n-gram (ARPA or kenlm binary)")
+    lm.add_argument("--alpha", type=float, default=0.3, help="LM weight")
+    lm.add_argument("--beta", type=float, default=0.0, help="bonus per token")
+    lm.add_argument("--lodr", help="low-order n-gram of the training transcripts (LODR)")
+    lm.add_argument("--lodr-weight", type=float, default=0.0, help="weight of the LODR LM")
     return parser
 
 
@@ -228,7 +362,12 @@ def main(kind: str, argv: Sequence[str] | None = None) -> int:
     setup_logging()
     options = DecodeOptions(args.method, args.beam_size, args.nj, args.max_frames,
                             args.batch_size, args.device)
-    summary = decode_set(args.exp_dir, args.data, args.checkpoint, args.out, kind, options)
+    if args.lm:
+        spec = FusionSpec(args.lm, args.alpha, args.beta, args.lodr, args.lodr_weight)
+        summary = decode_passes(args.exp_dir, args.data, args.checkpoint, kind, options,
+                                [(spec, args.out)])[0]
+    else:
+        summary = decode_set(args.exp_dir, args.data, args.checkpoint, args.out, kind, options)
     print(f"RTF {summary.rtf:.4f} ({summary.num_utts} utterances, "
           f"{summary.audio_seconds:.1f} s of audio)")
     return 0

@@ -39,6 +39,7 @@ import torchaudio
 from torch import nn
 
 from cat.core.config import ConfigError
+from cat.lm.scorer import ShallowFusion
 from cat.models.heads import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
 from cat.models.registry import build_component
 from cat.models.specaug import SpecAugment
@@ -213,6 +214,19 @@ class TransducerModel(nn.Module):
         return loss, stats
 
     @torch.no_grad()
+    def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `nbest` searches: the encoder output and its lengths (one network forward
+        for any number of searches)."""
+        return self.encoder(feats, feat_lens.to(feats.device))
+
+    def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
+              fusion: ShallowFusion | None = None) -> list:
+        """N-best lists of a batch: modified beam search, with shallow fusion (and LODR)
+        when given."""
+        return rnnt_modified_beam_search(self.predictor, self.joiner, *inputs, beam_size,
+                                         fusion=fusion)
+
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                beam_size: int = 10, max_symbols_per_frame: int = 3) -> list[list[int]]:
         """Decode a batch to token ids with greedy (batched) or modified beam search.

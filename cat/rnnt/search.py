@@ -19,12 +19,25 @@ joiner pair following the interfaces of `cat.rnnt.model` (`initial_state`,
     sequence under the one-symbol-per-frame topology. Predictor outputs and
     states are cached per token sequence, and the new sequences of a frame are
     fed to the predictor in one batch. Utterances are searched one at a time.
+
+Shallow fusion and LODR (`fusion`, e.g. `cat.lm.scorer.ShallowFusion`): each token
+sequence also caches its weighted LM score (`alpha` log p_LM - `lodr_weight`
+log p_LODR + `beta` per token) and LM state. Hypotheses are ranked by acoustic
+score plus that score (plus the end-of-sentence score at the end); acoustic
+scores alone are merged, so merging stays exact. Only the `token_topk` (default
+`beam_size + 1`) acoustically best tokens of a hypothesis are scored by the LM on
+each frame.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from cat.lm.scorer import Fusion
 
 BLANK = 0
 State = tuple[torch.Tensor, ...]
@@ -72,8 +85,52 @@ def rnnt_greedy_search(predictor: nn.Module, joiner: nn.Module, encoder_out: tor
     return hyps
 
 
+class _FusionCache:
+    """Weighted LM score and state per token sequence (see the module doc)."""
+
+    def __init__(self, fusion: Fusion) -> None:
+        self.fusion = fusion
+        self.entries: dict[tuple[int, ...], tuple[float, Any]] = {
+            (): (0.0, fusion.initial_state())}
+
+    def score(self, hyp: tuple[int, ...]) -> float:
+        return self.entries[hyp][0]
+
+    def extend(self, hyp: tuple[int, ...], token: int) -> float:
+        """The score of `hyp + (token,)`, computed and cached on first use."""
+        new = (*hyp, token)
+        entry = self.entries.get(new)
+        if entry is None:
+            score, state = self.entries[hyp]
+            delta, new_state = self.fusion.step(state, token)
+            entry = (score + delta, new_state)
+            self.entries[new] = entry
+        return entry[0]
+
+    def final(self, hyp: tuple[int, ...]) -> float:
+        score, state = self.entries[hyp]
+        return score + self.fusion.final(state)
+
+
+def _fusion_ranks(lm: _FusionCache, hyps: list[tuple[int, ...]], stay: torch.Tensor,
+                  extend: torch.Tensor, log_probs: torch.Tensor, token_topk: int) -> torch.Tensor:
+    """Acoustic candidates plus LM scores; extensions outside each hypothesis's
+    `token_topk` best tokens are dropped."""
+    prefix = torch.tensor([lm.score(h) for h in hyps], dtype=stay.dtype, device=stay.device)
+    ranked = torch.full_like(extend, float("-inf"))
+    topk = min(token_topk, log_probs.size(1) - 1)
+    best = log_probs[:, 1:].topk(topk, dim=1).indices + 1
+    for k, h in enumerate(hyps):
+        tokens = best[k].tolist()
+        scores = torch.tensor([lm.extend(h, token) for token in tokens], dtype=stay.dtype,
+                              device=stay.device)
+        ranked[k, best[k]] = extend[k, best[k]] + scores
+    return torch.cat([stay + prefix, ranked.reshape(-1)])
+
+
 def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torch.Tensor,
-                     beam_size: int) -> list[tuple[list[int], float]]:
+                     beam_size: int, fusion: Fusion | None = None,
+                     token_topk: int | None = None) -> list[tuple[list[int], float]]:
     """Modified beam search on one utterance's projected encoder frames [T, H]."""
     device = encoder_proj.device
     out, state = predictor.step(torch.full((1,), BLANK, dtype=torch.long, device=device),
@@ -81,6 +138,7 @@ def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torc
     # token sequence -> (projected predictor output [H], state with a batch of 1)
     cache: dict[tuple[int, ...], tuple[torch.Tensor, State]] = {
         (): (joiner.project_predictor(out)[0], state)}
+    lm = _FusionCache(fusion) if fusion is not None else None
     hyps: list[tuple[int, ...]] = [()]
     scores = torch.zeros(1, device=device)
     for t in range(encoder_proj.size(0)):
@@ -99,13 +157,20 @@ def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torc
                 stay[j] = torch.logaddexp(stay[j], extend[parent, h[-1]])
                 extend[parent, h[-1]] = float("-inf")
         candidates = torch.cat([stay, extend.reshape(-1)])
-        top_scores, top_index = candidates.topk(min(beam_size, candidates.numel()))
+        if lm is not None:
+            ranks = _fusion_ranks(lm, hyps, stay, extend, log_probs,
+                                  token_topk or beam_size + 1)
+        else:
+            ranks = candidates
+        top_ranks, top_index = ranks.topk(min(beam_size, ranks.numel()))
+        top_scores = candidates[top_index]
         vocab = log_probs.size(1)
         new_hyps: list[tuple[int, ...]] = []
         keep_scores = []
         to_feed: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
-        for score, index in zip(top_scores.tolist(), top_index.tolist(), strict=True):
-            if score == float("-inf"):
+        for rank, score, index in zip(top_ranks.tolist(), top_scores.tolist(),
+                                      top_index.tolist(), strict=True):
+            if rank == float("-inf"):
                 continue
             if index < num_hyps:
                 new_hyps.append(hyps[index])
@@ -126,21 +191,26 @@ def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torc
                 cache[hyp] = (projected[row], tuple(s[row:row + 1] for s in new_state))
         hyps = new_hyps
         scores = torch.tensor(keep_scores, device=device)
+    if lm is not None:
+        scores = scores + torch.tensor([lm.final(h) for h in hyps], device=device)
     order = torch.argsort(scores, descending=True, stable=True).tolist()
     return [(list(hyps[k]), float(scores[k])) for k in order]
 
 
 @torch.no_grad()
 def rnnt_modified_beam_search(predictor: nn.Module, joiner: nn.Module, encoder_out: torch.Tensor,
-                              lengths: torch.Tensor,
-                              beam_size: int = 4) -> list[list[tuple[list[int], float]]]:
+                              lengths: torch.Tensor, beam_size: int = 4,
+                              fusion: Fusion | None = None, token_topk: int | None = None
+                              ) -> list[list[tuple[list[int], float]]]:
     """Modified beam search (one symbol per frame at most) for each utterance of a batch.
 
-    Returns, per utterance, up to `beam_size` `(tokens, log_prob)` pairs, best first;
-    `log_prob` sums the probabilities of all alignments kept for that sequence.
+    Returns, per utterance, up to `beam_size` `(tokens, score)` pairs, best first;
+    `score` sums the probabilities of all alignments kept for that sequence (log), plus,
+    with `fusion`, the sequence's weighted LM score including the end of the sentence.
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     encoder_proj = joiner.project_encoder(encoder_out)
-    return [_beam_search_one(predictor, joiner, encoder_proj[index, :length], beam_size)
+    return [_beam_search_one(predictor, joiner, encoder_proj[index, :length], beam_size,
+                             fusion, token_topk)
             for index, length in enumerate(lengths.tolist())]

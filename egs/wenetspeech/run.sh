@@ -11,17 +11,20 @@
 #      of hyper-p.json data.shards (local/prep_wds.py)
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
+#   5  language models (hyper-p.json: inference.lm names them), decoding with them
+#      -> exp/<name>/RESULTS-lm.md (nothing to do without inference.lm)
 #
 # Usage:
 #   bash run.sh --synthetic true                                  # synthetic twin, every stage
 #   bash run.sh --wenetspeech_root /data/WenetSpeech --train_subset L --exp exp/train_l/ctc-v1
+#   bash run.sh --train_subset L --stage 5 --exp exp/train_l/rnnt-v1  # LMs, decoding with them
 # Every stage skips work that is already done; a failed stage stops the script.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 . ../../path.sh
 
 stage=0                 # first stage to run
-stop_stage=4            # last stage to run
+stop_stage=5            # last stage to run
 synthetic=false         # generate and use the synthetic corpus instead of the release
 synthetic_hours=3.0     # size of the synthetic corpus, in hours of speech (all sets)
 synthetic_seed=0        # seed of the synthetic corpus

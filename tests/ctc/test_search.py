@@ -135,3 +135,71 @@ def test_many_utterances_decode_with_pruning():
 def test_invalid_arguments_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ctc_prefix_beam_search(random_log_probs(1, 3, 3, seed=0), torch.tensor([3]), **kwargs)
+
+
+class BigramFusion:
+    """A fusion scorer from fixed random tables: score(previous token, token), and an end
+    score per previous token (state = the previous token; 0 stands for <s>)."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, vocab, generator=generator).double()
+        self.end = torch.randn(vocab, generator=generator).double()
+
+    def initial_state(self) -> int:
+        return 0
+
+    def step(self, state: int, token: int) -> tuple[float, int]:
+        return float(self.table[state, token]), token
+
+    def final(self, state: int) -> float:
+        return float(self.end[state])
+
+    def total(self, labeling: tuple[int, ...]) -> float:
+        state, score = 0, 0.0
+        for token in labeling:
+            delta, state = self.step(state, token)
+            score += delta
+        return score + self.final(state)
+
+
+@pytest.mark.parametrize(("frames", "vocab", "seed"), [(4, 3, 0), (5, 3, 1), (3, 4, 2)])
+def test_fused_search_with_full_beam_scores_every_labeling_exactly(frames, vocab, seed):
+    log_probs = random_log_probs(1, frames, vocab, seed, sharpness=0.5)
+    fusion = BigramFusion(vocab, seed)
+    exact = {labeling: score + fusion.total(labeling)
+             for labeling, score in brute_force_labelings(log_probs[0]).items()}
+    nbest = ctc_prefix_beam_search(log_probs, torch.tensor([frames]), beam_size=len(exact),
+                                   token_topk=vocab - 1, fusion=fusion)[0]
+    found = {tuple(tokens): score for tokens, score in nbest}
+    assert set(found) == set(exact)
+    for labeling, score in exact.items():
+        assert found[labeling] == pytest.approx(score, abs=1e-5)
+    assert tuple(nbest[0][0]) == max(exact, key=exact.get)
+
+
+def test_fusion_moves_the_best_labeling_to_the_lm_preferred_one():
+    log_probs = random_log_probs(1, 6, 4, seed=11, sharpness=1.5)
+    acoustic = brute_force_labelings(log_probs[0])
+    fusion = BigramFusion(4, seed=12)
+    fusion.table *= 3.0  # a strong LM
+    fused = {labeling: score + fusion.total(labeling) for labeling, score in acoustic.items()}
+    assert max(fused, key=fused.get) != max(acoustic, key=acoustic.get)
+    plain = ctc_prefix_beam_search(log_probs, torch.tensor([6]), beam_size=8)[0]
+    with_lm = ctc_prefix_beam_search(log_probs, torch.tensor([6]), beam_size=8,
+                                     fusion=fusion)[0]
+    assert tuple(plain[0][0]) == max(acoustic, key=acoustic.get)
+    assert tuple(with_lm[0][0]) == max(fused, key=fused.get)
+
+
+def test_fused_batch_equals_one_by_one():
+    log_probs = random_log_probs(3, 9, 6, seed=8)
+    lengths = torch.tensor([9, 5, 2])
+    fusion = BigramFusion(6, seed=9)
+    batch = ctc_prefix_beam_search(log_probs, lengths, beam_size=5, fusion=fusion)
+    for index, length in enumerate(lengths.tolist()):
+        alone = ctc_prefix_beam_search(log_probs[index:index + 1, :length],
+                                       torch.tensor([length]), beam_size=5, fusion=fusion)[0]
+        assert [tokens for tokens, _ in batch[index]] == [tokens for tokens, _ in alone]
+        for (_, a), (_, b) in zip(batch[index], alone, strict=True):
+            assert a == pytest.approx(b, abs=1e-9)

@@ -171,3 +171,26 @@ def test_ogg_serial_rewrite_keeps_audio(tmp_path):
     np.testing.assert_array_equal(a, b)
     raw = (tmp_path / "2.opus").read_bytes()
     assert raw[14:18] == (2).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("layout", ["aishell", "wenet"])
+def test_lm_text_is_disjoint_from_the_corpus_and_deterministic(layout, request, tmp_path):
+    corpus = request.getfixturevalue(layout)
+    out = synth.make_lm_text(corpus, tmp_path / "text", num_sentences=300)
+    lines = out.read_text("utf-8").splitlines()
+    ids = [line.split(" ", 1)[0] for line in lines]
+    sentences = [line.split(" ", 1)[1] for line in lines]
+    assert ids == [f"lm-{i:07d}" for i in range(1, 301)]
+    assert len(set(sentences)) == 300 and not set(sentences) & synth.corpus_sentences(corpus)
+    characters = set(json.loads((corpus / "synthetic.json").read_text("utf-8"))["characters"])
+    assert set("".join(sentences)) <= characters
+    assert all(6 <= len(s) <= 14 for s in sentences)
+    again = synth.make_lm_text(corpus, tmp_path / "again", num_sentences=300)
+    assert again.read_bytes() == out.read_bytes()
+    other = synth.make_lm_text(corpus, tmp_path / "other", num_sentences=300, seed=1)
+    assert other.read_bytes() != out.read_bytes()
+
+
+def test_lm_text_needs_a_complete_corpus(tmp_path):
+    with pytest.raises(synth.SynthesisError, match=r"synthetic\.json does not exist"):
+        synth.make_lm_text(tmp_path, tmp_path / "text", num_sentences=3)

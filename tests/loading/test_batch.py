@@ -22,7 +22,7 @@ from cat.loading.batch import (
 from cat.models.encoder import ConformerNet
 from cat.testing.features import write_feature_corpus
 from cat.text import tokenizer as tk
-from cat.training.manager import build_length_filter
+from cat.training.setup import build_length_filter
 
 
 def _conv_lengths(frames):

@@ -30,7 +30,9 @@ def _recipe_copy(tmp_path: Path, corpus: str) -> Path:
     recipe.mkdir(parents=True)
     shutil.copy(ROOT / "egs" / corpus / "run.sh", recipe)
     shutil.copytree(ROOT / "egs" / corpus / "local", recipe / "local")
-    shutil.copytree(ROOT / "egs" / corpus / "exp" / "tiny-ctc", recipe / "exp" / "tiny-ctc")
+    for exp in (ROOT / "egs" / corpus / "exp").glob("tiny-*"):
+        shutil.copytree(exp, recipe / "exp" / exp.name,
+                        ignore=shutil.ignore_patterns("*.arpa", "*.done", "train.json"))
     return recipe
 
 
@@ -47,11 +49,23 @@ def _results(recipe: Path) -> dict[str, tuple[float, int, int]]:
     return {m[1]: (float(m[2]), int(m[3]), int(m[4])) for m in CER_LINE.finditer(table)}
 
 
+def _lm_results(recipe: Path) -> dict[str, list[float]]:
+    """{setting: [%CER per test set]} from RESULTS-lm.md."""
+    rows = {}
+    for line in (recipe / "exp/tiny-ctc/RESULTS-lm.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 2 and re.fullmatch(r"[0-9.]+", cells[2]):
+            rows[cells[0]] = [float(c) for c in cells[2::2]]
+    return rows
+
+
 @pytest.mark.slow
 def test_aishell_recipe_runs_every_stage(tmp_path):
     recipe = _recipe_copy(tmp_path, "aishell")
-    log = _run(recipe, "--synthetic", "true", "--synthetic_utts", "60", "--exp", "exp/tiny-ctc")
-    for stage in range(5):
+    args = ("--synthetic", "true", "--synthetic_utts", "60", "--lm_sentences", "300",
+            "--exp", "exp/tiny-ctc")
+    log = _run(recipe, *args)
+    for stage in range(6):
         assert f"Stage {stage}:" in log
     # stage 0: the release layout parsed into Kaldi data dirs, missing transcripts reported
     meta = json.loads((recipe / "corpus/synthetic/synthetic.json").read_text(encoding="utf-8"))
@@ -72,13 +86,35 @@ def test_aishell_recipe_runs_every_stage(tmp_path):
     for name, (_, _, total) in results.items():
         reference = (recipe / "data/fbank" / name / "text").read_text(encoding="utf-8")
         assert total == sum(len(line.split(maxsplit=1)[1]) for line in reference.splitlines())
+    # stage 5: LM text disjoint from the corpus, LMs trained, weights chosen on dev from
+    # the configured grid, every test set decoded with each setting
+    lm_text = (recipe / "data/lm_text/text").read_text(encoding="utf-8").splitlines()
+    corpus = {line.split(maxsplit=1)[1] for part in ("train", "dev", "test")
+              for line in (recipe / "data" / part / "text").read_text().splitlines()}
+    assert len(lm_text) == 300 and not corpus & {line.split()[1] for line in lm_text}
+    for lm in ("tiny-lm-char-3gram", "tiny-lm-word-2gram"):
+        assert (recipe / "exp" / lm / "lm.arpa").read_text(encoding="utf-8").startswith("\\data")
+    lm_results = _lm_results(recipe)
+    assert set(lm_results) == {"none", "char-3gram", "word-2gram"}
+    assert all(len(cers) == 2 for cers in lm_results.values())
+    fusion = json.loads((recipe / "exp/tiny-ctc/decode-lm/char-3gram/weights.json").read_text())
+    assert fusion["fusion"]["alpha"] in (0.3, 0.6) and fusion["fusion"]["beta"] == 0.5
+    assert len(fusion["fusion_grid"]) == 2 and fusion["rescore"] is None
+    rescore = json.loads((recipe / "exp/tiny-ctc/decode-lm/word-2gram/weights.json").read_text())
+    assert len(rescore["rescore_grid"]) == 4 and rescore["fusion"] is None
+    assert min(g["error_rate"] for g in rescore["rescore_grid"]) == rescore["dev_error_rate"]
+    nbest = (recipe / "exp/tiny-ctc/decode-lm/first-pass/test/nolm/nbest.jsonl").read_text()
+    assert len(nbest.splitlines()) == prepared["test"]
     # a re-run finds every stage done and changes nothing
     results_table = (recipe / "exp/tiny-ctc/RESULTS.md").read_text(encoding="utf-8")
+    lm_table = (recipe / "exp/tiny-ctc/RESULTS-lm.md").read_text(encoding="utf-8")
     checkpoints = {p: p.stat().st_mtime_ns for p in (recipe / "exp/tiny-ctc/check").iterdir()}
-    rerun = _run(recipe, "--synthetic", "true", "--synthetic_utts", "60", "--exp", "exp/tiny-ctc")
+    rerun = _run(recipe, *args)
     assert "already prepared" in rerun and "already extracted" in rerun
     assert "already trained" in rerun
+    assert "lm.arpa is up to date" in rerun and "already generated" in rerun
     assert (recipe / "exp/tiny-ctc/RESULTS.md").read_text(encoding="utf-8") == results_table
+    assert (recipe / "exp/tiny-ctc/RESULTS-lm.md").read_text(encoding="utf-8") == lm_table
     assert checkpoints == {p: p.stat().st_mtime_ns
                            for p in (recipe / "exp/tiny-ctc/check").iterdir()}
 

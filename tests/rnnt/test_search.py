@@ -132,3 +132,60 @@ def test_invalid_arguments_raise():
         rnnt_modified_beam_search(predictor, joiner, encoder_out, lengths, beam_size=0)
     with pytest.raises(ValueError, match="max_symbols_per_frame"):
         rnnt_greedy_search(predictor, joiner, encoder_out, lengths, max_symbols_per_frame=0)
+
+
+class BigramFusion:
+    """A fusion scorer from fixed random tables (state = the previous token, 0 = <s>)."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, vocab, generator=generator).double()
+        self.end = torch.randn(vocab, generator=generator).double()
+
+    def initial_state(self) -> int:
+        return 0
+
+    def step(self, state: int, token: int) -> tuple[float, int]:
+        return float(self.table[state, token]), token
+
+    def final(self, state: int) -> float:
+        return float(self.end[state])
+
+    def total(self, sequence: tuple[int, ...]) -> float:
+        state, score = 0, 0.0
+        for token in sequence:
+            delta, state = self.step(state, token)
+            score += delta
+        return score + self.final(state)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "stateless"])
+def test_fused_beam_search_with_full_beam_scores_every_sequence_exactly(kind):
+    predictor, joiner = components(kind, num_classes=3, seed=2)
+    encoder_out = torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(3))
+    fusion = BigramFusion(3, seed=4)
+    exact = {sequence: score + fusion.total(sequence) for sequence, score in
+             brute_force_sequences(predictor, joiner, encoder_out[0]).items()}
+    nbest = rnnt_modified_beam_search(predictor, joiner, encoder_out, torch.tensor([4]),
+                                      beam_size=len(exact), fusion=fusion, token_topk=2)[0]
+    found = {tuple(tokens): score for tokens, score in nbest}
+    assert set(found) == set(exact)
+    for sequence, score in exact.items():
+        assert found[sequence] == pytest.approx(score, abs=1e-4)
+    assert tuple(nbest[0][0]) == max(exact, key=exact.get)
+
+
+def test_fusion_moves_the_best_sequence_to_the_lm_preferred_one():
+    predictor, joiner = components("lstm", num_classes=4, seed=5, blank_bias=-0.5)
+    encoder_out = 2 * torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(6))
+    acoustic = brute_force_sequences(predictor, joiner, encoder_out[0])
+    fusion = BigramFusion(4, seed=7)
+    fusion.table *= 3.0
+    fused = {sequence: score + fusion.total(sequence) for sequence, score in acoustic.items()}
+    assert max(fused, key=fused.get) != max(acoustic, key=acoustic.get)
+    plain = rnnt_modified_beam_search(predictor, joiner, encoder_out, torch.tensor([4]),
+                                      beam_size=16)[0]
+    with_lm = rnnt_modified_beam_search(predictor, joiner, encoder_out, torch.tensor([4]),
+                                        beam_size=16, fusion=fusion, token_topk=3)[0]
+    assert tuple(plain[0][0]) == max(acoustic, key=acoustic.get)
+    assert tuple(with_lm[0][0]) == max(fused, key=fused.get)

@@ -2,7 +2,7 @@
 # Stage 0 of the AISHELL-1 recipe: the release (or its synthetic twin) -> data/{train,dev,test}.
 #
 # Usage (run.sh calls it from the recipe directory):
-#   bash local/data.sh --synthetic true --synthetic_utts 8000
+#   bash local/data.sh --synthetic true --synthetic_utts 8000   # also data/lm_text/text
 #   bash local/data.sh --aishell_root /data/aishell --download true
 set -euo pipefail
 # shellcheck source=../../../utils/stage_lib.sh
@@ -11,6 +11,7 @@ set -euo pipefail
 synthetic=false         # generate and use the synthetic corpus instead of the release
 synthetic_utts=8000     # size of the synthetic corpus, in utterances (train+dev+test)
 synthetic_seed=0        # seed of the synthetic corpus
+lm_sentences=50000      # synthetic LM text (data/lm_text): sentences none of the corpus has
 synthetic_dir=corpus/synthetic  # where the synthetic release is written
 aishell_root=corpus/aishell     # the real release: the directory holding data_aishell/
 download=false          # download the release (OpenSLR 33) into aishell_root first
@@ -23,6 +24,14 @@ if $synthetic; then
   python -m cat.data.synth aishell "$synthetic_dir" --num-utts "$synthetic_utts" \
     --seed "$synthetic_seed" --nj "$nj"
   root=$synthetic_dir
+  signature="$(cd "$root" && pwd) $synthetic_utts $synthetic_seed $lm_sentences"
+  if is_done data/lm_text/.done "$signature"; then
+    log "data/lm_text/text already generated"
+  else
+    python -m cat.data.synth lm-text "$synthetic_dir" data/lm_text/text \
+      --num-sentences "$lm_sentences"
+    mark_done data/lm_text/.done "$signature"
+  fi
 else
   if $download; then
     python -m cat.data.aishell download "$aishell_root"

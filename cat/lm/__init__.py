@@ -1,0 +1,1 @@
+"""Language models: n-gram estimation (ARPA), kenlm-backed scorers for fusion and rescoring."""

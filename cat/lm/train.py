@@ -1,0 +1,179 @@
+"""Train an n-gram language model experiment: `exp/<name>/lm.json` -> `exp/<name>/lm.arpa`.
+
+`lm.json` (schema `cat/lm/schemas/lm.schema.json`) names the unit (`char`, `word`,
+`tokenizer`), the order and the training text; `cat.lm.ngram` estimates an interpolated
+modified Kneser-Ney model and writes it as ARPA. `exp/<name>/train.json` records the
+n-gram counts, the discounts, the time taken, and the perplexity of `eval_text` as kenlm
+scores it (sentence ends included, out-of-vocabulary tokens counted as `<unk>`).
+
+The decoders load the model with `kenlm.Model`, which parses the ARPA file on every
+load. For large models `"binary": "probing" | "trie"` also writes `exp/<name>/lm.bin`
+with kenlm's `build_binary` (memory-mapped, loaded in milliseconds; trie is the smaller),
+which the decoders then use. `build_binary` is not part of the `kenlm` Python package:
+`bash tools/build_kenlm_binary.sh` compiles it from kenlm's source package into
+`tools/bin/` (or set `KENLM_BUILD_BINARY`, or put it on `PATH`).
+
+Usage:
+    python -m cat.lm.train exp/lm-char-5gram
+    python -m cat.lm.train exp/lm-word-3gram
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cat.core.config import ConfigError, check_against_schema
+from cat.core.io import PathLike, atomic_write, setup_logging
+from cat.lm.ngram import DiscountError, estimate, write_arpa
+from cat.lm.text import iter_text, make_splitter
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "lm.json"
+ARPA_NAME = "lm.arpa"
+BINARY_NAME = "lm.bin"
+REPORT_NAME = "train.json"
+SCHEMA_PATH = Path(__file__).with_name("schemas") / "lm.schema.json"
+
+
+def load_lm_config(lm_dir: PathLike) -> dict[str, Any]:
+    """Read and validate `lm_dir/lm.json` (errors name the file and the key)."""
+    path = Path(lm_dir) / CONFIG_NAME
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") \
+            from None
+    with open(SCHEMA_PATH, encoding="utf-8") as f:
+        check_against_schema(config, json.load(f), str(path))
+    if not config.get("text") and not config.get("plain_text"):
+        raise ConfigError(f"{path}: give training text in 'text' (Kaldi text files) or "
+                          "'plain_text' (one sentence per line)")
+    if (config["unit"] == "tokenizer") != ("tokenizer" in config):
+        raise ConfigError(f"{path}: tokenizer: required with unit 'tokenizer' and only then")
+    return config
+
+
+def input_files(config: dict[str, Any]) -> list[Path]:
+    """Every file the model is estimated from (for up-to-date checks)."""
+    files = [*config.get("text", []), *config.get("plain_text", [])]
+    if "tokenizer" in config:
+        files.append(config["tokenizer"])
+    return [Path(p) for p in files]
+
+
+def model_file(lm_dir: PathLike, config: dict[str, Any]) -> Path:
+    """The file the decoders load: `lm.bin` when `binary` is set, else `lm.arpa`."""
+    return Path(lm_dir) / (BINARY_NAME if config.get("binary") else ARPA_NAME)
+
+
+def find_build_binary() -> str:
+    """kenlm's build_binary: $KENLM_BUILD_BINARY, on PATH, or in the checkout's tools/bin."""
+    candidates = [os.environ.get("KENLM_BUILD_BINARY"), shutil.which("build_binary"),
+                  str(Path(__file__).resolve().parents[2] / "tools" / "bin" / "build_binary")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise FileNotFoundError("lm.json sets 'binary', but kenlm's build_binary was not found "
+                            "(KENLM_BUILD_BINARY, PATH, tools/bin): run "
+                            "bash tools/build_kenlm_binary.sh")
+
+
+def write_binary(arpa: Path, out: Path, structure: str) -> None:
+    """Convert `arpa` to a kenlm binary `out` (atomically) with build_binary."""
+    tmp = out.with_name(out.name + ".tmp")
+    command = [find_build_binary(), *(["trie"] if structure == "trie" else []), str(arpa),
+               str(tmp)]
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(command)} failed: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)
+
+
+def perplexity(arpa: PathLike, sentences: Sequence[list[str]]) -> dict[str, float]:
+    """kenlm's perplexity of token lists (with `</s>`), and the out-of-vocabulary rate."""
+    import kenlm
+
+    model = kenlm.Model(str(arpa))
+    total = 0.0
+    tokens = oov = 0
+    for sentence in sentences:
+        text = " ".join(sentence)
+        total += model.score(text, bos=True, eos=True)
+        tokens += len(sentence) + 1
+        oov += sum(1 for token in sentence if token not in model)
+    return {"perplexity": 10 ** (-total / tokens) if tokens else math.nan,
+            "tokens": tokens, "oov_rate": oov / tokens if tokens else 0.0}
+
+
+def train(lm_dir: PathLike) -> Path:
+    """Estimate the model of `lm_dir/lm.json`; returns the ARPA path."""
+    lm_dir = Path(lm_dir)
+    config = load_lm_config(lm_dir)
+    for path in input_files(config):
+        if not path.is_file():
+            raise FileNotFoundError(f"{lm_dir / CONFIG_NAME}: {path} does not exist")
+    split = make_splitter(config["unit"], config.get("tokenizer"))
+    start = time.perf_counter()
+    sentences = [split(text) for text in iter_text(config.get("text", []))]
+    sentences += [split(text) for text in iter_text(config.get("plain_text", []), kaldi=False)]
+    if not sentences:
+        raise ValueError(f"{lm_dir / CONFIG_NAME}: the training text "
+                         f"({', '.join(map(str, input_files(config)))}) holds no sentence")
+    fallback = config.get("discount_fallback")
+    try:
+        model = estimate(sentences, config["order"], tuple(fallback) if fallback else None)
+    except DiscountError as error:
+        raise DiscountError(f"{lm_dir / CONFIG_NAME}: {error}") from None
+    arpa = lm_dir / ARPA_NAME
+    write_arpa(model, arpa)
+    if config.get("binary"):
+        write_binary(arpa, lm_dir / BINARY_NAME, config["binary"])
+    seconds = time.perf_counter() - start
+    report: dict[str, Any] = {
+        "unit": config["unit"], "order": config["order"], "sentences": len(sentences),
+        "tokens": sum(len(s) for s in sentences), "vocabulary": len(model.vocab),
+        "ngrams": [len(g) for g in model.grams],
+        "discounts": [list(d) for d in model.discounts], "seconds": round(seconds, 2),
+        "arpa_bytes": arpa.stat().st_size, "eval": {}}
+    if config.get("binary"):
+        report["binary_bytes"] = (lm_dir / BINARY_NAME).stat().st_size
+    for path in config.get("eval_text", []):
+        report["eval"][path] = perplexity(model_file(lm_dir, config),
+                                          [split(t) for t in iter_text([path])])
+    with atomic_write(lm_dir / REPORT_NAME) as f:
+        json.dump(report, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    logger.info("%s: %d-gram %s model of %d sentences, n-grams %s, in %.1f s; perplexity %s",
+                arpa, config["order"], config["unit"], len(sentences), report["ngrams"], seconds,
+                ", ".join(f"{k} {v['perplexity']:.2f}" for k, v in report["eval"].items())
+                or "(no eval_text)")
+    return arpa
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cat.lm.train",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("lm_dir", help="language-model experiment dir holding lm.json")
+    args = parser.parse_args(argv)
+    setup_logging()
+    train(args.lm_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
