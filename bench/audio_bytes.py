@@ -44,7 +44,7 @@ import torchaudio
 
 from cat.audio.codec import decode, encode, to_int16
 from cat.audio.speed import speed_perturb
-from cat.data.synth import Speaker, add_noise, synthesize
+from cat.data.voices import Speaker, add_noise, synthesize
 from cat.features.fbank import compute_fbank
 from cat.features.fbank import speed_perturb as offline_speed_perturb
 

@@ -43,299 +43,45 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import bisect
 import concurrent.futures
 import dataclasses
-import functools
 import hashlib
 import io
-import itertools
 import json
 import logging
 import math
 import os
 import random
-import re
 import shutil
-import subprocess
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
+from cat.audio.codec import set_ogg_serial
 from cat.core.io import atomic_write, setup_logging
+from cat.data.sentences import (
+    DISTINCT_SOUNDS,
+    Lexicon,
+    build_lexicon,
+    sample_sentence,
+    sample_sentences,
+)
+from cat.data.voices import (
+    DEFAULT_VOICE,
+    SAMPLE_RATE,
+    SynthesisError,
+    add_noise,
+    make_speakers,
+    render_utterance,
+    synthesize,
+    to_int16,
+)
 
 logger = logging.getLogger(__name__)
-
-SAMPLE_RATE = 16000
-# espeak-ng's plain `cmn` voice reads the pinyin it derives from Chinese
-# characters with English letter rules; `cmn-latn-pinyin` speaks it as Mandarin.
-DEFAULT_VOICE = "cmn-latn-pinyin"
-# espeak-ng voice variants that sound like (varied) human speakers; the robotic,
-# whispered and joke variants are left out.
-VARIANTS = (
-    "m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "f1", "f2", "f3", "f4", "f5",
-    "adam", "Alex", "Alicia", "Andrea", "Andy", "Annie", "anika", "antonio", "aunty",
-    "belinda", "benjamin", "boris", "caleb", "david", "Denis", "Diogo", "ed", "edward",
-    "Gene", "grandma", "grandpa", "gustave", "Henrique", "Hugo", "iven", "Jacky", "john",
-    "Lee", "linda", "Marco", "marcelo", "Mario", "max", "Michael", "michel", "miguel",
-    "Mike", "Nguyen", "norbert", "pablo", "paul", "pedro", "quincy", "rob", "robert",
-    "sandro", "shelby", "steph", "travis", "victor", "zac",
-)
 AISHELL_SPEAKER_BASE = {"train": 2, "dev": 724, "test": 764}  # first speaker number, as released
 WENET_SETS = {"train": None, "dev": "DEV", "test_net": "TEST_NET", "test_meeting": "TEST_MEETING"}
-
-
-class SynthesisError(RuntimeError):
-    """espeak-ng or sox failed, or the corpus directory is inconsistent."""
-
-
-# --------------------------------------------------------------------------- text
-
-
-@dataclasses.dataclass(frozen=True)
-class Lexicon:
-    """The character inventory and the dictionary words built from it."""
-
-    chars: tuple[str, ...]
-    words: tuple[str, ...]
-    cumulative_weights: tuple[float, ...]
-
-    def sample_word(self, rng: random.Random) -> str:
-        x = rng.random() * self.cumulative_weights[-1]
-        return self.words[bisect.bisect_right(self.cumulative_weights, x)]
-
-
-def _is_cjk(char: str) -> bool:
-    return "\u4e00" <= char <= "\u9fff"
-
-
-def read_jieba_dictionary() -> list[tuple[str, int]]:
-    """Return (word, frequency) pairs of jieba's bundled dictionary."""
-    import jieba  # imported here: jieba prints a banner and builds caches lazily
-
-    words = []
-    with jieba.dt.get_dict_file() as f:
-        for lineno, raw in enumerate(f, 1):
-            fields = raw.decode("utf-8").split()
-            if len(fields) < 2:
-                raise SynthesisError(f"jieba dictionary line {lineno} is malformed: {raw!r}")
-            words.append((fields[0], int(fields[1])))
-    return words
-
-
-def pronunciations(chars: Sequence[str], voice: str = DEFAULT_VOICE) -> dict[str, str]:
-    """Map each character to espeak-ng's phoneme string for it (tone included)."""
-    # One clause per character, all in one espeak-ng call: it prints one line per clause.
-    proc = subprocess.run(
-        ["espeak-ng", "-v", voice, "-q", "-x"],
-        input="。".join(chars) + "。",
-        capture_output=True, text=True, check=False,
-    )
-    if proc.returncode != 0:
-        raise SynthesisError(f"espeak-ng -x failed: {proc.stderr.strip()}")
-    lines = [line.strip().rstrip("|_ ") for line in proc.stdout.strip().split("\n")]
-    if len(lines) != len(chars):
-        raise SynthesisError(
-            f"espeak-ng printed {len(lines)} pronunciations for {len(chars)} characters"
-        )
-    return dict(zip(chars, lines, strict=True))
-
-
-DISTINCT_SOUNDS = ("syllable", "tone", "none")
-
-
-def sound_key(pronunciation: str, distinct_sounds: str) -> str:
-    """What must differ between two inventory characters: the syllable, or syllable + tone."""
-    if distinct_sounds == "syllable":
-        return re.sub(r"[0-9]", "", pronunciation)  # espeak-ng writes tones as pitch digits
-    return pronunciation
-
-
-def build_lexicon(
-    num_chars: int,
-    distinct_sounds: str = "syllable",
-    voice: str = DEFAULT_VOICE,
-    max_word_chars: int = 4,
-    frequency_exponent: float = 0.3,
-) -> Lexicon:
-    """Choose `num_chars` frequent characters and the jieba words made only of them.
-
-    Words are drawn with probability proportional to frequency**`frequency_exponent`:
-    a flattened Zipf distribution, so rare inventory characters still occur.
-    """
-    dictionary = read_jieba_dictionary()
-    char_freq: Counter[str] = Counter()
-    for word, freq in dictionary:
-        for char in word:
-            if _is_cjk(char):
-                char_freq[char] += freq
-    candidates = [c for c, _ in char_freq.most_common()]
-    if num_chars > len(candidates):
-        raise SynthesisError(f"--num-chars {num_chars} exceeds the {len(candidates)} characters")
-    if distinct_sounds not in DISTINCT_SOUNDS:
-        raise ValueError(f"distinct_sounds must be one of {DISTINCT_SOUNDS}, "
-                         f"got {distinct_sounds!r}")
-    if distinct_sounds != "none":
-        pool = candidates[: min(len(candidates), max(15 * num_chars, 6000))]
-        sounds = {c: sound_key(p, distinct_sounds) for c, p in pronunciations(pool, voice).items()}
-        chosen, taken = [], set()
-        for char in pool:
-            if sounds[char] and sounds[char] not in taken:
-                taken.add(sounds[char])
-                chosen.append(char)
-                if len(chosen) == num_chars:
-                    break
-        if len(chosen) < num_chars:
-            raise SynthesisError(
-                f"only {len(chosen)} characters with distinct sounds ({distinct_sounds}) among the "
-                f"{len(pool)} most frequent; lower --num-chars or relax --distinct-sounds"
-            )
-    else:
-        chosen = candidates[:num_chars]
-    inventory = set(chosen)
-    weights: dict[str, float] = {}
-    for word, freq in dictionary:
-        if len(word) <= max_word_chars and freq > 0 and all(c in inventory for c in word):
-            weights[word] = max(weights.get(word, 0.0), freq**frequency_exponent)
-    floor = min(weights.values()) if weights else 1.0
-    for char in chosen:  # every inventory character is reachable as a word
-        weights.setdefault(char, floor)
-    words = sorted(weights)
-    return Lexicon(
-        chars=tuple(chosen),
-        words=tuple(words),
-        cumulative_weights=tuple(itertools.accumulate(weights[w] for w in words)),
-    )
-
-
-def sample_sentence(
-    rng: random.Random, lexicon: Lexicon, min_chars: int, max_chars: int
-) -> list[str]:
-    """Draw words until the sentence holds between `min_chars` and `max_chars` characters."""
-    target = rng.randint(min_chars, max_chars)
-    words: list[str] = []
-    length = 0
-    for _ in range(100 * max_chars):
-        word = lexicon.sample_word(rng)
-        if length + len(word) > max_chars:
-            continue
-        words.append(word)
-        length += len(word)
-        if length >= target:
-            break
-    return words
-
-
-def sample_sentences(
-    rng: random.Random, lexicon: Lexicon, count: int, min_chars: int, max_chars: int,
-    exclude: set[str],
-) -> list[list[str]]:
-    """`count` distinct sentences not in `exclude` (compared without spaces); updates `exclude`."""
-    sentences = []
-    attempts = 0
-    while len(sentences) < count:
-        attempts += 1
-        if attempts > 50 * count + 1000:
-            raise SynthesisError(
-                "cannot draw enough distinct sentences; raise --num-chars or --max-chars"
-            )
-        words = sample_sentence(rng, lexicon, min_chars, max_chars)
-        key = "".join(words)
-        if key in exclude:
-            continue
-        exclude.add(key)
-        sentences.append(words)
-    return sentences
-
-
-# ----------------------------------------------------------------------- speakers
-
-
-@dataclasses.dataclass(frozen=True)
-class Speaker:
-    """An espeak-ng voice variant with its own pitch, rate and recording noise."""
-
-    variant: str
-    pitch: int  # espeak-ng -p, 0..99
-    rate: int  # espeak-ng -s, words per minute
-    snr_db: float  # white noise added relative to the speech power
-
-    @property
-    def profile(self) -> tuple[str, int, int]:
-        return (self.variant, self.pitch, self.rate)
-
-
-def make_speakers(
-    rng: random.Random, count: int, taken: set[tuple[str, int, int]]
-) -> list[Speaker]:
-    """`count` speakers whose profiles are not in `taken` (which is updated)."""
-    speakers = []
-    while len(speakers) < count:
-        speaker = Speaker(
-            variant=rng.choice(VARIANTS),
-            pitch=rng.randint(25, 80),
-            rate=rng.randint(150, 230),
-            snr_db=round(rng.uniform(20.0, 45.0), 1),
-        )
-        if speaker.profile not in taken:
-            taken.add(speaker.profile)
-            speakers.append(speaker)
-    return speakers
-
-
-def synthesize(text: str, speaker: Speaker, voice: str = DEFAULT_VOICE) -> np.ndarray:
-    """Speak `text` with espeak-ng; returns 16 kHz mono float32 samples in [-1, 1].
-
-    espeak-ng writes 22.05 kHz audio; sox converts it (no dither, so the result
-    is repeatable).
-    """
-    espeak = subprocess.Popen(
-        ["espeak-ng", "-v", f"{voice}+{speaker.variant}", "-s", str(speaker.rate),
-         "-p", str(speaker.pitch), "--stdout"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    sox = subprocess.Popen(
-        ["sox", "-D", "-t", "wav", "-", "-t", "raw", "-r", str(SAMPLE_RATE), "-e", "signed-integer",
-         "-b", "16", "-c", "1", "-"],
-        stdin=espeak.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )
-    espeak.stdout.close()  # sox owns the pipe now
-    espeak.stdin.write(text.encode("utf-8"))
-    espeak.stdin.close()
-    raw, sox_err = sox.communicate()
-    espeak_err = espeak.stderr.read()
-    espeak.stderr.close()
-    if espeak.wait() != 0 or sox.returncode != 0 or not raw:
-        raise SynthesisError(
-            f"synthesis failed for {text!r} with {speaker}: "
-            f"espeak-ng: {espeak_err.decode(errors='replace').strip()} "
-            f"sox: {sox_err.decode(errors='replace').strip()}"
-        )
-    return np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
-
-
-def add_noise(samples: np.ndarray, snr_db: float, rng: np.random.Generator) -> np.ndarray:
-    """Add white noise at `snr_db` below the power of the non-silent part."""
-    voiced = samples[np.abs(samples) > 1e-3]
-    power = float(np.mean(voiced**2)) if voiced.size else 1e-6
-    noise = rng.standard_normal(samples.shape[0]).astype(np.float32)
-    return samples + noise * math.sqrt(power / 10 ** (snr_db / 10))
-
-
-def to_int16(samples: np.ndarray) -> np.ndarray:
-    return np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int16)
-
-
-def render_utterance(text: str, speaker: Speaker, seed: Sequence[int], voice: str) -> np.ndarray:
-    """One utterance with random leading/trailing silence and the speaker's noise; int16."""
-    rng = np.random.default_rng(list(seed))
-    speech = synthesize(text, speaker, voice)
-    lead, trail = (int(SAMPLE_RATE * rng.uniform(0.1, 0.4)) for _ in range(2))
-    padded = np.concatenate([np.zeros(lead, np.float32), speech, np.zeros(trail, np.float32)])
-    return to_int16(add_noise(padded, speaker.snr_db, rng))
 
 
 # ------------------------------------------------------------------ corpus driver
@@ -361,41 +107,6 @@ def _write_wav(path: Path, samples: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     sf.write(tmp, samples, SAMPLE_RATE, subtype="PCM_16", format="WAV")
     os.replace(tmp, path)
-
-
-@functools.lru_cache(maxsize=1)
-def _ogg_crc_table() -> tuple[int, ...]:
-    table = []
-    for byte in range(256):
-        crc = byte << 24
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else crc << 1
-        table.append(crc & 0xFFFFFFFF)
-    return tuple(table)
-
-
-def set_ogg_serial(data: bytes, serial: int) -> bytes:
-    """Rewrite the stream serial number of every Ogg page (and its CRC).
-
-    libsndfile picks a random serial number, which would make the Opus files
-    (and the md5 sums in WenetSpeech.json) differ between runs with one seed.
-    """
-    table = _ogg_crc_table()
-    out = bytearray(data)
-    pos = 0
-    while pos < len(out):
-        if out[pos:pos + 4] != b"OggS":
-            raise SynthesisError(f"not an Ogg page at byte {pos}")
-        num_segments = out[pos + 26]
-        size = 27 + num_segments + sum(out[pos + 27:pos + 27 + num_segments])
-        out[pos + 14:pos + 18] = serial.to_bytes(4, "little")
-        out[pos + 22:pos + 26] = b"\0\0\0\0"
-        crc = 0
-        for byte in out[pos:pos + size]:
-            crc = ((crc << 8) & 0xFFFFFFFF) ^ table[(crc >> 24) ^ byte]
-        out[pos + 22:pos + 26] = crc.to_bytes(4, "little")
-        pos += size
-    return bytes(out)
 
 
 def _write_opus(path: Path, samples: np.ndarray, serial: int) -> None:

@@ -18,7 +18,7 @@ import soundfile
 
 from cat.audio.codec import to_int16
 from cat.audio.speed import choose_factor, perturbed_num_samples, speed_perturb
-from cat.data.synth import Speaker, add_noise, synthesize
+from cat.data.voices import Speaker, add_noise, synthesize
 from cat.features.fbank import compute_fbank
 from cat.features.fbank import speed_perturb as offline_speed_perturb
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from cat.data import synth
+from cat.data import sentences, synth, voices
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
@@ -83,7 +83,7 @@ def test_aishell_deterministic_and_rerun_is_noop(aishell, tmp_path):
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.wav")}
     synth.make_aishell(tmp_path, num_utts=80, seed=3, num_chars=300, utts_per_speaker=10)
     assert before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*.wav")}
-    with pytest.raises(synth.SynthesisError, match="other parameters"):
+    with pytest.raises(voices.SynthesisError, match="other parameters"):
         synth.make_aishell(tmp_path, num_utts=81, seed=3, num_chars=300, utts_per_speaker=10)
 
 
@@ -105,8 +105,9 @@ def test_other_seed_differs(aishell, tmp_path):
 
 @pytest.mark.parametrize("mode", ["syllable", "tone"])
 def test_distinct_sounds_inventory(mode):
-    lexicon = synth.build_lexicon(200, distinct_sounds=mode)
-    sounds = {c: synth.sound_key(p, mode) for c, p in synth.pronunciations(lexicon.chars).items()}
+    lexicon = sentences.build_lexicon(200, distinct_sounds=mode)
+    sounds = {c: sentences.sound_key(p, mode)
+              for c, p in sentences.pronunciations(lexicon.chars).items()}
     assert len(set(sounds.values())) == len(lexicon.chars) == 200
     assert all(set(w) <= set(lexicon.chars) for w in lexicon.words)
     assert set(lexicon.chars) <= set(lexicon.words)  # every character reachable
@@ -192,5 +193,5 @@ def test_lm_text_is_disjoint_from_the_corpus_and_deterministic(layout, request, 
 
 
 def test_lm_text_needs_a_complete_corpus(tmp_path):
-    with pytest.raises(synth.SynthesisError, match=r"synthetic\.json does not exist"):
+    with pytest.raises(voices.SynthesisError, match=r"synthetic\.json does not exist"):
         synth.make_lm_text(tmp_path, tmp_path / "text", num_sentences=3)
