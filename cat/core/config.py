@@ -160,6 +160,7 @@ class TrainOptions:
     read_ahead_mb: int
     utts_per_shard_estimate: int
     strict_shards: bool
+    audio: dict[str, Any] | None
     read_timeout: float
     read_retries: int
     bad_shard_limit: float

@@ -25,6 +25,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import re
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from cat.core.io import PathLike
+from cat.storage.s3 import default_store, is_s3_url
 
 logger = logging.getLogger(__name__)
 INDEX_NAME = "index.jsonl"
@@ -150,7 +152,11 @@ LISTS_MARK = b', "keys": '
 
 
 def open_index_lines(location: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[bytes]:
-    """The lines (bytes) of an index: a local file, or an http(s) URL."""
+    """The lines (bytes) of an index: a local file, an http(s) URL or an `s3://` object."""
+    if is_s3_url(location):
+        with io.BufferedReader(default_store(timeout).open(location), 1 << 20) as reader:
+            yield from reader
+        return
     if location.startswith(HTTP_PREFIXES):
         with urllib.request.urlopen(location, timeout=timeout) as response:
             yield from response

@@ -36,10 +36,17 @@ from cat.loading.batch import (
     StreamEvents,
 )
 from cat.loading.readahead import iter_shard_items
-from cat.loading.samples import MEMBER_TYPES, StreamConfig, sample_id, split_ids
-from cat.loading.shardlist import ShardList
+from cat.loading.samples import (
+    MEMBER_TYPES,
+    StreamConfig,
+    missing_members,
+    sample_id,
+    split_ids,
+)
+from cat.loading.shardlist import RAW_LIST, ShardList, raw_list_part
 from cat.loading.sources import CORRUPT, TRANSIENT, UNAVAILABLE, read_shard
 from cat.loading.tar import BufferPool, CorruptShardError
+from cat.storage.s3 import S3Options, is_s3_url, split_s3_url
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +76,8 @@ class DataUnavailableError(RuntimeError):
 
 
 def storage_of(urls: Iterable[str]) -> str:
-    """Where shards live, in words: `http://host:port`, the `pipe:` command, or folders."""
+    """Where shards live, in words: `http://host:port`, the `pipe:` command, the S3 bucket
+    and endpoint, the raw data.list, or folders."""
     places = []
     for url in urls:
         if url.startswith(("http://", "https://")):
@@ -77,6 +85,11 @@ def storage_of(urls: Iterable[str]) -> str:
             place = f"{parts.scheme}://{parts.netloc}"
         elif url.startswith("pipe:"):
             place = "pipe: " + (url[len("pipe:"):].split() or [""])[0]
+        elif is_s3_url(url):
+            endpoint = S3Options().endpoint()
+            place = f"s3://{split_s3_url(url)[0]}" + (f" at {endpoint}" if endpoint else "")
+        elif url.startswith(RAW_LIST):
+            place = raw_list_part(url)[2]
         else:
             place = os.path.dirname(os.path.abspath(url))
         if place not in places:
@@ -256,7 +269,7 @@ class ShardReader:
             self._drop(sample["name"], "bad_key", shard)
             return
         sample["key"] = key
-        missing = [f".{t}" for t in MEMBER_TYPES if t not in sample]
+        missing = missing_members(sample)
         if missing:
             self._drop(key, f"incomplete_sample missing {','.join(missing)}", shard)
             return
@@ -324,8 +337,7 @@ def fetch_samples(urls: Sequence[str], ids: np.ndarray, timeout: float = HTTP_TI
                     sample[extension] = data
         except (OSError, CorruptShardError, ValueError) as error:
             raise OSError(f"cannot read shard {urls[shard]} again: {error}") from None
-        incomplete = [s for s in ordinals
-                      if not all(t in found.get(sample_id(shard, s), {}) for t in MEMBER_TYPES)]
+        incomplete = [s for s in ordinals if missing_members(found.get(sample_id(shard, s), {}))]
         if incomplete:
             raise OSError(f"shard {urls[shard]} no longer holds its samples "
                           f"{sorted(incomplete)[:5]} (of {len(ordinals)} wanted)")

@@ -3,7 +3,8 @@
 * A sample's id is `(shard << 32) | ordinal`, its shard's index in the shard list and its
   place (0-based, tar order) in the shard (`sample_id`, `split_ids`).
 * `decode_npy`: the features of a `.npy` member as a view on its bytes.
-* `StreamConfig`: buffer sizes and policies of the pipeline (`train.option`).
+* `StreamConfig`: buffer sizes and policies of the pipeline (`train.option`);
+  `AudioConfig`: how audio members become features (`train.option.audio`).
 * `WorkerPosition`: where one worker's stream stands after a batch, which is what an
   exact resume needs (see `cat.loading.stream`).
 
@@ -24,19 +25,33 @@ from typing import Any
 import numpy as np
 import torch
 
+from cat.features.fbank import FbankOptions
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
 
 ORDINAL_BITS = 32
 _ORDINAL_MASK = (1 << ORDINAL_BITS) - 1
-#: Members a sample needs: features and transcript.
-MEMBER_TYPES = ("npy", "txt")
+#: The member of a sample that holds its transcript.
+TRANSCRIPT = "txt"
+#: Members a sample holds its speech in, one of: features, or audio (`AudioConfig`).
+AUDIO_TYPES = ("wav", "flac", "opus")
+CONTENT_TYPES = ("npy", *AUDIO_TYPES)
+#: Every member the loader reads (others are passed over).
+MEMBER_TYPES = (TRANSCRIPT, *CONTENT_TYPES)
 _NPY_MAGIC = b"\x93NUMPY"
 # numpy writes this exact layout; anything else goes through numpy's own parser.
 _NPY_HEADER = re.compile(
     rb"\{'descr': '([<|]f[248])', 'fortran_order': False, 'shape': \((\d+), (\d+)\), \} *\n")
 _NPY_DTYPES = {b"<f4": np.dtype("<f4"), b"<f2": np.dtype("<f2"), b"<f8": np.dtype("<f8")}
+
+
+def missing_members(sample: Mapping[str, Any]) -> list[str]:
+    """What a sample lacks of a transcript and one speech member (features or audio)."""
+    missing = [] if TRANSCRIPT in sample else [f".{TRANSCRIPT}"]
+    if not any(t in sample for t in CONTENT_TYPES):
+        missing.append("." + "|.".join(CONTENT_TYPES))
+    return missing
 
 
 def sample_id(shard: int, ordinal: int) -> int:
@@ -71,6 +86,18 @@ def decode_npy(data: bytes) -> np.ndarray:
         raise ValueError(f"{len(data) - start} data bytes for shape ({rows}, {cols}) "
                          f"{dtype}: truncated")
     return np.frombuffer(data, dtype, rows * cols, start).reshape(rows, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioConfig:
+    """How audio members (`wav`, `flac`, `opus`) become features: decoded, resampled to
+    `sample_rate`, speed-perturbed by a factor drawn per utterance and epoch from
+    `speed_perturb` (`cat.audio.speed.choose_factor`; none when empty), then 80-dim
+    Kaldi-compatible fbank with stage 1's options (`fbank`)."""
+
+    sample_rate: int = 16000
+    speed_perturb: tuple[float, ...] = ()
+    fbank: FbankOptions = dataclasses.field(default_factory=FbankOptions)
 
 
 @dataclasses.dataclass
@@ -139,3 +166,4 @@ class StreamConfig:
     read_retries: int = 3
     retry_seconds: float = 1.0
     bad_shard_limit: float = 0.1
+    audio: AudioConfig | None = None

@@ -32,6 +32,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import hashlib
 import heapq
@@ -58,36 +59,102 @@ from cat.formats.shard_format import (
     open_index_lines,
     read_index_counts,
 )
+from cat.storage.s3 import S3_SCHEME, default_store, index_url, is_s3_url, split_s3_url
 
 logger = logging.getLogger(__name__)
 
-URL_PREFIXES = (*HTTP_PREFIXES, "pipe:")
+RAW_LIST = "rawlist:"
+URL_PREFIXES = (*HTTP_PREFIXES, "pipe:", S3_SCHEME, RAW_LIST)
+#: Entries of a raw-mode `data.list` read as one (virtual) shard.
+RAW_SHARD_UTTS = 100
 
 
 def is_url(location: str) -> bool:
-    """True for `http://`, `https://` and `pipe:` locations."""
+    """True for `http(s)://`, `s3://`, `pipe:` and raw-list locations (not local files)."""
     return location.startswith(URL_PREFIXES)
 
 
-def expand_shard_patterns(patterns: Sequence[str] | str) -> list[str]:
-    """Brace-expand, glob and sort shard patterns (see the module docstring)."""
+def expand_shard_patterns(patterns: Sequence[str] | str,
+                          timeout: float = HTTP_TIMEOUT_SECONDS) -> list[str]:
+    """Brace-expand, glob and sort shard patterns, read `.list` files (see the module
+    docstring)."""
     if isinstance(patterns, str):
         patterns = [patterns]
     shards: list[str] = []
     origin: dict[str, str] = {}
     for pattern in patterns:
-        for expanded in braceexpand(pattern):
-            found = [expanded] if is_url(expanded) else sorted(glob.glob(expanded))
-            if not found:
-                where = "" if expanded == pattern else f" (expanded: {expanded!r})"
-                raise FileNotFoundError(f"trset pattern {pattern!r} matches no shard{where}")
-            for shard in found:
-                if shard in origin:
-                    raise ValueError(f"shard {shard} is listed twice (patterns "
-                                     f"{origin[shard]!r} and {pattern!r})")
-                origin[shard] = pattern
-                shards.append(shard)
+        for shard in _expand_one(pattern, timeout):
+            if shard in origin:
+                raise ValueError(f"shard {shard} is listed twice (patterns "
+                                 f"{origin[shard]!r} and {pattern!r})")
+            origin[shard] = pattern
+            shards.append(shard)
     return shards
+
+
+def _expand_one(pattern: str, timeout: float) -> list[str]:
+    if is_s3_url(pattern):
+        return default_store(timeout).expand(pattern)
+    found: list[str] = []
+    for expanded in braceexpand(pattern):
+        if is_url(expanded):
+            found.append(expanded)
+            continue
+        matches = sorted(glob.glob(expanded))
+        if not matches:
+            where = "" if expanded == pattern else f" (expanded: {expanded!r})"
+            raise FileNotFoundError(f"trset pattern {pattern!r} matches no shard{where}")
+        for match in matches:
+            found += read_data_list(match) if match.endswith(".list") else [match]
+    return found
+
+
+def read_data_list(path: str) -> list[str]:
+    """The shards of a WeNet `data.list`: one shard path or URL per line (relative paths
+    are relative to the list), or, in raw mode, JSON lines `{"key", "wav", "txt"}` read
+    as virtual shards of `RAW_SHARD_UTTS` entries (`rawlist:<byte offset>:<entries>:<list>`;
+    a relative `wav` is relative to the list's folder).
+    Errors name the file and line."""
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
+    shards: list[str] = []
+    raw: list[int] = []  # byte offset of each raw entry
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            start, offset = offset, offset + len(line)
+            try:
+                text = line.decode("utf-8").strip()
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 ({error})") from None
+            if not text:
+                continue
+            if text.startswith("{"):
+                try:
+                    entry = json.loads(text)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{lineno}: not JSON: {error}") from None
+                missing = [k for k in ("key", "wav", "txt") if not isinstance(entry.get(k), str)]
+                if missing:
+                    raise ValueError(f"{path}:{lineno}: a raw data.list entry needs string "
+                                     f"'key', 'wav' and 'txt'; {missing[0]!r} is missing")
+                raw.append(start)
+            else:
+                shards.append(text if is_url(text) or os.path.isabs(text)
+                              else os.path.join(folder, text))
+            if raw and shards:
+                raise ValueError(f"{path}:{lineno}: the list mixes shard paths and raw "
+                                 "JSON entries; keep one kind per data.list")
+    if not raw and not shards:
+        raise ValueError(f"{path}: an empty data.list")
+    return shards or [f"{RAW_LIST}{raw[i]}:{len(raw[i:i + RAW_SHARD_UTTS])}:{path}"
+                      for i in range(0, len(raw), RAW_SHARD_UTTS)]
+
+
+def raw_list_part(url: str) -> tuple[int, int, str]:
+    """`(byte offset, entries, list path)` of a raw-list virtual shard URL."""
+    offset, count, path = url[len(RAW_LIST):].split(":", 2)
+    return int(offset), int(count), path
 
 
 def _pipe_tar_word(url: str) -> str | None:
@@ -108,6 +175,10 @@ def _url_path(location: str) -> str:
 
 def shard_name(url: str) -> str:
     """The file name a shard has in its index (`data-00003.tar`), "" when unknown."""
+    if url.startswith(RAW_LIST):
+        return ""
+    if is_s3_url(url):
+        return posixpath.basename(split_s3_url(url)[1])
     if url.startswith("pipe:"):
         word = _pipe_tar_word(url)
         return shard_name(word) if word else ""
@@ -117,6 +188,10 @@ def shard_name(url: str) -> str:
 
 def index_location(shard: str) -> str | None:
     """Where the `index.jsonl` describing `shard` lives, or None when it cannot be told."""
+    if shard.startswith(RAW_LIST):
+        return None
+    if is_s3_url(shard):
+        return index_url(shard)
     if shard.startswith(HTTP_PREFIXES):
         parts = urllib.parse.urlsplit(shard)
         path = posixpath.join(posixpath.dirname(parts.path), INDEX_NAME)
@@ -140,6 +215,10 @@ def _try_read_index(location: str, timeout: float) -> IndexCounts | None:
         raise OSError(f"cannot fetch {location}: {error}") from None
     except urllib.error.URLError as error:
         raise OSError(f"cannot fetch {location}: {error.reason}") from None
+    except OSError as error:  # an object store: no such key
+        if error.errno == errno.ENOENT:
+            return None
+        raise
 
 
 @dataclasses.dataclass
@@ -178,14 +257,16 @@ class ShardList:
     def index_entry(self, shard: int) -> dict[str, Any] | None:
         """The whole index record of one shard (keys, frames...), None without an index.
 
-        Reads only that line: a seek in a local index, a Range request over http(s).
+        Reads only that line: a seek in a local index, a Range request over http(s) or S3.
         """
         offset, length = (int(v) for v in self.index_spans[shard]) \
             if len(self.index_spans) else (-1, 0)
         location = index_location(self.urls[shard])
         if offset < 0 or location is None:
             return None
-        if location.startswith(HTTP_PREFIXES):
+        if is_s3_url(location):
+            line = default_store(self.timeout).read_range(location, offset, length)
+        elif location.startswith(HTTP_PREFIXES):
             request = urllib.request.Request(
                 location, headers={"Range": f"bytes={offset}-{offset + length - 1}"})
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
@@ -237,7 +318,7 @@ def describe_change(recorded: dict[str, Any], current: dict[str, Any],
 def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int = 0,
                     timeout: float = HTTP_TIMEOUT_SECONDS) -> ShardList:
     """Expand `patterns` and attach per-shard counts from the index files."""
-    urls = expand_shard_patterns(patterns)
+    urls = expand_shard_patterns(patterns, timeout)
     indexes: dict[str, IndexCounts | None] = {}
     num_utts = np.zeros(len(urls), np.int64)
     num_frames = np.zeros(len(urls), np.int64)
@@ -247,6 +328,9 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
     feat_dims: dict[int, str] = {}
     longest = 0
     for position, url in enumerate(urls):
+        if url.startswith(RAW_LIST):
+            num_utts[position] = raw_list_part(url)[1]  # exact; no frames, keys or CRC
+            continue
         location = index_location(url)
         if location is not None and location not in indexes:
             indexes[location] = _try_read_index(location, timeout)

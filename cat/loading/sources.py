@@ -18,7 +18,11 @@ import contextlib
 import errno
 import http.client
 import io
+import json
+import logging
+import os
 import subprocess
+import tarfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,8 +30,12 @@ from typing import BinaryIO
 
 from zlib_ng.zlib_ng import crc32
 
-from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
+from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS, encode_key
+from cat.loading.shardlist import RAW_LIST, raw_list_part
 from cat.loading.tar import BufferPool, CorruptShardError, MemberFilter, iter_tar_members
+from cat.storage.s3 import S3Error, default_store, is_s3_url
+
+logger = logging.getLogger(__name__)
 
 
 class StorageError(OSError):
@@ -45,7 +53,7 @@ def classify(error: BaseException) -> str:
     """`TRANSIENT`, `UNAVAILABLE` or `CORRUPT` (see the module docstring)."""
     if isinstance(error, CorruptShardError):
         return CORRUPT
-    if isinstance(error, StorageError):
+    if isinstance(error, (StorageError, S3Error)):
         return TRANSIENT if error.transient else UNAVAILABLE
     if isinstance(error, urllib.error.HTTPError):
         return TRANSIENT if error.code >= 500 or error.code == 429 else UNAVAILABLE
@@ -70,10 +78,18 @@ def describe(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[BinaryIO]:
-    """A binary stream of a local file, an http(s) URL or a `pipe:` command's stdout.
+    """A binary stream of a local file, an http(s) URL, an `s3://` object, a `pipe:`
+    command's stdout, or the entries of a raw `data.list` as a tar (`raw_list_tar`).
 
     A `pipe:` command that exits with an error after its output was read raises OSError.
     """
+    if is_s3_url(url):
+        with io.BufferedReader(default_store(timeout).open(url), 1 << 20) as stream:
+            yield stream
+        return
+    if url.startswith(RAW_LIST):
+        yield raw_list_tar(url)
+        return
     if url.startswith(("http://", "https://")):
         try:
             response = urllib.request.urlopen(url, timeout=timeout)
@@ -100,6 +116,45 @@ def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[Bina
         return
     with open(url, "rb") as f:
         yield f
+
+
+def raw_list_tar(url: str) -> io.BytesIO:
+    """The entries of a raw `data.list` part (`cat.loading.shardlist.read_data_list`) as
+    an in-memory tar of `<key>.<ext>` audio (the `wav` file's bytes, as they are; a relative
+    path is relative to the list's folder) and
+    `<key>.txt` members, keys escaped like the packer's. An entry whose audio file cannot
+    be read gets no audio member, so the loader counts it as incomplete."""
+    offset, count, path = raw_list_part(url)
+    buffer = io.BytesIO()
+    with open(path, "rb") as f, tarfile.open(fileobj=buffer, mode="w") as tar:
+        f.seek(offset)
+        taken = 0
+        while taken < count:
+            line = f.readline()
+            if not line:
+                raise StorageError(f"{path} ends before its entry {taken + 1} of {count} "
+                                   f"from byte {offset} (changed since it was read?)", False)
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            name = encode_key(entry["key"])
+            extension = entry["wav"].rpartition(".")[2].lower()
+            wav = os.path.join(os.path.dirname(path), entry["wav"])  # as is when absolute
+            try:
+                with open(wav, "rb") as audio:
+                    _add_bytes(tar, f"{name}.{extension}", audio.read())
+            except OSError as error:
+                logger.warning("%s: %s: cannot read %s: %s", path, entry["key"], wav, error)
+            _add_bytes(tar, f"{name}.txt", entry["txt"].encode("utf-8"))
+            taken += 1
+    buffer.seek(0)
+    return buffer
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
 
 
 def read_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None,

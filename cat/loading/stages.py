@@ -17,6 +17,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from cat.audio.codec import AudioDecodeError, decode, to_float32, to_int16
+from cat.audio.speed import choose_factor, speed_perturb
+from cat.features.fbank import compute_fbank, num_frames
 from cat.formats.tables import transcript_verdict
 from cat.loading.batch import (
     LengthFilter,
@@ -33,60 +37,125 @@ from cat.loading.batch import (
     empty_batch,
     form_batches,
 )
-from cat.loading.samples import WorkerPosition, decode_npy
+from cat.loading.samples import (
+    CONTENT_TYPES,
+    TRANSCRIPT,
+    AudioConfig,
+    WorkerPosition,
+    decode_npy,
+)
 from cat.loading.tar import BufferPool
 
 logger = logging.getLogger(__name__)
 
 
-def judge_sample(sample: dict[str, Any], feat_dim: int, feat_dim_source: str,
-           urls: Sequence[str], encode: Callable[[str], list[int]],
-           length_filter: LengthFilter | None, strict: bool) -> None:
-    """Decode, tokenize and filter one sample in place; a verdict goes under `drop` or
-    `error`, and the first failed check decides it."""
-    where = f"shard {urls[sample['shard']]}: utterance {sample['key']!r}"
+@dataclasses.dataclass
+class Judge:
+    """Decides each sample's verdict as it is read (stage 2, `__call__`) and finishes the
+    kept ones as they leave the shuffle buffer (stage 4, `finish`).
 
-    def undecodable(reason: str, error: Exception) -> None:
-        if strict:
+    `__call__` decodes the speech member: `.npy` features into `features` [T, D] (a view
+    on the bytes; a pooled buffer under them is kept as `buffer`), or an audio member
+    into `waveform` (int16: the audio decoded, resampled and speed-perturbed as `audio`
+    says, by a factor drawn from the `seed`, `epoch` and key); tokenizes `txt` into
+    `label` ids (int32); then the verdict: `transcript_verdict`, and the `LengthFilter` on
+    the frame count. `finish` turns a waveform into fbank `features`, late, so that the
+    shuffle buffer holds 16-bit audio rather than float features. The first failed check
+    decides: a sample to leave out carries `drop` (its reason), one that is an error
+    carries `error` (its message).
+    """
+
+    feat_dim: int
+    feat_dim_source: str
+    urls: Sequence[str]
+    encode: Callable[[str], list[int]]
+    length_filter: LengthFilter | None
+    strict: bool
+    audio: AudioConfig | None = None
+    seed: int = 0
+    epoch: int = 1
+
+    def __call__(self, sample: dict[str, Any]) -> None:
+        where = f"shard {self.urls[sample['shard']]}: utterance {sample['key']!r}"
+        content = next(t for t in CONTENT_TYPES if t in sample)
+        data = sample.pop(content)
+        if isinstance(data, memoryview):
+            sample["buffer"] = data.obj
+        if content == "npy":
+            frames = self._features(sample, data, where)
+        else:
+            frames = self._audio(sample, data, content, where)
+        if frames is None:
+            return
+        try:
+            text = str(sample.pop(TRANSCRIPT), "utf-8")
+        except UnicodeDecodeError as error:
+            self._undecodable(sample, where, "bad_text", error)
+            return
+        ids = self.encode(text) if text.strip() else []
+        reason = transcript_verdict(text, ids)
+        if reason:
+            sample["drop"] = reason
+            return
+        sample["label"] = label = np.asarray(ids, np.int32)
+        if self.length_filter is not None:
+            reason = self.length_filter.reason(frames, label)
+            if reason:
+                sample["drop"] = reason
+
+    def _undecodable(self, sample: dict[str, Any], where: str, reason: str,
+                     error: Exception) -> None:
+        if self.strict:
             sample["error"] = f"{where}: {reason} {error} (strict_shards is set)"
         else:
             sample["drop"] = f"{reason} {error}"
 
-    data = sample.pop("npy")
-    if isinstance(data, memoryview):
-        sample["buffer"] = data.obj
-    try:
-        features = decode_npy(data)
-    except (ValueError, KeyError) as error:
-        undecodable("corrupt_features", error)
-        return
-    if features.shape[1] != feat_dim:
-        sample["error"] = (f"{where} has {features.shape[1]}-dim features, but "
-                           f"{feat_dim_source} is {feat_dim}")
-        return
-    sample["features"] = features
-    try:
-        text = str(sample.pop("txt"), "utf-8")
-    except UnicodeDecodeError as error:
-        undecodable("bad_text", error)
-        return
-    ids = encode(text) if text.strip() else []
-    reason = transcript_verdict(text, ids)
-    if reason:
-        sample["drop"] = reason
-        return
-    sample["label"] = label = np.asarray(ids, np.int32)
-    if length_filter is not None:
-        reason = length_filter.reason(len(features), label)
-        if reason:
-            sample["drop"] = reason
+    def _features(self, sample: dict[str, Any], data: Any, where: str) -> int | None:
+        try:
+            features = decode_npy(data)
+        except (ValueError, KeyError) as error:
+            self._undecodable(sample, where, "corrupt_features", error)
+            return None
+        if features.shape[1] != self.feat_dim:
+            sample["error"] = (f"{where} has {features.shape[1]}-dim features, but "
+                               f"{self.feat_dim_source} is {self.feat_dim}")
+            return None
+        sample["features"] = features
+        return len(features)
+
+    def _audio(self, sample: dict[str, Any], data: Any, content: str, where: str
+               ) -> int | None:
+        audio = self.audio
+        if audio is None:
+            sample["error"] = (f"{where} is {content} audio, but train.option.audio is not "
+                               "set (how audio becomes features)")
+            return None
+        try:
+            waveform, _ = decode(data, f"{self.urls[sample['shard']]}:{sample['name']}."
+                                       f"{content}", audio.sample_rate)
+        except AudioDecodeError as error:
+            self._undecodable(sample, where, "bad_audio", error)
+            return None
+        if audio.speed_perturb:
+            factor = choose_factor(audio.speed_perturb, self.seed, self.epoch, sample["key"])
+            if factor != 1.0:
+                waveform = speed_perturb(waveform, audio.sample_rate, factor)
+        sample["waveform"] = to_int16(waveform)
+        return num_frames(len(waveform), audio.fbank)
+
+    def finish(self, sample: dict[str, Any]) -> None:
+        """Fbank `features` of a kept sample's `waveform` (a no-op for features)."""
+        waveform = sample.pop("waveform", None)
+        if waveform is None:
+            return
+        audio = self.audio
+        sample["features"] = compute_fbank(to_float32(waveform), audio.sample_rate, audio.fbank)
 
 
 def prepare_samples(samples: Iterable[dict[str, Any]], judge: Callable[[dict[str, Any]], None]
                     ) -> Iterator[dict[str, Any]]:
-    """Stage 2: decode `npy` into `features` [T, D] (a view on the bytes; a pooled buffer
-    under them is kept as `buffer`), tokenize `txt` into `label` ids (int32) and decide
-    the sample's verdict (`judge`, i.e. `judge_sample`), as each sample is read.
+    """Stage 2: decode each sample's speech, tokenize its transcript and decide its verdict
+    (`judge`, a `Judge`), as each sample is read.
 
     Done before the shuffle buffer, this work overlaps reading: while the buffer fills,
     storage is the limit (cold disk, network), and the buffer then empties faster.
@@ -130,14 +199,19 @@ class ShuffleBuffer:
 
 
 def settle_samples(samples: Iterable[dict[str, Any]], events: StreamEvents,
-                   pool: BufferPool | None = None) -> Iterator[dict[str, Any]]:
+                   pool: BufferPool | None = None,
+                   finish: Callable[[dict[str, Any]], None] | None = None
+                   ) -> Iterator[dict[str, Any]]:
     """Stage 4: report (`events.dropped`) the samples `prepare_samples` left out and give
-    their buffers back to `pool`; raise a sample's error (ValueError naming the shard)."""
+    their buffers back to `pool`; raise a sample's error (ValueError naming the shard);
+    `finish` the kept ones (`Judge.finish`: the fbank of audio)."""
     for sample in samples:
         if "error" in sample:
             raise ValueError(sample["error"])
         reason = sample.get("drop")
         if reason is None:
+            if finish is not None:
+                finish(sample)
             yield sample
             continue
         events.dropped.append((sample["key"], reason, sample["shard"]))

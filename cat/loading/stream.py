@@ -61,7 +61,6 @@ Usage:
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -81,10 +80,10 @@ from cat.loading.reader import FailureBudget, ShardReader, fetch_samples
 from cat.loading.samples import StreamConfig, WorkerPosition
 from cat.loading.shardlist import ShardList, assign_shards
 from cat.loading.stages import (
+    Judge,
     ShuffleBuffer,
     SortBatcher,
     collate_batches,
-    judge_sample,
     prepare_samples,
     settle_samples,
 )
@@ -117,6 +116,9 @@ class ShardStream(torch.utils.data.IterableDataset):
                  collate_fn: Callable[..., Any] = collate) -> None:
         super().__init__()
         slots = world_size * max(num_workers, 1)
+        if config.audio is not None and config.audio.fbank.num_mel_bins != feat_dim:
+            raise ValueError(f"train.option.audio makes {config.audio.fbank.num_mel_bins}-dim "
+                             f"fbank, but {feat_dim_source} is {feat_dim}")
         if config.train and len(shards) < slots:
             raise ValueError(f"trset has {len(shards)} shards, fewer than ranks x workers = "
                              f"{world_size} x {max(num_workers, 1)}; repack with fewer "
@@ -167,7 +169,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     def weighting(self) -> str:
         """What rank balancing counts: `frames` when batches are frame-bounded, else
         `utterances`."""
-        if self.config.max_frames and not self.shards.estimated.any():
+        shards = self.shards
+        if self.config.max_frames and not shards.estimated.any() and (shards.num_frames > 0).all():
             return "frames"
         return "utterances"
 
@@ -210,11 +213,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         events = StreamEvents()
         urls = self.shards.urls
         pool = self._buffer_pool()
-        judge = functools.partial(judge_sample, feat_dim=self.feat_dim,
-                                  feat_dim_source=self.feat_dim_source, urls=urls,
-                                  encode=self._encode(),
-                                  length_filter=self.length_filter if config.train else None,
-                                  strict=config.strict_shards)
+        judge = Judge(self.feat_dim, self.feat_dim_source, urls, self._encode(),
+                      self.length_filter if config.train else None, config.strict_shards,
+                      config.audio, config.seed, epoch)
         budget = FailureBudget(self._failures, worker, len(self.rank_shards(epoch)),
                                config.bad_shard_limit if config.train else 1.0)
         reader = ShardReader(shards, self.shards, events, config, pool, budget)
@@ -233,13 +234,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         stream: Iterable[Any] = prepare_samples(reader, judge)
         stream = shuffle(stream)
-        stream = settle_samples(stream, events, pool)
+        stream = settle_samples(stream, events, pool, judge.finish)
         return collate_batches(batcher(stream), events, self.feat_dim, pool, self.collate_fn,
                                position)
 
     def _restore(self, position: WorkerPosition, num_workers: int, reader: ShardReader,
-                 shuffle: ShuffleBuffer, batcher: SortBatcher,
-                 judge: Callable[[dict[str, Any]], None], pool: BufferPool) -> None:
+                 shuffle: ShuffleBuffer, batcher: SortBatcher, judge: Judge,
+                 pool: BufferPool) -> None:
         if position.num_workers != num_workers:
             raise ValueError(f"the resume position is of a stream with {position.num_workers} "
                              f"workers, this one has {num_workers}")
@@ -253,6 +254,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 raise ValueError(f"cannot resume exactly: utterance {sample['key']!r} of shard "
                                  f"{self.shards.urls[sample['shard']]} was trained before, now "
                                  f"its verdict is {sample.get('drop') or sample.get('error')}")
+            judge.finish(sample)
         reader.position = (position.shard, position.ordinal)
         shuffle.samples = [samples[int(i)] for i in position.shuffle]
         shuffle.draining = position.draining

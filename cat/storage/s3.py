@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fnmatch
+import functools
 import http.client
 import io
 import logging
@@ -162,6 +163,19 @@ class S3Options:
         """The endpoint URL in use: the option, else the environment, else None (AWS)."""
         return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
                 or os.environ.get("AWS_ENDPOINT_URL") or None)
+
+
+def default_store(read_timeout: float = 60.0) -> S3Store:
+    """The `S3Store` of this process for `read_timeout`, configured from the environment:
+    one per timeout, endpoint and access key, so a changed environment gets a new one (its
+    client is made again in a forked child, so sharing it across forks is safe)."""
+    return _store(read_timeout, S3Options().endpoint, os.environ.get("AWS_ACCESS_KEY_ID"))
+
+
+@functools.lru_cache(maxsize=8)
+def _store(read_timeout: float, endpoint: str | None, access_key: str | None) -> S3Store:
+    del endpoint, access_key  # cache keys: S3Options reads them from the environment
+    return S3Store(S3Options(read_timeout=read_timeout))
 
 
 def is_s3_url(location: str) -> bool:

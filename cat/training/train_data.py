@@ -31,13 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from cat.audio.codec import decode
 from cat.core import config as config_module
 from cat.core.io import write_table
 from cat.core.process import loader_worker_init
+from cat.features.fbank import FbankOptions, compute_fbank
 from cat.formats.mappack import MapPack
 from cat.loading.batch import Batch, BucketBatchSampler, LengthFilter, PackDataset, collate
 from cat.loading.progress import StreamProgress, length_profile
-from cat.loading.samples import StreamConfig, decode_npy
+from cat.loading.samples import AUDIO_TYPES, AudioConfig, StreamConfig, decode_npy
 from cat.loading.shardlist import ShardList, describe_change, load_shard_list
 from cat.loading.sources import read_shard
 from cat.loading.stream import ShardStream
@@ -84,13 +86,25 @@ def batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None
     return RingLoader(loader, shared, pin_memory=device.type == "cuda")
 
 
+def audio_config(options: config_module.TrainOptions, train: bool) -> AudioConfig | None:
+    """How audio members become features (`train.option.audio`; evaluation: no speed
+    perturbation), or None."""
+    audio = options.audio
+    if audio is None:
+        return None
+    rate = int(audio.get("sample_rate", 16000))
+    return AudioConfig(rate, tuple(audio.get("speed_perturb", ())) if train else (),
+                       FbankOptions(int(audio.get("num_mel_bins", 80)), rate))
+
+
 def stream_config(options: config_module.TrainOptions, train: bool) -> StreamConfig:
     """The streaming pipeline's settings from `train.option` (evaluation: no shuffling)."""
     return StreamConfig(options.batch_size, options.max_frames,
                         options.shuffle_buffer if train else 0, options.sort_buffer,
                         options.read_ahead_mb, options.strict_shards, options.seed, train,
                         options.read_timeout, options.read_retries,
-                        bad_shard_limit=options.bad_shard_limit)
+                        bad_shard_limit=options.bad_shard_limit,
+                        audio=audio_config(options, train))
 
 
 def _file_digest(path: str) -> str:
@@ -313,15 +327,16 @@ class MapTrainData:
 # --------------------------------------------------------------------------- streaming
 
 
-def sample_features(shards: ShardList, max_utts: int, seed: int, strict: bool
-                    ) -> Iterator[np.ndarray]:
+def sample_features(shards: ShardList, max_utts: int, seed: int, strict: bool,
+                    audio: AudioConfig | None = None) -> Iterator[np.ndarray]:
     """Feature matrices of about `max_utts` utterances drawn with `seed` from all shards
     (the global CMVN statistics are computed from them).
 
     Shards are taken in a seeded random order, so every length group is represented by
     its share of the shards, and up to `max_utts / min(shards, 32)` utterances are read
     from the start of each (the packer shuffled each shard's contents). A shard that
-    cannot be read is skipped with a warning, or is an error when `strict`.
+    cannot be read is skipped with a warning, or is an error when `strict`. Audio members
+    become fbank as `audio` says (without speed perturbation).
     """
     order = np.random.default_rng([seed, 1]).permutation(len(shards))
     per_shard = math.ceil(max_utts / min(len(shards), CMVN_SHARDS))
@@ -331,10 +346,19 @@ def sample_features(shards: ShardList, max_utts: int, seed: int, strict: bool
         try:
             features = []
             for name, data in read_shard(url, shards.timeout):
-                if name.endswith(".npy"):
+                extension = name.rpartition(".")[2]
+                if extension == "npy":
                     features.append(decode_npy(data))
-                    if len(features) >= min(per_shard, max_utts - taken):
-                        break
+                elif extension in AUDIO_TYPES:
+                    if audio is None:
+                        raise ValueError(f"shard {url} holds {extension} audio, but "
+                                         "train.option.audio is not set")
+                    waveform, _ = decode(data, f"{url}:{name}", audio.sample_rate)
+                    features.append(compute_fbank(waveform, audio.sample_rate, audio.fbank))
+                else:
+                    continue
+                if len(features) >= min(per_shard, max_utts - taken):
+                    break
         except (OSError, CorruptShardError, ValueError) as error:
             if strict:
                 raise CorruptShardError(f"shard {url}: {error} (read for the global CMVN "
@@ -379,7 +403,7 @@ class StreamTrainData:
     def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
         """Feature matrices of about `max_utts` utterances (`sample_features`)."""
         return sample_features(self.shards, max_utts, self.options.seed,
-                               self.options.strict_shards)
+                               self.options.strict_shards, audio_config(self.options, False))
 
     def identity(self) -> dict[str, Any]:
         """What decides the epochs' data and batches (compared on resume)."""
@@ -387,6 +411,7 @@ class StreamTrainData:
         return {"kind": self.kind, "shards": self.shards.identity(),
                 "weighting": self.dataset.weighting, "world_size": self.context.world_size,
                 "workers": options.workers, "seed": options.seed, "filter": options.filter,
+                "audio": options.audio,
                 "batching": [options.batch_size, options.max_frames, options.shuffle_buffer,
                              options.sort_buffer],
                 "tokenizer": self._tokenizer_digest}

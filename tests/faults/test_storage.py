@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import cat
+from cat.testing.seaweedfs import seaweedfs_s3
 from cat.testing.training import write_tiny_experiment
 
 REPO_ROOT = Path(cat.__file__).resolve().parent.parent
@@ -97,3 +98,50 @@ def test_shard_server_failing_mid_epoch_stops_training_with_an_error(tmp_path, f
     assert seconds < 60, seconds
     print(f"server {fault}{' (strict)' if strict else ''}: training stopped {seconds:.1f} s "
           f"later: {errors.strip().splitlines()[-1][:200]}")
+
+
+def test_training_from_s3_trains_everything_and_a_dead_store_stops_it(tmp_path):
+    """The tiny experiment trains from `s3://` shards on a SeaweedFS server (every
+    utterance once per epoch); killed mid-epoch, the store stops training with an error
+    naming the bucket and the shard."""
+    complete = write_tiny_experiment(tmp_path / "complete", options={"epochs": 2})
+    broken = write_tiny_experiment(tmp_path / "broken", options={
+        "epochs": 3, "check_freq": 1, "shuffle_buffer": 4, "sort_buffer": 4})
+    with seaweedfs_s3(tmp_path / "server") as server:
+        server.create_bucket("speech")
+        server.upload_folder(tmp_path / "complete/data/wds/train", "speech", "wds/train")
+        environment = {**os.environ, **server.environment(), "PYTHONPATH": str(REPO_ROOT),
+                       "OMP_NUM_THREADS": "1"}
+        trset = "s3://speech/wds/train/data-0000{0..7}.tar"
+        complete.use_shards(trset=trset, read_timeout=2)
+        run = subprocess.run([sys.executable, "-m", "cat.ctc.train", NAME], cwd=complete.root,
+                             env=environment, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        coverage = [json.loads(line) for line in
+                    (complete.exp_dir / "log/coverage.jsonl").read_text().splitlines()]
+        assert [c["trained"] for c in coverage] == [len(complete.train.keys)] * 2
+
+        broken.use_shards(trset=trset, read_ahead_mb=0, read_timeout=2)
+        training = subprocess.Popen([sys.executable, "-m", "cat.ctc.train", NAME],
+                                    cwd=broken.root, env=environment,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while _latest_step(broken.exp_dir) < 1:
+                assert training.poll() is None, training.stderr.read()[-3000:]
+                assert time.monotonic() < deadline, "training did not start"
+                time.sleep(0.02)
+            server.stop()
+            began = time.monotonic()
+            _, errors = training.communicate(timeout=150)
+            seconds = time.monotonic() - began
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(training.pid, signal.SIGKILL)
+    assert training.returncode != 0
+    assert "DataUnavailableError" in errors and "storage: s3://speech at http://127.0.0.1:" \
+        in errors and "s3://speech/wds/train/data-0000" in errors, errors[-3000:]
+    assert seconds < 60, seconds
+    print(f"S3 store killed: training stopped {seconds:.1f} s later: "
+          f"{errors.strip().splitlines()[-1][:200]}")

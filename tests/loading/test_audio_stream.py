@@ -1,0 +1,273 @@
+"""Audio shards in the streaming pipeline: WeNet UIO shards and data.lists, features on the
+fly, online speed perturbation, exact resume, and shards on an S3 object store."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cat.audio.codec import decode, to_float32, to_int16
+from cat.audio.speed import choose_factor, speed_perturb
+from cat.features.fbank import FbankOptions, compute_fbank
+from cat.loading.progress import StreamProgress
+from cat.loading.reader import DataUnavailableError
+from cat.loading.samples import AudioConfig, StreamConfig
+from cat.loading.shardlist import load_shard_list
+from cat.loading.stream import ShardStream
+from cat.testing.seaweedfs import seaweedfs_s3
+from cat.testing.uio import make_uio_corpus, write_shard_list
+from cat.text import tokenizer as tk
+from cat.training.checkpoint import load_checkpoint, save_checkpoint
+
+# WeNet keys: path prefixes and dots (the member extension is what follows the LAST dot).
+TEXTS = {"BAC009S0002W0122": "而对楼市成交抑制作用最大的", "A/B/utt.1": "今天天气很好",
+         "spk-2/x.y.z": "我们一起去", "IC0001W0001": "北京", "IC0001W0002": "上海市",
+         "sp/0.9/IC0001W0003": "天气很好", "Y0000000000_--5llN02F84_S00000": "最大的作用",
+         "IC0001W0004": "一起", "IC0001W0005": "成交", "IC0001W0006": "楼市好",
+         "IC0001W0007": "作用最大", "IC0001W0008": "今天"}
+UTTS_PER_SHARD = 2
+FEAT_DIM = 80
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_uio_corpus(tmp_path_factory.mktemp("uio"), TEXTS, UTTS_PER_SHARD)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    text = folder / "text"
+    text.write_text("".join(f"{k.replace('/', '_')} {v}\n" for k, v in TEXTS.items()),
+                    encoding="utf-8")
+    path = folder / "tokenizer.tknz"
+    tk.save(tk.train_sentencepiece([text], "char", 0), path)
+    return str(path)
+
+
+def _audio_of(corpus, key: str) -> bytes:
+    return (corpus.raw_list.parent / "wav" / f"{key}.wav").read_bytes()
+
+
+def _expected_features(corpus, key: str, factor: float = 1.0) -> np.ndarray:
+    waveform, _ = decode(_audio_of(corpus, key), key, 16000)
+    if factor != 1.0:
+        waveform = speed_perturb(waveform, 16000, factor)
+    return compute_fbank(to_float32(to_int16(waveform)), 16000, AudioConfig().fbank)
+
+
+DEFAULT_AUDIO = AudioConfig()
+
+
+def _stream(patterns, tokenizer, workers=0, audio=DEFAULT_AUDIO, **options) -> ShardStream:
+    shards = load_shard_list(patterns, UTTS_PER_SHARD)
+    config = {"batch_size": 3, "max_frames": 0, "shuffle_buffer": 4, "sort_buffer": 3,
+              "retry_seconds": 0.05, "audio": audio, **options}
+    return ShardStream(shards, tokenizer, StreamConfig(**config), None, FEAT_DIM, 0, 1,
+                       workers)
+
+
+def _progress(stream: ShardStream, epoch: int, workers: int) -> StreamProgress:
+    return StreamProgress(stream.shards, [stream.worker_shards(epoch, w, max(workers, 1))
+                                          for w in range(max(workers, 1))])
+
+
+def _run_epoch(stream, epoch, workers=0, limit=None, progress=None, on_batch=None):
+    """([(keys, features per key)] per batch, progress) of one epoch (see test_stream)."""
+    progress = progress or _progress(stream, epoch, workers)
+    stream.set_epoch(epoch, progress.positions)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
+    batches = []
+    for batch in loader:
+        if limit is not None and len(batches) >= limit:
+            break
+        progress.update(batch, trained=True)
+        if len(batch):
+            batches.append((list(batch.keys),
+                            [batch.feats[i, :n].numpy() for i, n in enumerate(batch.feat_lens)]))
+            if on_batch is not None:
+                on_batch(len(batches))
+    return batches, progress
+
+
+def _features_by_key(batches) -> dict[str, np.ndarray]:
+    found = {}
+    for keys, features in batches:
+        for key, array in zip(keys, features, strict=True):
+            assert key not in found, f"{key} trained twice"
+            found[key] = array
+    return found
+
+
+def _keys(batches) -> list[str]:
+    return [key for keys, _ in batches for key in keys]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_uio_shards_train_every_key_once_with_fbank_of_its_audio(corpus, tokenizer, workers):
+    stream = _stream([str(s) for s in corpus.shards], tokenizer, workers)
+    batches, progress = _run_epoch(stream, 1, workers)
+    found = _features_by_key(batches)
+    assert sorted(found) == sorted(TEXTS)
+    for key, features in found.items():
+        expected = _expected_features(corpus, key)
+        assert features.shape == expected.shape == (len(expected), FEAT_DIM)
+        np.testing.assert_allclose(features, expected, rtol=0, atol=1e-4)
+    summary = progress.summary()
+    assert summary["trained"] == len(TEXTS) and not summary["dropped"]
+
+
+def test_data_list_in_shard_and_raw_mode_reads_the_same_utterances(corpus, tokenizer,
+                                                                   tmp_path):
+    from_shards = _features_by_key(_run_epoch(_stream(str(corpus.shards[0].parent)
+                                                      + "/shards_*.tar", tokenizer), 1)[0])
+    for data_list in (corpus.shard_list, corpus.raw_list):
+        batches, progress = _run_epoch(_stream(str(data_list), tokenizer), 1)
+        found = _features_by_key(batches)
+        assert sorted(found) == sorted(from_shards)
+        for key, features in found.items():
+            np.testing.assert_array_equal(features, from_shards[key])
+        assert progress.summary()["trained"] == len(TEXTS)
+    # Relative shard paths are relative to the list; a relative raw `wav` likewise.
+    relative = write_shard_list(corpus.shard_list.parent / "relative.list",
+                                [s.relative_to(corpus.shard_list.parent) for s in corpus.shards])
+    assert sorted(_keys(_run_epoch(_stream(str(relative), tokenizer), 1)[0])) == sorted(TEXTS)
+    # A raw entry whose audio file is gone is dropped and counted, not silently lost.
+    lines = corpus.raw_list.read_text(encoding="utf-8").splitlines()
+    broken = tmp_path / "raw.list"
+    broken.write_text("\n".join([*lines[:-1], lines[-1].replace(".wav", ".missing.wav")])
+                      + "\n", encoding="utf-8")
+    batches, progress = _run_epoch(_stream(str(broken), tokenizer), 1)
+    assert len(_keys(batches)) == len(TEXTS) - 1
+    assert sum(progress.summary()["dropped"].values()) == 1
+
+
+def test_bad_data_lists_are_errors_naming_file_and_line(tmp_path, tokenizer):
+    cases = {"mixed.list": ("/a/shard.tar\n{\"key\": \"k\", \"wav\": \"k.wav\", \"txt\": \"x\"}\n",
+                            r"mixed.list:2: the list mixes shard paths and raw"),
+             "nokey.list": ("{\"wav\": \"k.wav\", \"txt\": \"x\"}\n", r"nokey.list:1: .*'key'"),
+             "json.list": ("{\"key\": \n", r"json.list:1: not JSON"),
+             "empty.list": ("\n\n", r"empty.list: an empty data.list")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=message):
+            load_shard_list(str(tmp_path / name), 1)
+    (tmp_path / "gbk.list").write_bytes("/数据/shard.tar\n".encode("gbk"))
+    with pytest.raises(ValueError, match=r"gbk.list:1: not UTF-8"):
+        load_shard_list(str(tmp_path / "gbk.list"), 1)
+
+
+def test_speed_perturbation_is_drawn_per_utterance_and_epoch_and_reproducible(corpus,
+                                                                             tokenizer):
+    factors = (0.9, 1.0, 1.1)
+    audio = AudioConfig(speed_perturb=factors)
+    shards = [str(s) for s in corpus.shards]
+    drawn = set()
+    epochs = []
+    for epoch in (1, 2):
+        found = _features_by_key(_run_epoch(_stream(shards, tokenizer, audio=audio, seed=7),
+                                            epoch)[0])
+        assert sorted(found) == sorted(TEXTS)
+        for key, features in found.items():
+            factor = choose_factor(factors, 7, epoch, key)
+            drawn.add(factor)
+            np.testing.assert_allclose(features, _expected_features(corpus, key, factor),
+                                       rtol=0, atol=1e-4)
+        again = _features_by_key(_run_epoch(_stream(shards, tokenizer, workers=2, audio=audio,
+                                                    seed=7), epoch, 2)[0])
+        assert all(np.array_equal(again[k], found[k]) for k in found)
+        epochs.append({k: len(v) for k, v in found.items()})
+    assert drawn == set(factors)
+    assert epochs[0] != epochs[1]  # other factors in another epoch
+
+
+@pytest.mark.parametrize(("workers", "stops"), [(0, (1, 3)), (2, (2,))])
+def test_resume_continues_exactly_with_the_same_perturbed_features(corpus, tokenizer, workers,
+                                                                   stops, tmp_path):
+    audio = AudioConfig(speed_perturb=(0.9, 1.0, 1.1))
+    shards = [str(s) for s in corpus.shards]
+
+    def stream():
+        return _stream(shards, tokenizer, workers, audio=audio, batch_size=2, shuffle_buffer=5)
+
+    full, _ = _run_epoch(stream(), 2, workers)
+    for stop in stops:
+        first, progress = _run_epoch(stream(), 2, workers, limit=stop)
+        path = tmp_path / f"state-{stop}.pt"
+        save_checkpoint(path, {"format": "cat-checkpoint", "version": 1,
+                               "data": progress.state()})
+        resumed_stream = stream()
+        resumed = _progress(resumed_stream, 2, workers)
+        resumed.restore(load_checkpoint(path)["data"])
+        rest, resumed = _run_epoch(resumed_stream, 2, workers, progress=resumed)
+        assert resumed.summary()["retrained"] == 0
+        if workers == 0:
+            assert _keys(first + rest) == _keys(full)
+            for (_, a), (_, b) in zip(first + rest, full, strict=True):
+                assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+        whole = _features_by_key(full)
+        for key, features in _features_by_key(first + rest).items():
+            np.testing.assert_array_equal(features, whole[key])
+
+
+def test_feature_and_audio_shards_need_the_matching_settings(corpus, tokenizer):
+    with pytest.raises(ValueError, match=r"shards_000000000.tar: utterance "
+                                         r"'BAC009S0002W0122' is wav audio, but "
+                                         r"train.option.audio is not set"):
+        _run_epoch(_stream([str(corpus.shards[0])], tokenizer, audio=None), 1)
+    with pytest.raises(ValueError, match=r"train.option.audio makes 40-dim"):
+        _stream([str(corpus.shards[0])], tokenizer,
+                audio=AudioConfig(fbank=FbankOptions(num_mel_bins=40)))
+
+
+# ------------------------------------------------------------------ an S3 object store
+
+
+@pytest.fixture
+def s3_corpus(corpus, tmp_path, monkeypatch):
+    with seaweedfs_s3(tmp_path / "server") as server:
+        server.create_bucket("speech")
+        urls = server.upload_folder(corpus.shards[0].parent, "speech", "uio/train")
+        for name, value in server.environment().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+        yield server, sorted(urls)
+
+
+@pytest.mark.slow
+def test_s3_shards_stream_like_local_ones_and_a_dead_store_stops_the_epoch(corpus, tokenizer,
+                                                                          s3_corpus, tmp_path):
+    server, urls = s3_corpus
+    assert urls[0].startswith("s3://speech/uio/train/") and len(urls) == len(corpus.shards)
+    local = _run_epoch(_stream([str(s) for s in corpus.shards], tokenizer), 3)[0]
+    last = len(corpus.shards) - 1
+    for patterns in (f"s3://speech/uio/train/shards_{{000000000..{last:09d}}}.tar",
+                     "s3://speech/uio/train/shards_*.tar",
+                     str(write_shard_list(tmp_path / "s3.list", urls))):
+        stream = _stream(patterns, tokenizer)
+        assert stream.shards.urls == urls
+        batches = _run_epoch(stream, 3)[0]
+        assert _keys(batches) == _keys(local)
+        for (_, a), (_, b) in zip(batches, local, strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    # The store dies after the first batch: the epoch stops with an error naming the
+    # store and the shards, within a bounded time, instead of hanging or training on.
+    stream = _stream(urls, tokenizer, batch_size=1, shuffle_buffer=0, sort_buffer=1,
+                     read_ahead_mb=0, read_retries=1, timeout=5)
+    stopped = []
+
+    def kill(batches):
+        if batches == 1:
+            server.stop()
+            stopped.append(time.monotonic())
+
+    with pytest.raises(DataUnavailableError) as raised:
+        _run_epoch(stream, 3, on_batch=kill)
+    seconds = time.monotonic() - stopped[0]
+    message = str(raised.value)
+    assert "storage: s3://speech at http://127.0.0.1:" in message
+    assert "s3://speech/uio/train/shards_" in message and "unavailable" in message
+    assert seconds < 60, f"took {seconds:.1f} s to give up"
