@@ -43,6 +43,9 @@ HTTP_PREFIXES = ("http://", "https://")
 HTTP_TIMEOUT_SECONDS = 60.0
 INDEX_FORMAT = "cat-wds-index"
 INDEX_VERSION = 1
+# What the shards of a folder hold (the header's "content"; absent: features).
+CONTENT_FEATURES = "features"
+CONTENT_AUDIO = "audio"
 _KEY_ESCAPES = {"%": "%25", ".": "%2E", "/": "%2F"}
 _KEY_UNESCAPES = {v: k for k, v in _KEY_ESCAPES.items()}
 _ESCAPED = re.compile(r"%(?:25|2E|2F)")
