@@ -21,14 +21,21 @@ so re-running after an interruption gives byte-identical shards; shards already
 complete with the same inputs are kept. `validate` checks a folder against its index
 (`cat.formats.shard_check`).
 
-`pack-exp` packs what an experiment streams: its `hyper-p.json`'s `data.train` as
-`data.shards` says, the one place its length groups come from (`pack_experiment`).
+`pack-audio` packs audio shards instead, from Kaldi data dirs (`cat.formats.audio_pack`:
+16 kHz `wav`/`flac`/`opus` members and transcripts, WeNet UIO compatible; the loader
+computes the features). `pack-exp` packs what an experiment streams: its
+`hyper-p.json`'s `data.train` as `data.shards` says, the one place its length groups
+come from, audio when `data.shards.audio` names a format (`pack_experiment`). `index`
+writes the index of shards another tool wrote (`cat.formats.shard_index`).
 
 Usage:
     python -m cat.formats.prep_wds pack-exp exp/synth-ctc --nj 4
     python -m cat.formats.prep_wds pack --scp data/train/feats.scp --text data/train/text \
         --out data/wds/train --filter-group 10:1000 1000:2000 --nj 4
+    python -m cat.formats.prep_wds pack-audio --data data/train_l --out data/wds_audio/train_l \
+        --format opus --bitrate 32000 --filter-group 10:1000 1000:2000 --nj 4
     python -m cat.formats.prep_wds validate data/wds/train/10_1000
+    python -m cat.formats.prep_wds index /data/wenet/shards --nj 4
 """
 
 from __future__ import annotations
@@ -47,9 +54,11 @@ from typing import Any
 
 import numpy as np
 
+from cat.audio import codec
 from cat.core.config import HYPER_NAME, as_list, load_hyper
 from cat.core.io import PathLike, setup_logging
 from cat.core.stages import is_done, mark_done, signature
+from cat.formats.audio_pack import pack_audio
 from cat.formats.shard_check import validate
 from cat.formats.shard_format import (
     CONTENT_FEATURES,
@@ -58,6 +67,7 @@ from cat.formats.shard_format import (
     INDEX_VERSION,
     shard_name_regex,
 )
+from cat.formats.shard_index import index_folder
 from cat.formats.shard_pack import (
     DEFAULT_FMT,
     UTTS_PER_FILE,
@@ -185,7 +195,10 @@ def _record_of(job: ShardJob, result: dict[str, Any]) -> dict[str, Any]:
 def pack_experiment(exp_dir: PathLike, num_jobs: int = 1) -> PackSummary | None:
     """The tar shards an experiment streams: `data.train` packed as `data.shards` of its
     `hyper-p.json` says (`dir`, `filter_group`, `dtype`, `utts_per_file`, `seed`), the one
-    place the length groups come from. Skipped (None) when they are up to date, or when
+    place the length groups come from. With `data.shards.audio` (`{"format": "opus",
+    "bitrate": 32000}`) `data.train` names Kaldi data dirs (`wav.scp`, `text`, optional
+    `segments`) packed as audio shards (`cat.formats.audio_pack.pack_audio`); without,
+    feature dirs (`feats.scp`, `text`). Skipped (None) when they are up to date, or when
     the experiment trains map-style and lists no `data.shards`."""
     path = Path(exp_dir) / HYPER_NAME
     hyper = load_hyper(path)
@@ -199,28 +212,56 @@ def pack_experiment(exp_dir: PathLike, num_jobs: int = 1) -> PackSummary | None:
                              '"1000:2000"]})')
         logger.info("%s: no data.shards (map-style training): nothing to pack", path)
         return None
-    files = []
-    for directory in as_list(data.get("train")):
-        for name in ("feats.scp", "text"):
-            if not (Path(directory) / name).is_file():
-                raise FileNotFoundError(f"{Path(directory) / name} does not exist (data.train "
-                                        f"of {path}; run stage 1 first)")
-            files.append(Path(directory) / name)
+    audio = settings.get("audio")
+    if audio is not None and "dtype" in settings:
+        raise ValueError(f"{path}: data.shards.dtype is the dtype of feature shards; with "
+                         "data.shards.audio the shards hold audio")
+    directories = [Path(d) for d in as_list(data.get("train"))]
+    files = _experiment_inputs(directories, audio is not None, path)
     options = {"filter_group": settings.get("filter_group"),
-               "dtype": settings.get("dtype", "float32"),
                "utts_per_file": settings.get("utts_per_file", UTTS_PER_FILE),
                "seed": settings.get("seed", 0)}
+    if audio is None:
+        options["dtype"] = settings.get("dtype", "float32")
+    else:
+        options["audio"] = {"format": audio["format"], "bitrate": audio.get("bitrate")}
     out = Path(settings["dir"])
     sig = signature("shards", options, files=files)
     if is_done(out, sig):
         logger.info("shards in %s are up to date", out)
         return None
-    summary = pack_data([str(f) for f in files[0::2]], [str(f) for f in files[1::2]], out,
-                        filter_group=options["filter_group"],
-                        utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
-                        dtype=options["dtype"], seed=options["seed"])
+    if audio is None:
+        summary = pack_data([str(d / "feats.scp") for d in directories],
+                            [str(d / "text") for d in directories], out,
+                            filter_group=options["filter_group"],
+                            utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
+                            dtype=options["dtype"], seed=options["seed"])
+    else:
+        summary = pack_audio(directories, out, audio["format"],
+                             opus_bitrate=audio.get("bitrate"),
+                             filter_group=options["filter_group"],
+                             utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
+                             seed=options["seed"])
     mark_done(out, sig)
     return summary
+
+
+def _experiment_inputs(directories: list[Path], audio: bool, hyper_path: Path) -> list[Path]:
+    """The files of `data.train` that packing reads (their signature decides a re-run)."""
+    if not directories:
+        raise ValueError(f"{hyper_path}: data.shards needs data.train")
+    files = []
+    for directory in directories:
+        for name in ("wav.scp", "text") if audio else ("feats.scp", "text"):
+            if not (directory / name).is_file():
+                hint = "a Kaldi data dir, as data.shards.audio asks" if audio else \
+                    "run stage 1 first"
+                raise FileNotFoundError(f"{directory / name} does not exist (data.train of "
+                                        f"{hyper_path}; {hint})")
+            files.append(directory / name)
+        if audio and (directory / "segments").is_file():
+            files.append(directory / "segments")
+    return files
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -230,23 +271,37 @@ def _build_parser() -> argparse.ArgumentParser:
                                                "as its hyper-p.json data.shards says")
     exp.add_argument("exp_dir", help="experiment directory, e.g. exp/synth-ctc")
     exp.add_argument("--nj", type=int, default=1, help="parallel processes")
-    pack = commands.add_parser("pack", help="write tar shards and their index")
+    pack = commands.add_parser("pack", help="write feature tar shards and their index")
     pack.add_argument("--scp", required=True, action="extend", nargs="+",
                       help="feats.scp file(s); repeatable")
     pack.add_argument("--text", required=True, action="extend", nargs="+",
                       help="Kaldi text file(s); repeatable")
-    pack.add_argument("--out", required=True, help="output folder")
-    pack.add_argument("--filter-group", nargs="*", metavar="LO:HI",
-                      help="length groups in frames, one subfolder each (default: none)")
-    pack.add_argument("--fmt", default=DEFAULT_FMT, help="shard file name format")
-    pack.add_argument("--nj", type=int, default=1, help="parallel processes")
     pack.add_argument("--dtype", default="float32", choices=DTYPES, help="feature dtype")
-    pack.add_argument("--seed", type=int, default=0, help="shuffling seed")
-    pack.add_argument("--utts-per-file", type=int, default=UTTS_PER_FILE,
-                      help="maximum utterances per shard")
+    audio = commands.add_parser("pack-audio", help="write audio tar shards and their index")
+    audio.add_argument("--data", required=True, action="extend", nargs="+",
+                       help="Kaldi data dir(s) with wav.scp, text, optional segments; "
+                            "repeatable")
+    audio.add_argument("--format", default="opus", choices=codec.FORMATS,
+                       help="audio format of the members")
+    audio.add_argument("--bitrate", type=int,
+                       help=f"Opus bitrate in bit/s (default {codec.DEFAULT_OPUS_BITRATE})")
+    for command in (pack, audio):
+        command.add_argument("--out", required=True, help="output folder")
+        command.add_argument("--filter-group", nargs="*", metavar="LO:HI",
+                             help="length groups in frames, one subfolder each "
+                                  "(default: none)")
+        command.add_argument("--fmt", default=DEFAULT_FMT, help="shard file name format")
+        command.add_argument("--nj", type=int, default=1, help="parallel processes")
+        command.add_argument("--seed", type=int, default=0, help="shuffling seed")
+        command.add_argument("--utts-per-file", type=int, default=UTTS_PER_FILE,
+                             help="maximum utterances per shard")
     check = commands.add_parser("validate", help="check shards against index.jsonl")
     check.add_argument("directory", help="folder holding index.jsonl and its shards")
     check.add_argument("--nj", type=int, default=1, help="parallel processes")
+    index = commands.add_parser("index", help="write index.jsonl for shards another tool "
+                                              "wrote (WeNet UIO)")
+    index.add_argument("directory", help="folder holding the shards (*.tar)")
+    index.add_argument("--nj", type=int, default=1, help="parallel processes")
     return parser
 
 
@@ -256,19 +311,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging()
     if args.command == "pack-exp":
         pack_experiment(args.exp_dir, args.nj)
-        return
-    if args.command == "pack":
+    elif args.command == "pack":
         pack_data(args.scp, args.text, args.out, args.fmt, args.filter_group or None,
                   utts_per_file=args.utts_per_file, num_jobs=args.nj, dtype=args.dtype,
                   seed=args.seed)
-        return
-    problems = validate(args.directory, args.nj)
+    elif args.command == "pack-audio":
+        pack_audio(args.data, args.out, args.format, opus_bitrate=args.bitrate, fmt=args.fmt,
+                   filter_group=args.filter_group or None, utts_per_file=args.utts_per_file,
+                   num_jobs=args.nj, seed=args.seed)
+    elif args.command == "index":
+        index_folder(args.directory, args.nj)
+    else:
+        _validate(args.directory, args.nj)
+
+
+def _validate(directory: str, num_jobs: int) -> None:
+    problems = validate(directory, num_jobs)
     for problem in problems:
         logger.error("%s", problem)
     if problems:
-        logger.error("%s: %d problems", args.directory, len(problems))
+        logger.error("%s: %d problems", directory, len(problems))
         sys.exit(1)
-    logger.info("%s: all shards match %s", args.directory, INDEX_NAME)
+    logger.info("%s: all shards match %s", directory, INDEX_NAME)
 
 
 if __name__ == "__main__":
