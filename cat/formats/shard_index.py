@@ -158,7 +158,7 @@ def index_shard(path: PathLike) -> dict[str, Any]:
                         current = _Utterance(key)
                     _add_member(path, current, member.name, extension,
                                 tar.extractfile(member).read(), facts)
-        except (tarfile.TarError, EOFError, codec.AudioDecodeError) as error:
+        except (tarfile.TarError, EOFError) as error:
             raise ValueError(f"{path}: unreadable shard: {error}") from None
         if current is not None:
             _finish(path, current, record)
