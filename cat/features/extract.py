@@ -119,9 +119,13 @@ def _read_job_segments(path: Path) -> dict[str, list[tuple[str, float, float]]]:
     return segments
 
 
-def _segment_span(start: float, end: float, num_samples: int, sample_rate: int,
-                  max_overshoot: float) -> tuple[int, int] | str:
-    """Sample range of a segment, as Kaldi's extract-segments computes it, or why it is unusable."""
+def segment_span(start: float, end: float, num_samples: int, sample_rate: int,
+                 max_overshoot: float) -> tuple[int, int] | str:
+    """Sample range of a segment, as Kaldi's extract-segments computes it, or why it is unusable.
+
+    `end == -1` means the end of the recording; an end past it by up to `max_overshoot`
+    seconds is clipped. The audio shard packer (`cat.formats.audio_pack`) cuts with it too.
+    """
     begin = int(start * sample_rate)
     stop = num_samples if end == -1 else int(end * sample_rate)
     if num_samples == 0:
@@ -167,7 +171,7 @@ def _recording_features(
             conversions[f"resampled from {rate} Hz to {sample_rate} Hz"] += 1
         if channels > 1:
             conversions[f"{channels} channels, channel 0 used"] += 1
-    spans = [(utt, _segment_span(start, end, len(waveform), sample_rate, job.max_overshoot))
+    spans = [(utt, segment_span(start, end, len(waveform), sample_rate, job.max_overshoot))
              for utt, start, end in pieces]
     for prefix, factor in copies:
         audio = waveform if factor == 1.0 else speed_perturb(waveform, sample_rate, factor)

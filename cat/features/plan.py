@@ -21,7 +21,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +113,12 @@ def speed_prefix(factor: float) -> str:
     return f"sp{factor:g}-"
 
 
-def scan_segments(path: Path, wav_scp: dict[str, str]) -> tuple[dict[str, float], set[str]]:
-    """Validate `segments`; return (total segment seconds per recording, utterance ids)."""
-    durations: dict[str, float] = {}
+def read_segments(path: Path, wav_scp: Container[str]) -> Iterator[tuple[str, str, float, float]]:
+    """Yield `(utterance, recording, start, end)` of each line of a Kaldi `segments` file.
+
+    Errors name the line: a line that is not `<utterance> <recording> <start> <end>`,
+    times that are not finite numbers, a recording not in `wav_scp`, a repeated utterance.
+    """
     utterances: set[str] = set()
     for lineno, (utt, value) in enumerate(iter_table(path), 1):
         fields = value.split()
@@ -135,6 +138,15 @@ def scan_segments(path: Path, wav_scp: dict[str, str]) -> tuple[dict[str, float]
                              f"{recording!r}, which is not in wav.scp")
         if utt in utterances:
             raise TableError(f"{path}:{lineno}: duplicate utterance {utt!r}")
+        utterances.add(utt)
+        yield utt, recording, start, end
+
+
+def scan_segments(path: Path, wav_scp: dict[str, str]) -> tuple[dict[str, float], set[str]]:
+    """Validate `segments`; return (total segment seconds per recording, utterance ids)."""
+    durations: dict[str, float] = {}
+    utterances: set[str] = set()
+    for utt, recording, start, end in read_segments(path, wav_scp):
         utterances.add(utt)
         # An end of -1 means "to the end of the recording" (Kaldi): length unknown here.
         durations[recording] = durations.get(recording, 0.0) + max(end - start, 0.0)

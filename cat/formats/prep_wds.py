@@ -21,114 +21,79 @@ so re-running after an interruption gives byte-identical shards; shards already
 complete with the same inputs are kept. `validate` checks a folder against its index
 (`cat.formats.shard_check`).
 
-`pack-exp` packs what an experiment streams: its `hyper-p.json`'s `data.train` as
-`data.shards` says, the one place its length groups come from (`pack_experiment`).
+`pack-audio` packs audio shards instead, from Kaldi data dirs (`cat.formats.audio_pack`:
+16 kHz `wav`/`flac`/`opus` members and transcripts, WeNet UIO compatible; the loader
+computes the features). `pack-exp` packs what an experiment streams: its
+`hyper-p.json`'s `data.train` as `data.shards` says, the one place its length groups
+come from, audio when `data.shards.audio` names a format (`pack_experiment`). `index`
+writes the index of shards another tool wrote (`cat.formats.shard_index`).
 
 Usage:
     python -m cat.formats.prep_wds pack-exp exp/synth-ctc --nj 4
     python -m cat.formats.prep_wds pack --scp data/train/feats.scp --text data/train/text \
         --out data/wds/train --filter-group 10:1000 1000:2000 --nj 4
+    python -m cat.formats.prep_wds pack-audio --data data/train_l --out data/wds_audio/train_l \
+        --format opus --bitrate 32000 --filter-group 10:1000 1000:2000 --nj 4
     python -m cat.formats.prep_wds validate data/wds/train/10_1000
+    python -m cat.formats.prep_wds index /data/wenet/shards --nj 4
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
-import re
-import shutil
 import sys
 import zlib
 from collections.abc import Sequence
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from cat.audio import codec
 from cat.core.config import HYPER_NAME, as_list, load_hyper
-from cat.core.io import PathLike, atomic_write, setup_logging
-from cat.core.process import process_pool
+from cat.core.io import PathLike, setup_logging
 from cat.core.stages import is_done, mark_done, signature
+from cat.formats.audio_pack import pack_audio
 from cat.formats.shard_check import validate
 from cat.formats.shard_format import (
+    CONTENT_FEATURES,
     DROPPED_NAME,
-    INDEX_FORMAT,
     INDEX_NAME,
     INDEX_VERSION,
-    read_index,
     shard_name_regex,
-    temporary_regex,
+)
+from cat.formats.shard_index import index_folder
+from cat.formats.shard_pack import (
+    DEFAULT_FMT,
+    UTTS_PER_FILE,
+    Folder,
+    PackSummary,
+    check_options,
+    folder_name,
+    log_summary,
+    prepare_folder,
+    reuse_finished,
+    split_folders,
+    write_index,
+    write_pending,
 )
 from cat.formats.shard_writer import ShardJob, write_shard
-from cat.formats.tables import (
-    FRAME_SHIFT_SECONDS,
-    DropLog,
-    FrameRange,
-    UtteranceTable,
-    load_utterances,
-    parse_frame_ranges,
-)
+from cat.formats.tables import DropLog, load_utterances
 
 logger = logging.getLogger(__name__)
 
-#: Utterances per tar shard (an upper bound: shards of a folder differ by at most one).
-UTTS_PER_FILE = 2000
-DEFAULT_FMT = "data-%05d.tar"
 DTYPES = ("float32", "float16")
-# Records of shards finished by an interrupted run, so a re-run can keep them.
-_PARTS_DIR = ".parts"
 
 
 # --------------------------------------------------------------------------- planning
 
 
-@dataclasses.dataclass
-class _Folder:
-    path: Path
-    frame_range: FrameRange | None
-    table: UtteranceTable
-    jobs: list[ShardJob] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PackSummary:
-    """What `pack_data` did: counts per output folder (name relative to d_out)."""
-
-    num_input: int
-    num_utts: dict[str, int]
-    num_shards: dict[str, int]
-    dropped: dict[str, int]
-    shards_written: int
-    shards_kept: int
-
-
-def _split_folders(table: UtteranceTable, d_out: Path, ranges: list[FrameRange] | None,
-                   drops: DropLog) -> list[_Folder]:
-    if ranges is None:
-        return [_Folder(d_out, None, table)]
-    lows = np.array([r.low for r in ranges], np.int64)
-    highs = np.array([np.iinfo(np.int64).max if r.high is None else r.high for r in ranges],
-                     np.int64)
-    group = np.searchsorted(lows, table.num_frames, side="right") - 1
-    inside = group >= 0
-    inside[inside] = table.num_frames[inside] < highs[group[inside]]
-    spec = " ".join(str(r) for r in ranges)
-    for index in np.flatnonzero(~inside):
-        drops.add(table.keys[index], "out_of_range",
-                  f"num_frames={table.num_frames[index]} groups={spec}")
-    return [_Folder(d_out / r.name, r, table.select(np.flatnonzero(inside & (group == i))))
-            for i, r in enumerate(ranges)]
-
-
-def _plan(folder: _Folder, fmt: str, utts_per_file: int, seed: int, dtype: str,
+def _plan(folder: Folder, fmt: str, utts_per_file: int, seed: int, dtype: str,
           ark_stats: dict[str, list[int]]) -> None:
     table = folder.table
     if not len(table):
@@ -149,98 +114,6 @@ def _plan(folder: _Folder, fmt: str, utts_per_file: int, seed: int, dtype: str,
             digest.update(json.dumps(entry, ensure_ascii=False).encode("utf-8") + b"\n")
         folder.jobs.append(ShardJob(str(folder.path / (fmt % shard_index)), entries, dtype,
                                     digest.hexdigest()))
-
-
-def _prepare_folder(folder: _Folder, name_regex: re.Pattern) -> dict[str, dict[str, Any]]:
-    """Remove leftover temporaries, refuse foreign shards, return reusable shard records."""
-    folder.path.mkdir(parents=True, exist_ok=True)
-    planned = {Path(job.path).name for job in folder.jobs}
-    temporary = temporary_regex(name_regex)
-    stray, removed = [], 0
-    for entry in sorted(os.listdir(folder.path)):
-        if temporary.fullmatch(entry):
-            # Left by a killed run (one packer per folder): never a complete file.
-            (folder.path / entry).unlink()
-            removed += 1
-        elif name_regex.fullmatch(entry) and entry not in planned:
-            stray.append(entry)
-    if removed:
-        logger.info("%s: removed %d temporary files of an interrupted run", folder.path, removed)
-    if stray:
-        raise FileExistsError(f"{folder.path} holds shards that this packing would not write "
-                              f"({', '.join(stray[:5])}{', ...' if len(stray) > 5 else ''}); "
-                              "remove them or pack into a new folder")
-    records: dict[str, dict[str, Any]] = {}
-    index_path = folder.path / INDEX_NAME
-    if index_path.is_file():
-        try:
-            index = read_index(folder.path)
-            for record in index.shards:
-                records[record["shard"]] = {**record, "feat_dim": index.header["feat_dim"]}
-        except (ValueError, KeyError):
-            logger.warning("%s is unreadable; its shards will be rewritten", index_path)
-    parts = folder.path / _PARTS_DIR
-    if parts.is_dir():
-        for part in sorted(parts.glob("*.json")):
-            try:
-                record = json.loads(part.read_text(encoding="utf-8"))
-                records[record["shard"]] = record
-            except (ValueError, KeyError):
-                logger.warning("ignoring unreadable record %s", part)
-    return records
-
-
-def _save_part(folder: Path, record: dict[str, Any]) -> None:
-    with atomic_write(folder / _PARTS_DIR / f"{record['shard']}.json") as f:
-        json.dump(record, f)
-
-
-def _is_reusable(job: ShardJob, record: dict[str, Any] | None) -> bool:
-    path = Path(job.path)
-    return (record is not None and record.get("fingerprint") == job.fingerprint
-            and path.is_file() and path.stat().st_size == record.get("num_bytes"))
-
-
-def _reuse_finished(folders: list[_Folder], previous: list[dict[str, dict[str, Any]]]
-                    ) -> tuple[list[ShardJob], dict[str, dict[str, Any]]]:
-    """Split the plan into shards to write and records of shards kept as they are."""
-    pending: list[ShardJob] = []
-    records: dict[str, dict[str, Any]] = {}
-    for folder, old in zip(folders, previous, strict=True):
-        todo = []
-        for job in folder.jobs:
-            record = old.get(Path(job.path).name)
-            if _is_reusable(job, record):
-                records[job.path] = record
-            else:
-                todo.append(job)
-        if todo:
-            # The old index would describe shards about to change; keep what it vouches for.
-            for job in folder.jobs:
-                if job.path in records:
-                    _save_part(folder.path, records[job.path])
-            (folder.path / INDEX_NAME).unlink(missing_ok=True)
-        pending += todo
-    return pending, records
-
-
-def _run_jobs(jobs: list[ShardJob], num_jobs: int):
-    """Yield `(job, result)` as shards complete."""
-    if num_jobs == 1 or len(jobs) <= 1:
-        for job in jobs:
-            yield job, write_shard(job)
-        return
-    with process_pool(num_jobs) as pool:
-        futures = {pool.submit(write_shard, job): job for job in jobs}
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                yield futures[future], future.result()
-        except BrokenProcessPool:
-            raise RuntimeError("a packing process died (killed?); completed shards are kept, "
-                               "re-run to finish") from None
-        finally:
-            for future in futures:
-                future.cancel()
 
 
 # --------------------------------------------------------------------------- pack_data
@@ -265,106 +138,55 @@ def pack_data(
     length groups in frames, one subfolder each; None writes everything to `d_out`.
     """
     name_regex = shard_name_regex(fmt)
-    ranges = _check_options(filter_group, utts_per_file, num_jobs, dtype)
+    ranges = check_options(filter_group, utts_per_file, num_jobs)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     d_out = Path(d_out)
 
     drops = DropLog()
     table = load_utterances(f_scps, f_labels, drops)
     num_input = len(table) + len(drops)
-    folders = _split_folders(table, d_out, ranges, drops)
+    folders = split_folders(table, d_out, ranges, drops)
     ark_stats = {}
     for ark in table.ark_paths:
         stat = os.stat(ark)
         ark_stats[ark] = [stat.st_size, stat.st_mtime_ns]
     for folder in folders:
         _plan(folder, fmt, utts_per_file, seed, dtype, ark_stats)
-    previous = [_prepare_folder(folder, name_regex) for folder in folders]
+    previous = [prepare_folder(folder, name_regex) for folder in folders]
     drops.write(d_out / DROPPED_NAME)
     if not any(len(folder.table) for folder in folders):
         raise ValueError(f"no utterances left to pack into {d_out} ({drops.summary()}; "
                          f"see {d_out / DROPPED_NAME})")
 
-    pending, records = _reuse_finished(folders, previous)
-    _write_pending(pending, num_jobs, records)
+    pending, records = reuse_finished(folders, previous)
+    write_pending(pending, num_jobs, records, write_shard, _record_of)
     for folder in folders:
-        _write_index(folder, records, fmt, utts_per_file, seed, dtype)
+        dims = {records[job.path]["feat_dim"] for job in folder.jobs}
+        if len(dims) > 1:
+            raise ValueError(f"{folder.path}: shards have different feature dims {sorted(dims)}")
+        write_index(folder, records, {"fmt": fmt, "content": CONTENT_FEATURES, "dtype": dtype,
+                                      "feat_dim": dims.pop() if dims else None},
+                    utts_per_file, seed)
 
     summary = PackSummary(
         num_input=num_input,
-        num_utts={_folder_name(f, d_out): len(f.table) for f in folders},
-        num_shards={_folder_name(f, d_out): len(f.jobs) for f in folders},
+        num_utts={folder_name(f, d_out): len(f.table) for f in folders},
+        num_shards={folder_name(f, d_out): len(f.jobs) for f in folders},
         dropped=drops.counts(), shards_written=len(pending),
-        shards_kept=sum(len(f.jobs) for f in folders) - len(pending))
-    _log_summary(summary, folders, drops, d_out)
+        shards_kept=sum(len(f.jobs) for f in folders) - len(pending),
+        num_frames={folder_name(f, d_out): int(f.table.num_frames.sum(dtype=np.int64))
+                    for f in folders})
+    log_summary(summary, folders, drops, d_out, DROPPED_NAME)
     return summary
 
 
-def _check_options(filter_group: Sequence[str] | str | None, utts_per_file: int,
-                   num_jobs: int, dtype: str) -> list[FrameRange] | None:
-    if utts_per_file < 1 or num_jobs < 1:
-        raise ValueError(f"utts_per_file ({utts_per_file}) and num_jobs ({num_jobs}) "
-                         "must be >= 1")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if isinstance(filter_group, str):
-        filter_group = [filter_group]
-    return parse_frame_ranges(filter_group) if filter_group else None
-
-
-def _log_summary(summary: PackSummary, folders: list[_Folder], drops: DropLog,
-                 d_out: Path) -> None:
-    for folder in folders:
-        frames = int(folder.table.num_frames.sum(dtype=np.int64))
-        logger.info("%s: %d utterances (%.2f h) in %d shards", folder.path, len(folder.table),
-                    frames * FRAME_SHIFT_SECONDS / 3600, len(folder.jobs))
-        if not len(folder.table):
-            logger.warning("%s: no utterance falls in this group", folder.path)
-    logger.info("%d of %d utterances packed (%d shards written, %d kept); %s, listed in %s",
-                sum(summary.num_utts.values()), summary.num_input, summary.shards_written,
-                summary.shards_kept, drops.summary(), d_out / DROPPED_NAME)
-
-
-def _folder_name(folder: _Folder, d_out: Path) -> str:
-    return "." if folder.path == d_out else folder.path.name
-
-
-def _write_pending(pending: list[ShardJob], num_jobs: int,
-                   records: dict[str, dict[str, Any]]) -> None:
-    with tqdm(total=len(pending), unit="shard", desc="packing", disable=None) as progress:
-        for job, result in _run_jobs(pending, num_jobs):
-            path = Path(job.path)
-            record = {"shard": path.name, "num_utts": len(job.entries),
-                      "num_frames": sum(e[3] for e in job.entries),
-                      "num_bytes": result["num_bytes"], "crc32": result["crc32"],
-                      "feat_dim": result["feat_dim"], "fingerprint": job.fingerprint,
-                      "keys": [e[0] for e in job.entries], "frames": [e[3] for e in job.entries]}
-            _save_part(path.parent, record)
-            records[job.path] = record
-            progress.update()
-
-
-def _write_index(folder: _Folder, records: dict[str, dict[str, Any]], fmt: str,
-                 utts_per_file: int, seed: int, dtype: str) -> None:
-    shards = [records[job.path] for job in folder.jobs]
-    dims = {r["feat_dim"] for r in shards}
-    if len(dims) > 1:
-        raise ValueError(f"{folder.path}: shards have different feature dims {sorted(dims)}")
-    header = {
-        "format": INDEX_FORMAT, "version": INDEX_VERSION, "fmt": fmt, "dtype": dtype,
-        "feat_dim": dims.pop() if dims else None, "utts_per_file": utts_per_file, "seed": seed,
-        "frame_range": None if folder.frame_range is None else str(folder.frame_range),
-        "num_shards": len(shards), "num_utts": sum(r["num_utts"] for r in shards),
-        "num_frames": sum(r["num_frames"] for r in shards),
-    }
-    fields = ("shard", "num_utts", "num_frames", "num_bytes", "crc32", "fingerprint")
-    with atomic_write(folder.path / INDEX_NAME) as f:
-        f.write(json.dumps(header) + "\n")
-        for record in shards:
-            line = {k: record[k] for k in fields}
-            line.update(longest=max(record["frames"], default=0), keys=record["keys"],
-                        frames=record["frames"])
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    shutil.rmtree(folder.path / _PARTS_DIR, ignore_errors=True)
+def _record_of(job: ShardJob, result: dict[str, Any]) -> dict[str, Any]:
+    frames = [entry[3] for entry in job.entries]
+    return {"num_utts": len(job.entries), "num_frames": sum(frames),
+            "num_bytes": result["num_bytes"], "crc32": result["crc32"],
+            "feat_dim": result["feat_dim"], "keys": [entry[0] for entry in job.entries],
+            "frames": frames}
 
 
 # --------------------------------------------------------------------------- CLI
@@ -373,7 +195,10 @@ def _write_index(folder: _Folder, records: dict[str, dict[str, Any]], fmt: str,
 def pack_experiment(exp_dir: PathLike, num_jobs: int = 1) -> PackSummary | None:
     """The tar shards an experiment streams: `data.train` packed as `data.shards` of its
     `hyper-p.json` says (`dir`, `filter_group`, `dtype`, `utts_per_file`, `seed`), the one
-    place the length groups come from. Skipped (None) when they are up to date, or when
+    place the length groups come from. With `data.shards.audio` (`{"format": "opus",
+    "bitrate": 32000}`) `data.train` names Kaldi data dirs (`wav.scp`, `text`, optional
+    `segments`) packed as audio shards (`cat.formats.audio_pack.pack_audio`); without,
+    feature dirs (`feats.scp`, `text`). Skipped (None) when they are up to date, or when
     the experiment trains map-style and lists no `data.shards`."""
     path = Path(exp_dir) / HYPER_NAME
     hyper = load_hyper(path)
@@ -387,28 +212,56 @@ def pack_experiment(exp_dir: PathLike, num_jobs: int = 1) -> PackSummary | None:
                              '"1000:2000"]})')
         logger.info("%s: no data.shards (map-style training): nothing to pack", path)
         return None
-    files = []
-    for directory in as_list(data.get("train")):
-        for name in ("feats.scp", "text"):
-            if not (Path(directory) / name).is_file():
-                raise FileNotFoundError(f"{Path(directory) / name} does not exist (data.train "
-                                        f"of {path}; run stage 1 first)")
-            files.append(Path(directory) / name)
+    audio = settings.get("audio")
+    if audio is not None and "dtype" in settings:
+        raise ValueError(f"{path}: data.shards.dtype is the dtype of feature shards; with "
+                         "data.shards.audio the shards hold audio")
+    directories = [Path(d) for d in as_list(data.get("train"))]
+    files = _experiment_inputs(directories, audio is not None, path)
     options = {"filter_group": settings.get("filter_group"),
-               "dtype": settings.get("dtype", "float32"),
                "utts_per_file": settings.get("utts_per_file", UTTS_PER_FILE),
                "seed": settings.get("seed", 0)}
+    if audio is None:
+        options["dtype"] = settings.get("dtype", "float32")
+    else:
+        options["audio"] = {"format": audio["format"], "bitrate": audio.get("bitrate")}
     out = Path(settings["dir"])
     sig = signature("shards", options, files=files)
     if is_done(out, sig):
         logger.info("shards in %s are up to date", out)
         return None
-    summary = pack_data([str(f) for f in files[0::2]], [str(f) for f in files[1::2]], out,
-                        filter_group=options["filter_group"],
-                        utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
-                        dtype=options["dtype"], seed=options["seed"])
+    if audio is None:
+        summary = pack_data([str(d / "feats.scp") for d in directories],
+                            [str(d / "text") for d in directories], out,
+                            filter_group=options["filter_group"],
+                            utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
+                            dtype=options["dtype"], seed=options["seed"])
+    else:
+        summary = pack_audio(directories, out, audio["format"],
+                             opus_bitrate=audio.get("bitrate"),
+                             filter_group=options["filter_group"],
+                             utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
+                             seed=options["seed"])
     mark_done(out, sig)
     return summary
+
+
+def _experiment_inputs(directories: list[Path], audio: bool, hyper_path: Path) -> list[Path]:
+    """The files of `data.train` that packing reads (their signature decides a re-run)."""
+    if not directories:
+        raise ValueError(f"{hyper_path}: data.shards needs data.train")
+    files = []
+    for directory in directories:
+        for name in ("wav.scp", "text") if audio else ("feats.scp", "text"):
+            if not (directory / name).is_file():
+                hint = "a Kaldi data dir, as data.shards.audio asks" if audio else \
+                    "run stage 1 first"
+                raise FileNotFoundError(f"{directory / name} does not exist (data.train of "
+                                        f"{hyper_path}; {hint})")
+            files.append(directory / name)
+        if audio and (directory / "segments").is_file():
+            files.append(directory / "segments")
+    return files
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -418,23 +271,37 @@ def _build_parser() -> argparse.ArgumentParser:
                                                "as its hyper-p.json data.shards says")
     exp.add_argument("exp_dir", help="experiment directory, e.g. exp/synth-ctc")
     exp.add_argument("--nj", type=int, default=1, help="parallel processes")
-    pack = commands.add_parser("pack", help="write tar shards and their index")
+    pack = commands.add_parser("pack", help="write feature tar shards and their index")
     pack.add_argument("--scp", required=True, action="extend", nargs="+",
                       help="feats.scp file(s); repeatable")
     pack.add_argument("--text", required=True, action="extend", nargs="+",
                       help="Kaldi text file(s); repeatable")
-    pack.add_argument("--out", required=True, help="output folder")
-    pack.add_argument("--filter-group", nargs="*", metavar="LO:HI",
-                      help="length groups in frames, one subfolder each (default: none)")
-    pack.add_argument("--fmt", default=DEFAULT_FMT, help="shard file name format")
-    pack.add_argument("--nj", type=int, default=1, help="parallel processes")
     pack.add_argument("--dtype", default="float32", choices=DTYPES, help="feature dtype")
-    pack.add_argument("--seed", type=int, default=0, help="shuffling seed")
-    pack.add_argument("--utts-per-file", type=int, default=UTTS_PER_FILE,
-                      help="maximum utterances per shard")
+    audio = commands.add_parser("pack-audio", help="write audio tar shards and their index")
+    audio.add_argument("--data", required=True, action="extend", nargs="+",
+                       help="Kaldi data dir(s) with wav.scp, text, optional segments; "
+                            "repeatable")
+    audio.add_argument("--format", default="opus", choices=codec.FORMATS,
+                       help="audio format of the members")
+    audio.add_argument("--bitrate", type=int,
+                       help=f"Opus bitrate in bit/s (default {codec.DEFAULT_OPUS_BITRATE})")
+    for command in (pack, audio):
+        command.add_argument("--out", required=True, help="output folder")
+        command.add_argument("--filter-group", nargs="*", metavar="LO:HI",
+                             help="length groups in frames, one subfolder each "
+                                  "(default: none)")
+        command.add_argument("--fmt", default=DEFAULT_FMT, help="shard file name format")
+        command.add_argument("--nj", type=int, default=1, help="parallel processes")
+        command.add_argument("--seed", type=int, default=0, help="shuffling seed")
+        command.add_argument("--utts-per-file", type=int, default=UTTS_PER_FILE,
+                             help="maximum utterances per shard")
     check = commands.add_parser("validate", help="check shards against index.jsonl")
     check.add_argument("directory", help="folder holding index.jsonl and its shards")
     check.add_argument("--nj", type=int, default=1, help="parallel processes")
+    index = commands.add_parser("index", help="write index.jsonl for shards another tool "
+                                              "wrote (WeNet UIO)")
+    index.add_argument("directory", help="folder holding the shards (*.tar)")
+    index.add_argument("--nj", type=int, default=1, help="parallel processes")
     return parser
 
 
@@ -444,19 +311,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging()
     if args.command == "pack-exp":
         pack_experiment(args.exp_dir, args.nj)
-        return
-    if args.command == "pack":
+    elif args.command == "pack":
         pack_data(args.scp, args.text, args.out, args.fmt, args.filter_group or None,
                   utts_per_file=args.utts_per_file, num_jobs=args.nj, dtype=args.dtype,
                   seed=args.seed)
-        return
-    problems = validate(args.directory, args.nj)
+    elif args.command == "pack-audio":
+        pack_audio(args.data, args.out, args.format, opus_bitrate=args.bitrate, fmt=args.fmt,
+                   filter_group=args.filter_group or None, utts_per_file=args.utts_per_file,
+                   num_jobs=args.nj, seed=args.seed)
+    elif args.command == "index":
+        index_folder(args.directory, args.nj)
+    else:
+        _validate(args.directory, args.nj)
+
+
+def _validate(directory: str, num_jobs: int) -> None:
+    problems = validate(directory, num_jobs)
     for problem in problems:
         logger.error("%s", problem)
     if problems:
-        logger.error("%s: %d problems", args.directory, len(problems))
+        logger.error("%s: %d problems", directory, len(problems))
         sys.exit(1)
-    logger.info("%s: all shards match %s", args.directory, INDEX_NAME)
+    logger.info("%s: all shards match %s", directory, INDEX_NAME)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,29 @@
 """The tar shard format: member names, the key codec and the `index.jsonl` of a folder.
 
-One place for what the writer (`cat.formats.prep_wds`) and the readers
-(`cat.loading.shardlist`, `cat.loading.stream`) must agree on:
+One place for what the writers (`cat.formats.prep_wds`, `cat.formats.audio_pack`) and
+the readers (`cat.loading.shardlist`, `cat.loading.stream`) must agree on:
 
-* members `<encode_key(utt)>.npy` (features) and `<encode_key(utt)>.txt` (transcript);
-  webdataset splits member names at the first dot, so ids such as
+* a folder holds one kind of shard (the index header's `content`):
+  `features`: members `<encode_key(utt)>.npy` (the feature matrix) and
+  `<encode_key(utt)>.txt` (transcript); `audio`: `<encode_key(utt)>.<audio_format>`
+  (16 kHz mono `wav`, `flac` or `opus`, `cat.audio.codec`) and `<encode_key(utt)>.txt`,
+  as WeNet UIO shards hold them. An index without `content` is a feature index;
+* webdataset splits member names at the first dot, so ids such as
   `sp0.9-BAC009S0002W0122` are escaped: `%` -> `%25`, `.` -> `%2E`, `/` -> `%2F`
-  (`decode_key` reverses it);
-* `index.jsonl`, written last by the packer: line 1 is a header `{"format":
-  "cat-wds-index", "version": 1, "fmt", "dtype", "feat_dim", "utts_per_file", "seed",
-  "frame_range", "num_shards", "num_utts", "num_frames"}`, then one line per shard
+  (`decode_key` reverses it). Shards written by another tool (WeNet UIO: keys such as
+  `A/B/utt.1`) are indexed as they are (`python -m cat.formats.prep_wds index`): their
+  header says `"key_encoding": "none"`, their keys are the member names up to the LAST
+  dot (`split_member_name`), and either member of a key may come first;
+* `index.jsonl`, written last: line 1 is a header `{"format": "cat-wds-index",
+  "version": 1, "fmt", "content", <content fields>, "utts_per_file", "seed",
+  "frame_range", "num_shards", "num_utts", "num_frames"}`, the content fields being
+  `"dtype", "feat_dim"` for features and `"audio_format", "bitrate", "sample_rate":
+  16000, "feat_dim": null` for audio; then one line per shard
   `{"shard", "num_utts", "num_frames", "num_bytes", "crc32", "fingerprint", "longest",
-  "keys", "frames"}` (keys and frame counts in tar order; `crc32` of the whole tar file
-  as 8 hex digits; `longest` the most frames of an utterance). The long lists come last,
-  so that `read_index_counts` parses only a short prefix of each line;
+  "keys", "frames"}` (keys and frame counts in tar order; for audio, the fbank frame
+  count of the 16 kHz audio, `cat.features.fbank.num_frames`; `crc32` of the whole tar
+  file as 8 hex digits; `longest` the most frames of an utterance). The long lists
+  come last, so that `read_index_counts` parses only a short prefix of each line;
 * `read_index` reads and checks a whole index (errors name the file and line);
   `read_index_counts` only the counts, the CRC-32 and where each shard's line is.
 
@@ -34,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from cat.audio.codec import FORMATS as AUDIO_FORMATS
 from cat.core.io import PathLike
 from cat.storage.s3 import default_store, is_s3_url
 
@@ -45,6 +56,13 @@ HTTP_PREFIXES = ("http://", "https://")
 HTTP_TIMEOUT_SECONDS = 60.0
 INDEX_FORMAT = "cat-wds-index"
 INDEX_VERSION = 1
+# What the shards of a folder hold (the header's "content"; absent: features).
+CONTENT_FEATURES = "features"
+CONTENT_AUDIO = "audio"
+CONTENTS = (CONTENT_FEATURES, CONTENT_AUDIO)
+# How member names hold the keys (the header's "key_encoding"; absent: escaped).
+KEY_ENCODING_ESCAPED = "escaped"
+KEY_ENCODING_NONE = "none"
 _KEY_ESCAPES = {"%": "%25", ".": "%2E", "/": "%2F"}
 _KEY_UNESCAPES = {v: k for k, v in _KEY_ESCAPES.items()}
 _ESCAPED = re.compile(r"%(?:25|2E|2F)")
@@ -83,6 +101,17 @@ def decode_key(name: str) -> str:
     return _ESCAPED.sub(lambda m: _KEY_UNESCAPES[m.group(0)], name)
 
 
+def split_member_name(name: str) -> tuple[str, str]:
+    """`(key, extension)` of a member name, split at the LAST dot (as WeNet reads UIO).
+
+    Our own member names hold no dot before the extension, so both readings agree.
+    """
+    key, dot, extension = name.rpartition(".")
+    if not dot or not key or "/" in extension:
+        raise ValueError(f"member {name!r} has no extension")
+    return key, extension
+
+
 # --------------------------------------------------------------------------- index
 
 
@@ -103,6 +132,17 @@ class ShardIndex:
     def num_frames(self) -> int:
         """Frames in all shards."""
         return int(self.header["num_frames"])
+
+    @property
+    def content(self) -> str:
+        """`features` or `audio`."""
+        return self.header.get("content", CONTENT_FEATURES)
+
+    def member_key(self, key: str) -> str:
+        """The name of `key`'s members, before their extension."""
+        if self.header.get("key_encoding", KEY_ENCODING_ESCAPED) == KEY_ENCODING_NONE:
+            return key
+        return encode_key(key)
 
     def paths(self) -> list[Path]:
         """Shard files in index order."""
@@ -125,6 +165,7 @@ def read_index(directory: PathLike) -> ShardIndex:
     if not isinstance(header, dict) or header.get("format") != INDEX_FORMAT \
             or header.get("version") != INDEX_VERSION:
         raise ValueError(f"{path}:1: not a {INDEX_FORMAT} version {INDEX_VERSION} header")
+    _check_content(path, header)
     shards = []
     for lineno, line in enumerate(lines[1:], 2):
         try:
@@ -145,6 +186,25 @@ def read_index(directory: PathLike) -> ShardIndex:
             or sum(r["num_utts"] for r in shards) != header.get("num_utts"):
         raise ValueError(f"{path}: header totals disagree with the {len(shards)} shard lines")
     return ShardIndex(Path(directory), header, shards)
+
+
+def _check_content(path: Path, header: dict[str, Any]) -> None:
+    content = header.get("content", CONTENT_FEATURES)
+    if content not in CONTENTS:
+        raise ValueError(f"{path}:1: content {content!r} is not one of {CONTENTS}")
+    encoding = header.get("key_encoding", KEY_ENCODING_ESCAPED)
+    if encoding not in (KEY_ENCODING_ESCAPED, KEY_ENCODING_NONE):
+        raise ValueError(f"{path}:1: key_encoding {encoding!r} is not "
+                         f"{KEY_ENCODING_ESCAPED!r} or {KEY_ENCODING_NONE!r}")
+    if content != CONTENT_AUDIO:
+        return
+    audio_format, rate = header.get("audio_format"), header.get("sample_rate")
+    # null: shards of another tool that mix formats or sample rates.
+    if audio_format is not None and audio_format not in AUDIO_FORMATS:
+        raise ValueError(f"{path}:1: audio_format {audio_format!r} is not one of "
+                         f"{AUDIO_FORMATS} (or null)")
+    if rate is not None and (not isinstance(rate, int) or rate <= 0):
+        raise ValueError(f"{path}:1: sample_rate {rate!r} is not a positive integer (or null)")
 
 
 # Each index line holds the counts first, then these long lists (see the module docstring).

@@ -45,7 +45,7 @@ class ShardJob:
     fingerprint: str = ""
 
 
-class _ChecksumWriter:
+class ChecksumWriter:
     """File wrapper counting the bytes written through it and their CRC-32."""
 
     def __init__(self, raw) -> None:
@@ -64,7 +64,11 @@ class _ChecksumWriter:
         return self.size
 
 
-def _add_member(tar: tarfile.TarFile, name: str, data: io.BytesIO) -> None:
+def add_member(tar: tarfile.TarFile, name: str, data: io.BytesIO | bytes) -> None:
+    """Append a member holding `data` (bytes, or a buffer positioned at its end)."""
+    if isinstance(data, bytes):
+        data = io.BytesIO(data)
+        data.seek(0, io.SEEK_END)
     # Fixed metadata (no clock, no user) makes the tar a function of its contents.
     info = tarfile.TarInfo(name)
     info.size = data.tell()
@@ -86,7 +90,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     feat_dim = None
     try:
         with atomic_write(job.path, "wb") as raw:
-            sink = _ChecksumWriter(raw)
+            sink = ChecksumWriter(raw)
             # 1 MiB copies instead of the 16 KiB default: fewer Python calls per member.
             with tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT,
                               copybufsize=1 << 20) as tar:
@@ -100,10 +104,10 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
                     name = encode_key(key)
                     member = io.BytesIO()
                     np.lib.format.write_array(member, array, allow_pickle=False)
-                    _add_member(tar, f"{name}.npy", member)
+                    add_member(tar, f"{name}.npy", member)
                     member = io.BytesIO()
                     member.write(text.encode("utf-8"))
-                    _add_member(tar, f"{name}.txt", member)
+                    add_member(tar, f"{name}.txt", member)
     finally:
         for handle in handles.values():
             handle.close()

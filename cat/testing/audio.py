@@ -136,3 +136,41 @@ def make_data_dir(
         text[utt] = f"今天 天气 很好 {index}"
         utt2spk[utt] = speaker
     return write_kaldi_data_dir(root / "data", wav_scp, text, utt2spk)
+
+
+def make_segmented_data_dir(
+    root: PathLike,
+    durations: Sequence[float] = (6.0, 4.5, 3.2),
+    segment_seconds: Sequence[float] = (0.6, 0.9, 1.4),
+    gap: float = 0.15,
+    sample_rate: int = 16000,
+    extension: str = ".opus",
+    seed: int = 0,
+) -> Path:
+    """Long recordings cut by a `segments` file, as WenetSpeech's are (Opus by default).
+
+    Recording `i` is `root/audio/R<i><extension>` (id `R<i>`, `durations[i]` seconds);
+    its segments `R<i>-S<j>` follow each other `gap` seconds apart, their lengths cycling
+    through `segment_seconds`, until the recording ends. Each has a short Mandarin
+    transcript. Returns the data dir `root/data` (`wav.scp`, `segments`, `text`,
+    `utt2spk` with the recording as speaker).
+    """
+    root = Path(root)
+    wav_scp, segments, text = {}, {}, {}
+    for index, duration in enumerate(durations):
+        recording = f"R{index:04d}"
+        path = make_audio_file(root / "audio" / f"{recording}{extension}", duration,
+                               sample_rate, seed=seed + index)
+        wav_scp[recording] = str(path)
+        start, number = 0.0, 0
+        while True:
+            length = segment_seconds[(index + number) % len(segment_seconds)]
+            if start + length > duration:
+                break
+            utt = f"{recording}-S{number:04d}"
+            segments[utt] = (recording, round(start, 3), round(start + length, 3))
+            text[utt] = f"今天 天气 很好 {index} {number}"
+            start += length + gap
+            number += 1
+    return write_kaldi_data_dir(root / "data", wav_scp, text,
+                                {utt: segments[utt][0] for utt in segments}, segments)

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,15 @@ from cat.core.io import TableError, write_table
 from cat.data import aishell
 from cat.decoding.inference import DecodeOptions, decode_set
 from cat.features import extract
-from cat.formats import mappack, prep_wds, shard_format
+from cat.formats import audio_pack, mappack, prep_wds, shard_check, shard_format
 from cat.loading.reader import DataUnavailableError
 from cat.loading.tar import CorruptShardError
-from cat.testing.audio import make_audio_file, make_corrupt_file, write_kaldi_data_dir
+from cat.testing.audio import (
+    make_audio_file,
+    make_corrupt_file,
+    make_data_dir,
+    write_kaldi_data_dir,
+)
 from cat.testing.features import write_feature_corpus
 from cat.testing.release import make_aishell_release
 from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
@@ -268,6 +274,64 @@ def test_nothing_left_to_pack(corpus, tmp_path):
                                          r"\(6 dropped \(out_of_range=6\); see .*dropped\.txt\)"):
         prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds",
                            filter_group=["1000:"])
+
+
+def test_wav_scp_command_without_segments_audio_shards(tmp_path):
+    source = make_audio_file(tmp_path / "audio" / "a.wav", 1.0)
+    data = write_kaldi_data_dir(tmp_path / "data", {"a": f"cat {source} |"}, {"a": "你好"})
+    with pytest.raises(TableError, match=r"data/wav\.scp:1: recording 'a' is a command "
+                                         r"\('cat .*a\.wav \|'\) and .*data has no segments "
+                                         r"file: its duration cannot be known without decoding"):
+        audio_pack.pack_audio(data, tmp_path / "wds", "opus")
+    assert not (tmp_path / "wds").exists()
+
+
+def test_bad_audio_audio_shards(tmp_path):
+    good = make_audio_file(tmp_path / "audio" / "good.wav", 1.0)
+    full = make_audio_file(tmp_path / "audio" / "full.wav", 1.0)
+    wav_scp = {"good": str(good), "missing": str(tmp_path / "audio" / "missing.wav"),
+               "garbage": str(make_corrupt_file(tmp_path / "audio" / "garbage.wav", "garbage")),
+               "truncated": str(make_corrupt_file(tmp_path / "audio" / "truncated.wav",
+                                                  "truncated", full))}
+    data = write_kaldi_data_dir(tmp_path / "data", wav_scp, dict.fromkeys(wav_scp, "你好"))
+    summary = audio_pack.pack_audio(data, tmp_path / "wds", "flac")
+    assert summary.dropped == {"bad_audio": 3} and summary.num_utts == {".": 1}
+    dropped = _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME)
+    assert dropped["missing"] == f"bad_audio no such file: {wav_scp['missing']}"
+    assert dropped["garbage"] == f"bad_audio cannot decode {wav_scp['garbage']}: Error " \
+                                 f"opening '{wav_scp['garbage']}': Format not recognised."
+    assert dropped["truncated"] == f"bad_audio truncated audio {wav_scp['truncated']}: " \
+                                   "header declares 32000 data bytes, file holds 15978"
+
+
+def test_segment_past_the_recording_audio_shards(tmp_path):
+    long = make_audio_file(tmp_path / "audio" / "long.wav", 3.0)
+    data = write_kaldi_data_dir(tmp_path / "data", {"long": str(long)},
+                                {"a": "你好", "b": "再见"},
+                                segments={"a": ("long", 0.0, 1.0), "b": ("long", 2.5, 3.6)})
+    summary = audio_pack.pack_audio(data, tmp_path / "wds", "opus")
+    assert summary.dropped == {"bad_segment": 1}
+    assert _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME) == {
+        "b": "bad_segment segment ends at 3.6 s, more than 0.05 s after the recording end "
+             "(3.0 s)"}
+
+
+def test_undecodable_audio_member_validate(tmp_path):
+    data = make_data_dir(tmp_path / "corpus", durations=(1.0, 1.2))
+    out = tmp_path / "wds"
+    audio_pack.pack_audio(data, out, "flac")
+    shard = out / "data-00000.tar"
+    with tarfile.open(shard) as tar:
+        member = tar.getmembers()[0]
+    damaged = bytearray(shard.read_bytes())
+    damaged[member.offset_data:member.offset_data + 64] = bytes(64)
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(SystemExit) as exit_info:
+        prep_wds.main(["validate", str(out)])
+    assert exit_info.value.code == 1
+    problems = shard_check.validate(out)
+    assert f"{shard}: crc32 differs from the index" in problems
+    assert any(p.startswith(f"cannot decode audio {shard}:{member.name}: ") for p in problems)
 
 
 def test_pickle_as_tokenizer_file(tmp_path):
