@@ -51,6 +51,7 @@ import numpy as np
 from braceexpand import braceexpand
 
 from cat.formats.shard_format import (
+    CONTENT_FEATURES,
     HTTP_PREFIXES,
     HTTP_TIMEOUT_SECONDS,
     INDEX_NAME,
@@ -236,6 +237,8 @@ class ShardList:
     # Byte offset and length of each shard's line in its index (-1: no index).
     index_spans: np.ndarray = dataclasses.field(
         default_factory=lambda: np.zeros((0, 2), np.int64))
+    # What the indexed shards hold ("features" or "audio") -> the first index saying so.
+    contents: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -326,6 +329,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
     crc32 = [""] * len(urls)
     spans = np.full((len(urls), 2), -1, np.int64)
     feat_dims: dict[int, str] = {}
+    contents: dict[str, str] = {}
     longest = 0
     for position, url in enumerate(urls):
         if url.startswith(RAW_LIST):
@@ -342,6 +346,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
             longest = max(longest, shard_longest)
             if index.header.get("feat_dim") is not None:
                 feat_dims.setdefault(int(index.header["feat_dim"]), location)
+            contents.setdefault(index.header.get("content", CONTENT_FEATURES), location)
             continue
         if not utts_per_shard_estimate:
             why = (f"{location} does not list {name!r}" if index is not None
@@ -352,6 +357,9 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
                                     "train.option.utts_per_shard_estimate")
         num_utts[position] = utts_per_shard_estimate
         estimated[position] = True
+    if len(contents) > 1:
+        detail = ", ".join(f"{content} in {where}" for content, where in contents.items())
+        raise ValueError(f"trset mixes feature and audio shards: {detail}")
     if len(feat_dims) > 1:
         detail = ", ".join(f"{dim} in {where}" for dim, where in feat_dims.items())
         raise ValueError(f"shards have different feature dimensions: {detail}")
@@ -361,7 +369,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
                        int(estimated.sum()), len(urls), utts_per_shard_estimate)
     return ShardList(urls, num_utts, num_frames, estimated,
                      next(iter(feat_dims)) if feat_dims else None, longest, crc32, timeout,
-                     spans)
+                     spans, contents)
 
 
 def assign_shards(weights: np.ndarray, seed: int, epoch: int, world_size: int,

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cat.formats.shard_format import CONTENT_AUDIO, CONTENT_FEATURES
 from cat.loading.batch import (
     Batch,
     LengthFilter,
@@ -119,6 +120,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         if config.audio is not None and config.audio.fbank.num_mel_bins != feat_dim:
             raise ValueError(f"train.option.audio makes {config.audio.fbank.num_mel_bins}-dim "
                              f"fbank, but {feat_dim_source} is {feat_dim}")
+        if config.audio is None and CONTENT_AUDIO in shards.contents:
+            raise ValueError(f"{shards.contents[CONTENT_AUDIO]} lists audio shards, but "
+                             "train.option.audio (how audio becomes features) is not set")
+        if config.audio is not None and CONTENT_FEATURES in shards.contents:
+            raise ValueError(f"{shards.contents[CONTENT_FEATURES]} lists feature shards, but "
+                             "train.option.audio is set (it is for audio shards); remove it "
+                             "or point trset at audio shards")
         if config.train and len(shards) < slots:
             raise ValueError(f"trset has {len(shards)} shards, fewer than ranks x workers = "
                              f"{world_size} x {max(num_workers, 1)}; repack with fewer "

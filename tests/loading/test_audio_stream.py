@@ -3,6 +3,7 @@ fly, online speed perturbation, exact resume, and shards on an S3 object store."
 
 from __future__ import annotations
 
+import tarfile
 import time
 
 import numpy as np
@@ -12,12 +13,17 @@ import torch
 from cat.audio.codec import decode, to_float32, to_int16
 from cat.audio.speed import choose_factor, speed_perturb
 from cat.features.fbank import FbankOptions, compute_fbank
+from cat.formats.audio_pack import pack_audio
+from cat.formats.shard_format import decode_key
+from cat.formats.tables import read_labels
 from cat.loading.progress import StreamProgress
 from cat.loading.reader import DataUnavailableError
 from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stream import ShardStream
+from cat.testing.audio import make_segmented_data_dir
 from cat.testing.seaweedfs import seaweedfs_s3
+from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import make_uio_corpus, write_shard_list
 from cat.text import tokenizer as tk
 from cat.training.checkpoint import load_checkpoint, save_checkpoint
@@ -271,3 +277,57 @@ def test_s3_shards_stream_like_local_ones_and_a_dead_store_stops_the_epoch(corpu
     assert "storage: s3://speech at http://127.0.0.1:" in message
     assert "s3://speech/uio/train/shards_" in message and "unavailable" in message
     assert seconds < 60, f"took {seconds:.1f} s to give up"
+
+
+# ------------------------------------------------------------ shards of our own packer
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """Opus shards of segmented recordings (WenetSpeech's layout), with their index."""
+    root = tmp_path_factory.mktemp("packed")
+    data_dir = make_segmented_data_dir(root / "corpus", durations=(6.0, 4.5, 3.2))
+    pack_audio(data_dir, root / "shards", "opus", utts_per_file=3)
+    text = read_labels(data_dir / "text")
+    tokenizer = root / "tokenizer.tknz"
+    tk.save(tk.train_sentencepiece([data_dir / "text"], "char", 0), tokenizer)
+    return root / "shards", text, str(tokenizer)
+
+
+def test_packed_audio_shards_stream_with_exact_counts_and_their_decoded_audio(packed):
+    folder, text, tokenizer = packed
+    stream = _stream(f"{folder}/*.tar", tokenizer)
+    assert not stream.shards.estimated.any() and stream.shards.contents == {
+        "audio": str(folder / "index.jsonl")}
+    assert stream.shards.num_utts.sum() == len(text)
+    batches, progress = _run_epoch(stream, 1)
+    found = _features_by_key(batches)
+    assert sorted(found) == sorted(text)
+    members = {}
+    for shard in sorted(folder.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".opus"):
+                    members[decode_key(member.name[:-len(".opus")])] = \
+                        tar.extractfile(member).read()
+    for key, features in found.items():
+        waveform, _ = decode(members[key], key, 16000)
+        expected = compute_fbank(to_float32(to_int16(waveform)), 16000, AudioConfig().fbank)
+        np.testing.assert_allclose(features, expected, rtol=0, atol=1e-4)
+    summary = progress.summary()
+    assert summary["trained"] == summary["expected"] == len(text)
+    assert summary["not_trained"] == 0
+
+
+def test_audio_settings_must_match_what_the_index_says_the_shards_hold(packed, tmp_path):
+    folder, _, tokenizer = packed
+    with pytest.raises(ValueError, match=r"index.jsonl lists audio shards, but "
+                                         r"train.option.audio .* is not set"):
+        _stream(f"{folder}/*.tar", tokenizer, audio=None)
+    experiment = write_tiny_experiment(tmp_path, num_train=10)
+    with pytest.raises(ValueError, match=r"index.jsonl lists feature shards, but "
+                                         r"train.option.audio is set"):
+        _stream(str(experiment.root / "data/wds/train/data-*.tar"), tokenizer)
+    with pytest.raises(ValueError, match=r"trset mixes feature and audio shards"):
+        _stream([f"{folder}/*.tar", str(experiment.root / "data/wds/train/data-*.tar")],
+                tokenizer)
