@@ -5,13 +5,15 @@ pipe commands ending in `|` whose stdout is audio), the optional `segments`, and
 `text` and `utt2spk` through. Features are 80-dim log-mel fbank computed with
 `torchaudio.compliance.kaldi.fbank` (25 ms window, 10 ms shift, dither 0 unless asked,
 other options at their Kaldi defaults) on audio scaled to the int16 range as Kaldi reads
-it, after resampling to `--sample-rate` when a file's rate differs.
+it, after resampling to `--sample-rate` when a file's rate differs (libsoxr,
+`cat.audio.codec.resample`).
 
 Work is split by recording over `--nj` processes; each recording is decoded once per
 job and all its segments are cut from the decoded waveform. With `--speed-perturb`,
-each recording is also speed-changed as sox `speed` does (tempo and pitch together,
-duration / factor) and the segments of the copy `sp<factor>-<utt>` are cut from the
-changed recording at times / factor, like Kaldi's `perturb_data_dir_speed.sh`.
+each recording is also speed-changed as sox `speed` does (`cat.audio.speed`: tempo and
+pitch together, `floor(n / factor + 0.5)` samples from `n`, nothing leaking into the
+top mel bins) and the segments of the copy `sp<factor>-<utt>` are cut from the changed
+recording at times / factor, like Kaldi's `perturb_data_dir_speed.sh`.
 
 Output layout of <feat-dir> (tables sorted in byte order, written atomically):
     feats.scp, utt2num_frames       features of every utterance that got some
@@ -54,6 +56,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cat.audio.codec import resample
+from cat.audio.speed import speed_perturb
 from cat.core.io import (
     PathLike,
     TableError,
@@ -69,8 +73,6 @@ from cat.features.fbank import (
     FbankOptions,
     compute_fbank,
     read_audio_with_channels,
-    resample,
-    speed_perturb,
 )
 from cat.features.plan import (
     DEFAULT_MAX_OVERSHOOT,
@@ -176,12 +178,24 @@ def _recording_features(
             if isinstance(span, str):
                 yield key, span
                 continue
-            begin, stop = int(span[0] / factor), min(int(span[1] / factor), len(audio))
+            begin, stop = _perturbed_span(span, len(waveform), len(audio), factor)
             try:
                 yield key, compute_fbank(audio[begin:stop], sample_rate, job.options,
                                          seed=zlib.crc32(key.encode()))
             except AudioError as error:
                 yield key, str(error)
+
+
+def _perturbed_span(span: tuple[int, int], num_samples: int, num_perturbed: int,
+                    factor: float) -> tuple[int, int]:
+    """Where a segment's samples lie in the recording changed by `factor`: its times /
+    factor; a segment reaching the recording's end reaches the changed recording's end
+    (all of sox's `floor(n / factor + 0.5)` samples for a whole recording)."""
+    if factor == 1.0:
+        return span
+    stop = num_perturbed if span[1] == num_samples else min(int(span[1] / factor),
+                                                           num_perturbed)
+    return int(span[0] / factor), stop
 
 
 @contextlib.contextmanager
