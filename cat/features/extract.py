@@ -91,6 +91,9 @@ from cat.features.plan import (
 
 logger = logging.getLogger(__name__)
 
+#: One utterance of a recording: (utterance id, start, end) in seconds; end -1: to the end.
+Piece = tuple[str, float, float]
+
 
 class FeatureExtractionError(RuntimeError):
     """The stage failed as a whole: a job crashed, or no utterance got features."""
@@ -113,8 +116,8 @@ class ExtractSummary:
 # One job (runs in a worker process)
 
 
-def _read_job_segments(path: Path) -> dict[str, list[tuple[str, float, float]]]:
-    segments: dict[str, list[tuple[str, float, float]]] = {}
+def _read_job_segments(path: Path) -> dict[str, list[Piece]]:
+    segments: dict[str, list[Piece]] = {}
     for utt, value in iter_table(path):
         recording, start, end = value.split()
         segments.setdefault(recording, []).append((utt, float(start), float(end)))
@@ -143,33 +146,22 @@ def _segment_span(start: float, end: float, num_samples: int, sample_rate: int,
     return begin, stop
 
 
-def _recording_features(
-    recording: str, spec: str, pieces: list[tuple[str, float, float]] | None, job: Job,
-    conversions: collections.Counter | None = None,
+def utterance_features(
+    waveform: np.ndarray, rate: int, pieces: Sequence[Piece], options: FbankOptions,
+    speed_factors: Sequence[float] = (), max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
 ) -> Iterator[tuple[str, np.ndarray | str]]:
-    """Yield `(utterance, features or skip reason)` for every utterance of one recording.
+    """Yield `(utterance, features or skip reason)` for every piece of a decoded recording.
 
-    `pieces` are the recording's segments, or None for a whole-recording utterance.
-    The recording is decoded once; each speed factor changes it once. Recordings
-    resampled or cut to their first channel are counted in `conversions`.
+    `waveform` (at `rate`) is resampled to `options.sample_rate`, each piece
+    `(utterance, start, end)` (seconds; end -1: the recording's end) is cut from it as
+    Kaldi's extract-segments does, and each speed factor adds a copy `sp<factor>-<utterance>`
+    cut from the changed recording at times / factor. What stage 1 computes; decoding
+    from audio (`cat.decoding.audio`) computes the same.
     """
-    sample_rate = job.options.sample_rate
-    pieces = pieces if pieces is not None else [(recording, 0.0, -1.0)]
-    copies = [("", 1.0)] + [(speed_prefix(f), f) for f in job.speed_factors]
-    try:
-        waveform, rate, channels = read_audio_with_channels(spec)
-        waveform = resample(waveform, rate, sample_rate)
-    except AudioError as error:
-        for prefix, _ in copies:
-            for utt, _, _ in pieces:
-                yield prefix + utt, str(error)
-        return
-    if conversions is not None:
-        if rate != sample_rate:
-            conversions[f"resampled from {rate} Hz to {sample_rate} Hz"] += 1
-        if channels > 1:
-            conversions[f"{channels} channels, channel 0 used"] += 1
-    spans = [(utt, _segment_span(start, end, len(waveform), sample_rate, job.max_overshoot))
+    sample_rate = options.sample_rate
+    waveform = resample(waveform, rate, sample_rate)
+    copies = [("", 1.0)] + [(speed_prefix(f), f) for f in speed_factors]
+    spans = [(utt, _segment_span(start, end, len(waveform), sample_rate, max_overshoot))
              for utt, start, end in pieces]
     for prefix, factor in copies:
         audio = waveform if factor == 1.0 else speed_perturb(waveform, sample_rate, factor)
@@ -180,10 +172,37 @@ def _recording_features(
                 continue
             begin, stop = _perturbed_span(span, len(waveform), len(audio), factor)
             try:
-                yield key, compute_fbank(audio[begin:stop], sample_rate, job.options,
+                yield key, compute_fbank(audio[begin:stop], sample_rate, options,
                                          seed=zlib.crc32(key.encode()))
             except AudioError as error:
                 yield key, str(error)
+
+
+def _recording_features(
+    recording: str, spec: str, pieces: list[Piece] | None, job: Job,
+    conversions: collections.Counter | None = None,
+) -> Iterator[tuple[str, np.ndarray | str]]:
+    """Yield `(utterance, features or skip reason)` for every utterance of one recording.
+
+    `pieces` are the recording's segments, or None for a whole-recording utterance.
+    The recording is decoded once; each speed factor changes it once. Recordings
+    resampled or cut to their first channel are counted in `conversions`.
+    """
+    pieces = pieces if pieces is not None else [(recording, 0.0, -1.0)]
+    try:
+        waveform, rate, channels = read_audio_with_channels(spec)
+    except AudioError as error:
+        for prefix in [""] + [speed_prefix(f) for f in job.speed_factors]:
+            for utt, _, _ in pieces:
+                yield prefix + utt, str(error)
+        return
+    if conversions is not None:
+        if rate != job.options.sample_rate:
+            conversions[f"resampled from {rate} Hz to {job.options.sample_rate} Hz"] += 1
+        if channels > 1:
+            conversions[f"{channels} channels, channel 0 used"] += 1
+    yield from utterance_features(waveform, rate, pieces, job.options, job.speed_factors,
+                                  job.max_overshoot)
 
 
 def _perturbed_span(span: tuple[int, int], num_samples: int, num_perturbed: int,
