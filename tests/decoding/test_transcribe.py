@@ -12,10 +12,12 @@ import pytest
 import soundfile
 
 from cat.core.io import read_table, write_table
+from cat.core.process import process_pool
 from cat.decoding.audio import from_wav_scp
 from cat.decoding.inference import DecodeOptions, decode_set, main
-from cat.decoding.transcribe import transcribe
+from cat.decoding.transcribe import _features, _pooled_features, transcribe
 from cat.features.extract import extract
+from cat.features.fbank import FbankOptions
 from cat.testing.audio import make_corrupt_file, write_kaldi_data_dir
 from cat.testing.audio_experiment import write_audio_experiment
 from cat.testing.training import write_tiny_experiment
@@ -189,3 +191,19 @@ def test_a_model_of_other_features_is_refused(tmp_path, monkeypatch, caplog):
                         "--checkpoint", "none.pt"]) == 1
     assert f"{experiment.exp_dir / 'config.json'}: encoder.kwargs.idim is 8, but audio is " \
            "turned into stage 1's 80-dim fbank" in caplog.text
+
+
+def test_a_feature_pool_feeds_the_decoder_in_list_order(recipe):
+    """The GPU path: `nj` processes compute features for one decoding process (checked
+    here on the CPU: the same utterances, features and order as computed in-process)."""
+    _, experiment, _ = recipe
+    audio = from_wav_scp(experiment.test_data / "wav.scp")
+    keys = list(read_table(experiment.test_data / "wav.scp"))
+    fbank = FbankOptions()
+    expected = list(_features(enumerate(audio.recordings), fbank))
+    with process_pool(2) as pool:
+        pooled = list(_pooled_features(pool, audio.recordings, fbank, ahead=2))
+    assert [(order, key) for order, key, _ in pooled] == [((i, 0), key)
+                                                         for i, key in enumerate(keys)]
+    for (_, key, features), (_, _, reference) in zip(pooled, expected, strict=True):
+        np.testing.assert_array_equal(features, reference, err_msg=key)
