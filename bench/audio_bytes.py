@@ -12,9 +12,10 @@ synthetic corpora have) this prints, all measured in the same run:
 2. Decode speed per codec on one core (seconds of audio decoded per second), also with
    the 80-dim fbank of stage 1 after it, against reading float32 features from `.npy`
    bytes.
-3. Speed perturbation (0.9 and 1.1) on one core: ours (`cat.audio.speed`), stage 1's
-   offline method (torchaudio's default resampling) and sox (`sox -D in out speed f`,
-   one process per utterance, and one process for all the audio in one file).
+3. Speed perturbation (0.9 and 1.1) on one core: ours (`cat.audio.speed`, also stage
+   1's), torchaudio's default resampling (stage 1's method before) and sox
+   (`sox -D in out speed f`, one process per utterance, and one process for all the
+   audio in one file).
 4. Resampling to 16 kHz from 48, 44.1, 22.05 and 8 kHz: libsoxr (our choice) against
    `torchaudio.functional.resample` with its defaults: speed, and how far a tone above
    8 kHz (it must go) and one at 7 kHz (it must stay) come out.
@@ -46,7 +47,6 @@ from cat.audio.codec import decode, encode, to_int16
 from cat.audio.speed import speed_perturb
 from cat.data.voices import Speaker, add_noise, synthesize
 from cat.features.fbank import compute_fbank
-from cat.features.fbank import speed_perturb as offline_speed_perturb
 
 RATE = 16000
 SENTENCES = (
@@ -156,6 +156,12 @@ def print_decode(encoded: dict, seconds: float, repeats: int) -> None:
         print(f"| {name} | {alone:,.0f} | {full:,.0f} | {alone / base:.3f} |")
 
 
+def torchaudio_speed(waveform: np.ndarray, factor: float) -> np.ndarray:
+    """Speed perturbation with torchaudio's default resampling, as stage 1 had it."""
+    return torchaudio.functional.resample(torch.from_numpy(waveform), round(RATE * factor),
+                                          RATE).numpy()
+
+
 def print_speed(utterances: list[np.ndarray], seconds: float, repeats: int,
                 folder: Path) -> None:
     print("\n## Speed perturbation, one core (seconds of audio per second)\n")
@@ -166,14 +172,14 @@ def print_speed(utterances: list[np.ndarray], seconds: float, repeats: int,
         soundfile.write(paths[-1], samples, RATE, subtype="PCM_16")
     long_path = folder / "all.wav"
     soundfile.write(long_path, np.concatenate(utterances), RATE, subtype="PCM_16")
-    print("| factor | ours (soxr) | stage 1 offline (torchaudio) | sox per utterance | "
+    print("| factor | ours (soxr) | torchaudio (stage 1 before) | sox per utterance | "
           "sox, one long file | ours / sox per utterance | ours / sox long file |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for factor in (0.9, 1.1):
         ours = seconds / best_time(lambda f=factor: [speed_perturb(u, RATE, f) for u in floats],
                                    repeats)
         offline = seconds / best_time(
-            lambda f=factor: [offline_speed_perturb(u, RATE, f) for u in floats], repeats)
+            lambda f=factor: [torchaudio_speed(u, f) for u in floats], repeats)
 
         def sox_each(f=factor) -> None:
             for path in paths:

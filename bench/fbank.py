@@ -25,9 +25,10 @@ import kaldi_native_fbank
 import numpy as np
 import torch
 
+from cat.audio.codec import resample
 from cat.core.io import read_table
 from cat.features.extract import extract
-from cat.features.fbank import FbankOptions, compute_fbank, read_audio, resample
+from cat.features.fbank import FbankOptions, compute_fbank, read_audio
 from cat.testing.audio import make_data_dir, write_kaldi_data_dir
 
 

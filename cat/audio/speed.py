@@ -9,10 +9,11 @@ images above the new band edge (factor < 1). On 16-bit 16 kHz speech, the 80-dim
 log-mel features of the result agree with those of sox's output within 0.02 in every bin,
 with the same number of frames (`tests/audio/test_speed.py`).
 
-The offline perturbation of stage 1 (`torchaudio.functional.resample` with its defaults:
-6 zero crossings, rolloff 0.99) lets energy through in the top mel bins: images of the
-band edge at factor 0.9 (bins 75-79 of 80: mean log-mel 16.9 where sox gives 11.1) and
-aliasing at 1.1; see the test's comparison.
+Stage 1's offline copies (`cat.features.extract --speed-perturb`) use it too. Its former
+method, `torchaudio.functional.resample` with its defaults (6 zero crossings, rolloff
+0.99), lets energy through in the top mel bins: images of the band edge at factor 0.9
+(bins 75-79 of 80: mean log-mel 16.9 where sox gives 11.1) and aliasing at 1.1; see the
+test's comparison.
 
 `choose_factor` picks an utterance's factor from a set, as a pure function of the seed,
 the epoch and the utterance key, so an exact resume perturbs every utterance the same way

@@ -1,17 +1,35 @@
-"""Batched decoding of a Kaldi feature directory, shared by `cat.ctc.decode` and `cat.rnnt.decode`.
+"""Batched decoding, shared by `python -m cat.ctc.decode` and `python -m cat.rnnt.decode`:
+of a Kaldi feature directory (stage 4), or of audio (transcription).
 
 The model is rebuilt from the experiment's `config.json` and tokenizer and loaded from a
-checkpoint (a training checkpoint, or an average written by `cat.utils.avgmodel`).
-Utterances are read lazily from `feats.scp`, sorted by length, grouped into batches of at
-most `max_frames` padded frames (and `batch_size` utterances), and the batches are dealt to
-`nj` CPU processes (one torch thread each) or decoded on the GPU when one is present.
+checkpoint: `--checkpoint` (a training checkpoint, or an average written by
+`cat.utils.avgmodel`), by default the one stage 4 decodes with
+(`cat.decoding.checkpoint.select_checkpoint`: the average `inference.avgmodel` asks for).
+Options default to the experiment's `hyper-p.json: inference.infer.option`, as in
+stage 4; the command line overrides them. Run from the recipe directory (paths in
+`hyper-p.json` are relative to it).
 
-Outputs in the output directory:
+What to decode, one of:
 
-* `hyp`: `<utt> <hypothesis>` lines, sorted (an utterance whose hypothesis is empty is
-  written as its id alone, so a scorer sees it and counts deletions);
-* `decode.log`: the options, the checkpoint, the number of utterances, audio and decoding
-  seconds, and the real-time factor (decoding time / audio time), also printed.
+* `--data <feature dir>`: its `feats.scp` (stage 1's features), read lazily, sorted by
+  length, grouped into batches of at most `max_frames` padded frames (and `batch_size`
+  utterances), the batches dealt to `nj` CPU processes (one torch thread each) or
+  decoded on the GPU when one is present;
+* audio (`cat.decoding.transcribe`): audio files on the command line (`--audio`, keys
+  are the file names without extension), a Kaldi `--wav-scp` (file paths or pipe
+  commands ending in `|`; with `--segments`, its segments), or a WeNet `--data-list` (raw
+  mode: JSON lines `{"key", "wav", "txt"}`; shard mode: tar shards of `<key>.wav` and
+  `<key>.txt` members, one per line). Stage 1's features are computed as the audio is
+  read (80-dim fbank, resampled to 16 kHz), across `nj` processes. Unreadable audio is
+  skipped and reported with the line of the list that names it.
+
+Outputs: with `--out <dir>`, `hyp` (`<utt> <hypothesis>` lines, sorted; an utterance
+whose hypothesis is empty is written as its id alone, so a scorer sees it and counts
+deletions) and `decode.log` (the options, the checkpoint, counts, audio and decoding
+seconds, and the real-time factor), and for audio `skipped.txt` (`<key> <reason>`).
+Without `--out` (audio only), the `<key> <hypothesis>` lines go to standard output in the
+order of the list. The real-time factor (decoding time / audio time) is logged to
+standard error.
 
 Options (`hyper-p.json: inference.infer.option`, or the command line):
 `method` (greedy | beam), `beam_size`, `nj`, `max_frames`, `batch_size`, `device`
@@ -29,6 +47,10 @@ Usage:
     python -m cat.ctc.decode exp/synth-ctc --data data/fbank/test \
         --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test-lm \
         --lm exp/synth-lm-char-5gram/lm.arpa --alpha 0.3 --beta 0.5
+    python -m cat.ctc.decode exp/synth-ctc --audio a.wav b.flac c.opus
+    python -m cat.ctc.decode exp/synth-ctc --wav-scp data/test/wav.scp --nj 2 \
+        --out exp/synth-ctc/transcribe/test
+    python -m cat.rnnt.decode exp/synth-rnnt --data-list data.list --nj 2 > hyp.txt
 """
 
 from __future__ import annotations
@@ -37,120 +59,37 @@ import argparse
 import dataclasses
 import json
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import kaldiio
-import numpy as np
-import torch
 
-from cat.core.config import (
-    CONFIG_NAME,
-    HYPER_NAME,
-    check_against_schema,
-    load_config,
-    load_hyper,
-    model_kind,
-    tokenizer_file,
-)
+from cat.core.config import HYPER_NAME, load_hyper
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.process import process_pool
+from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
+from cat.decoding.checkpoint import select_checkpoint
+from cat.decoding.searcher import (
+    FRAME_SHIFT_SECONDS,
+    NO_LABEL,
+    DecodeOptions,
+    DecodeSummary,
+    FusionSpec,
+    Searcher,
+    plan_batches,
+    write_hyp,
+)
+from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
-from cat.lm.scorer import ShallowFusion, TokenLM
-from cat.loading.batch import Utterance, collate
-from cat.models.registry import build_model
-from cat.text.tokenizer import load as load_tokenizer
-from cat.training.checkpoint import load_model_state, read_model_state
+from cat.loading.batch import Utterance
+
+__all__ = ["DecodeOptions", "DecodeSummary", "FusionSpec", "decode_passes", "decode_set",
+           "main", "plan_batches", "read_lengths"]
 
 logger = logging.getLogger(__name__)
-
-FRAME_SHIFT_SECONDS = 0.01
-NO_LABEL = np.zeros(0, np.int32)
-OPTIONS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "method": {"enum": ["greedy", "beam"], "description": "search algorithm"},
-        "beam_size": {"type": "integer", "minimum": 1, "description": "beam width"},
-        "nj": {"type": "integer", "minimum": 1, "description": "CPU decoding processes"},
-        "max_frames": {"type": "integer", "minimum": 1,
-                       "description": "padded input frames per batch"},
-        "batch_size": {"type": "integer", "minimum": 1, "description": "utterances per batch"},
-        "device": {"enum": ["auto", "cpu", "cuda"], "description": "where to decode"},
-    },
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeOptions:
-    """See `OPTIONS_SCHEMA`."""
-
-    method: str = "beam"
-    beam_size: int = 10
-    nj: int = 1
-    max_frames: int = 40000
-    batch_size: int = 64
-    device: str = "auto"
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any], source: str) -> DecodeOptions:
-        check_against_schema(options, OPTIONS_SCHEMA, source)
-        return cls(**options)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSummary:
-    """What one decoding run did."""
-
-    num_utts: int
-    audio_seconds: float
-    decode_seconds: float
-
-    @property
-    def rtf(self) -> float:
-        return self.decode_seconds / self.audio_seconds if self.audio_seconds else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class FusionSpec:
-    """Shallow fusion of a token-level n-gram (ARPA or kenlm binary `lm`), optionally
-    with LODR (`lodr`, subtracted with `lodr_weight`); see `cat.lm.scorer`."""
-
-    lm: str
-    alpha: float
-    beta: float = 0.0
-    lodr: str | None = None
-    lodr_weight: float = 0.0
-
-    def build(self, pieces: list[str], models: dict[str, TokenLM]) -> ShallowFusion:
-        """The scorer, loading each LM file once per process (`models` caches them)."""
-        for path in (self.lm, self.lodr):
-            if path is not None and path not in models:
-                models[path] = TokenLM(path, pieces)
-        return ShallowFusion(models[self.lm], self.alpha, self.beta,
-                             models[self.lodr] if self.lodr else None, self.lodr_weight)
-
-
-
-
-def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
-               device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """The experiment's model (eval mode, on `device`) with `checkpoint`'s weights, and its
-    tokenizer."""
-    exp_dir = Path(exp_dir)
-    hyper = load_hyper(exp_dir / HYPER_NAME)
-    config = load_config(exp_dir / CONFIG_NAME)
-    kind = model_kind(config)
-    if kind != expected_kind:
-        raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model; decode it with "
-                         f"cat.{kind}.decode")
-    tokenizer = load_tokenizer(tokenizer_file(hyper, str(exp_dir / HYPER_NAME)))
-    model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
-    load_model_state(model, read_model_state(checkpoint), checkpoint, exp_dir / CONFIG_NAME)
-    return model.to(device).eval(), tokenizer
 
 
 def read_lengths(data_dir: Path) -> dict[str, int]:
@@ -160,39 +99,16 @@ def read_lengths(data_dir: Path) -> dict[str, int]:
     return dict(zip(table.keys, table.num_frames.tolist(), strict=True))
 
 
-def plan_batches(lengths: dict[str, int], max_frames: int, batch_size: int) -> list[list[str]]:
-    """Utterance ids grouped by similar length, each group within the padded-frame budget."""
-    ordered = sorted(lengths, key=lambda key: (lengths[key], key))
-    batches: list[list[str]] = []
-    current: list[str] = []
-    for key in ordered:
-        # Sorted ascending: the newest utterance is the longest of the group.
-        if current and (lengths[key] * (len(current) + 1) > max_frames
-                        or len(current) >= batch_size):
-            batches.append(current)
-            current = []
-        current.append(key)
-    if current:
-        batches.append(current)
-    return batches
+def _utterances(features: dict, keys: list[str]) -> list[Utterance]:
+    return [Utterance(key, features[key], NO_LABEL) for key in keys]
 
 
 def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
                     options: DecodeOptions, device: str) -> list[tuple[str, str]]:
     """Decode `batches` in this process; returns (utt, hypothesis) pairs."""
-    if device == "cpu":
-        torch.set_num_threads(1)
-    model, tokenizer = load_model(exp_dir, checkpoint, kind, torch.device(device))
+    searcher = Searcher(exp_dir, checkpoint, kind, options, device)
     features = kaldiio.load_scp(scp)
-    results = []
-    with torch.inference_mode():
-        for keys in batches:
-            batch = collate([Utterance(key, features[key], NO_LABEL) for key in keys])
-            hyps = model.decode(batch.feats.to(device), batch.feat_lens.to(device),
-                                method=options.method, beam_size=options.beam_size)
-            results += [(key, tokenizer.decode(list(hyp))) for key, hyp in zip(keys, hyps,
-                                                                                 strict=True)]
-    return results
+    return [pair for keys in batches for pair in searcher.best(_utterances(features, keys))]
 
 
 def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
@@ -203,30 +119,13 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
     Returns, per spec, (utt, [(text, score), ...]) pairs; the forward seconds; and the
     search seconds per spec.
     """
-    if device == "cpu":
-        torch.set_num_threads(1)
-    model, tokenizer = load_model(exp_dir, checkpoint, kind, torch.device(device))
-    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    models: dict[str, TokenLM] = {}
-    fusions = [spec.build(pieces, models) if spec is not None else None for spec in specs]
+    searcher = Searcher(exp_dir, checkpoint, kind, options, device, specs)
     features = kaldiio.load_scp(scp)
     results: list[list] = [[] for _ in specs]
-    search_seconds = [0.0] * len(specs)
-    forward_seconds = 0.0
-    with torch.inference_mode():
-        for keys in batches:
-            start = time.perf_counter()
-            batch = collate([Utterance(key, features[key], NO_LABEL) for key in keys])
-            encoded = model.search_inputs(batch.feats.to(device), batch.feat_lens.to(device))
-            forward_seconds += time.perf_counter() - start
-            for index, fusion in enumerate(fusions):
-                start = time.perf_counter()
-                nbest = model.nbest(encoded, options.beam_size, fusion)
-                search_seconds[index] += time.perf_counter() - start
-                results[index] += [(key, [(tokenizer.decode(tokens), score)
-                                          for tokens, score in hyps])
-                                   for key, hyps in zip(keys, nbest, strict=True)]
-    return results, forward_seconds, search_seconds
+    for keys in batches:
+        for index, pairs in enumerate(searcher.nbest(_utterances(features, keys))):
+            results[index] += pairs
+    return results, searcher.forward_seconds, searcher.search_seconds
 
 
 def _plan_workers(data_dir: Path, options: DecodeOptions) -> tuple[Path, dict[str, int], str,
@@ -235,9 +134,7 @@ def _plan_workers(data_dir: Path, options: DecodeOptions) -> tuple[Path, dict[st
     scp = data_dir / "feats.scp"
     if not scp.is_file():
         raise FileNotFoundError(f"{scp} does not exist (run the feature stage first)")
-    device = options.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = options.resolved_device()
     lengths = read_lengths(data_dir)
     batches = plan_batches(lengths, options.max_frames, options.batch_size)
     workers = 1 if device == "cuda" else max(1, min(options.nj, len(batches)))
@@ -279,12 +176,9 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
         seconds = wall * (forward_seconds + search_seconds[index]) / busy if busy else wall
         summary = DecodeSummary(len(nbest), audio, seconds)
         write_nbest(out_dir / NBEST_NAME, nbest)
-        with atomic_write(out_dir / "hyp") as f:
-            for key, hyps in sorted(nbest):
-                text = hyps[0][0] if hyps else ""
-                f.write(f"{key} {text}\n" if text else f"{key}\n")
-        report = {"data": str(data_dir), "checkpoint": str(checkpoint), "device": device,
-                  "workers": len(shares), **dataclasses.asdict(options),
+        write_hyp(out_dir / "hyp", ((key, hyps[0][0] if hyps else "") for key, hyps in nbest))
+        report = {"data": str(data_dir), "checkpoint": str(checkpoint),
+                  **dataclasses.asdict(options), "device": device, "workers": len(shares),
                   "fusion": dataclasses.asdict(spec) if spec is not None else None,
                   "num_utts": summary.num_utts, "audio_seconds": round(audio, 2),
                   "decode_seconds": round(seconds, 2), "rtf": round(summary.rtf, 4),
@@ -316,11 +210,10 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
             pairs = [pair for future in futures for pair in future.result()]
     seconds = time.perf_counter() - start
     summary = DecodeSummary(len(pairs), sum(lengths.values()) * FRAME_SHIFT_SECONDS, seconds)
-    with atomic_write(out_dir / "hyp") as f:
-        for key, text in sorted(pairs):
-            f.write(f"{key} {text}\n" if text else f"{key}\n")
-    report = {"data": str(data_dir), "checkpoint": str(checkpoint), "device": device,
-              "workers": workers, **dataclasses.asdict(options), "num_utts": summary.num_utts,
+    write_hyp(out_dir / "hyp", pairs)
+    report = {"data": str(data_dir), "checkpoint": str(checkpoint),
+              **dataclasses.asdict(options), "device": device, "workers": workers,
+              "num_utts": summary.num_utts,
               "audio_seconds": round(summary.audio_seconds, 2),
               "decode_seconds": round(summary.decode_seconds, 2), "rtf": round(summary.rtf, 4)}
     with atomic_write(out_dir / "decode.log") as f:
@@ -332,21 +225,33 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
     return summary
 
 
+# ----------------------------------------------------------------------------- command line
+
+
 def build_parser(kind: str) -> argparse.ArgumentParser:
     """Command line of `cat.<kind>.decode`."""
     parser = argparse.ArgumentParser(prog=f"python -m cat.{kind}.decode",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("exp_dir", help="experiment directory (hyper-p.json, config.json)")
-    parser.add_argument("--data", required=True, help="Kaldi feature dir to decode")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint or averaged model")
-    parser.add_argument("--out", required=True, help="output directory")
-    defaults = DecodeOptions()
-    parser.add_argument("--method", choices=("greedy", "beam"), default=defaults.method)
-    parser.add_argument("--beam-size", type=int, default=defaults.beam_size)
-    parser.add_argument("--nj", type=int, default=defaults.nj)
-    parser.add_argument("--max-frames", type=int, default=defaults.max_frames)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=defaults.device)
+    inputs = parser.add_argument_group("what to decode (one of)").add_mutually_exclusive_group(
+        required=True)
+    inputs.add_argument("--data", help="Kaldi feature dir (feats.scp) to decode")
+    inputs.add_argument("--audio", nargs="+", metavar="FILE",
+                        help="audio files (wav, flac, opus ...); keys: names without extension")
+    inputs.add_argument("--wav-scp", help="Kaldi wav.scp (paths or commands ending in '|')")
+    inputs.add_argument("--data-list", help="WeNet data.list (raw JSON lines or tar shards)")
+    parser.add_argument("--segments", help="Kaldi segments of the --wav-scp recordings")
+    parser.add_argument("--checkpoint",
+                        help="checkpoint or averaged model (default: what stage 4 decodes with)")
+    parser.add_argument("--out", help="output directory (hyp, decode.log; required with "
+                                      "--data; audio: else key/text lines on stdout)")
+    options = parser.add_argument_group("options (default: hyper-p.json inference.infer.option)")
+    options.add_argument("--method", choices=("greedy", "beam"))
+    options.add_argument("--beam-size", type=int)
+    options.add_argument("--nj", type=int)
+    options.add_argument("--max-frames", type=int)
+    options.add_argument("--batch-size", type=int)
+    options.add_argument("--device", choices=("auto", "cpu", "cuda"))
     lm = parser.add_argument_group("shallow fusion (beam search; also writes nbest.jsonl)")
     lm.add_argument("--lm", help="token-level n-gram (ARPA or kenlm binary)")
     lm.add_argument("--alpha", type=float, default=0.3, help="LM weight")
@@ -356,19 +261,61 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _audio_list(args: argparse.Namespace) -> AudioList:
+    if args.audio:
+        return from_files(args.audio)
+    if args.wav_scp:
+        return from_wav_scp(args.wav_scp, args.segments)
+    return from_data_list(args.data_list)
+
+
+def _decode_features(args: argparse.Namespace, kind: str, checkpoint: Path,
+                     options: DecodeOptions, spec: FusionSpec | None) -> DecodeSummary:
+    if spec is not None:
+        return decode_passes(args.exp_dir, args.data, checkpoint, kind, options,
+                             [(spec, args.out)])[0]
+    return decode_set(args.exp_dir, args.data, checkpoint, args.out, kind, options)
+
+
+def _transcribe(args: argparse.Namespace, kind: str, checkpoint: Path, options: DecodeOptions,
+                spec: FusionSpec | None) -> DecodeSummary:
+    transcript = transcribe(args.exp_dir, _audio_list(args), checkpoint, kind, options, spec)
+    if args.out:
+        write_outputs(transcript, args.out)
+    else:
+        for key, text in transcript.hypotheses:
+            print(f"{key} {text}" if text else key)
+        sys.stdout.flush()
+    return transcript.summary
+
+
 def main(kind: str, argv: Sequence[str] | None = None) -> int:
     """Entry point of `cat.ctc.decode` / `cat.rnnt.decode`."""
-    args = build_parser(kind).parse_args(argv)
+    parser = build_parser(kind)
+    args = parser.parse_args(argv)
+    if args.data and not args.out:
+        parser.error("--data needs --out")
+    if args.segments and not args.wav_scp:
+        parser.error("--segments goes with --wav-scp")
     setup_logging()
-    options = DecodeOptions(args.method, args.beam_size, args.nj, args.max_frames,
-                            args.batch_size, args.device)
-    if args.lm:
-        spec = FusionSpec(args.lm, args.alpha, args.beta, args.lodr, args.lodr_weight)
-        summary = decode_passes(args.exp_dir, args.data, args.checkpoint, kind, options,
-                                [(spec, args.out)])[0]
-    else:
-        summary = decode_set(args.exp_dir, args.data, args.checkpoint, args.out, kind, options)
+    hyper_path = Path(args.exp_dir) / HYPER_NAME
+    hyper = load_hyper(hyper_path)
+    options = DecodeOptions.of_experiment(hyper, str(hyper_path), {
+        "method": args.method, "beam_size": args.beam_size, "nj": args.nj,
+        "max_frames": args.max_frames, "batch_size": args.batch_size, "device": args.device})
+    spec = FusionSpec(args.lm, args.alpha, args.beta, args.lodr, args.lodr_weight) \
+        if args.lm else None
+    try:
+        checkpoint = Path(args.checkpoint) if args.checkpoint \
+            else select_checkpoint(args.exp_dir, hyper)
+        if args.data:
+            summary = _decode_features(args, kind, checkpoint, options, spec)
+        else:
+            summary = _transcribe(args, kind, checkpoint, options, spec)
+    except (AudioListError, TranscribeError, FileNotFoundError) as error:
+        logger.error("%s", error)
+        return 1
+    skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""
     print(f"RTF {summary.rtf:.4f} ({summary.num_utts} utterances, "
-          f"{summary.audio_seconds:.1f} s of audio)")
+          f"{summary.audio_seconds:.1f} s of audio{skipped})", file=sys.stderr)
     return 0
-

@@ -5,13 +5,15 @@ pipe commands ending in `|` whose stdout is audio), the optional `segments`, and
 `text` and `utt2spk` through. Features are 80-dim log-mel fbank computed with
 `torchaudio.compliance.kaldi.fbank` (25 ms window, 10 ms shift, dither 0 unless asked,
 other options at their Kaldi defaults) on audio scaled to the int16 range as Kaldi reads
-it, after resampling to `--sample-rate` when a file's rate differs.
+it, after resampling to `--sample-rate` when a file's rate differs (libsoxr,
+`cat.audio.codec.resample`).
 
 Work is split by recording over `--nj` processes; each recording is decoded once per
 job and all its segments are cut from the decoded waveform. With `--speed-perturb`,
-each recording is also speed-changed as sox `speed` does (tempo and pitch together,
-duration / factor) and the segments of the copy `sp<factor>-<utt>` are cut from the
-changed recording at times / factor, like Kaldi's `perturb_data_dir_speed.sh`.
+each recording is also speed-changed as sox `speed` does (`cat.audio.speed`: tempo and
+pitch together, `floor(n / factor + 0.5)` samples from `n`, nothing leaking into the
+top mel bins) and the segments of the copy `sp<factor>-<utt>` are cut from the changed
+recording at times / factor, like Kaldi's `perturb_data_dir_speed.sh`.
 
 Output layout of <feat-dir> (tables sorted in byte order, written atomically):
     feats.scp, utt2num_frames       features of every utterance that got some
@@ -54,6 +56,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from cat.audio.codec import resample
+from cat.audio.speed import speed_perturb
 from cat.core.io import (
     PathLike,
     TableError,
@@ -69,8 +73,6 @@ from cat.features.fbank import (
     FbankOptions,
     compute_fbank,
     read_audio_with_channels,
-    resample,
-    speed_perturb,
 )
 from cat.features.plan import (
     DEFAULT_MAX_OVERSHOOT,
@@ -88,6 +90,9 @@ from cat.features.plan import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: One utterance of a recording: (utterance id, start, end) in seconds; end -1: to the end.
+Piece = tuple[str, float, float]
 
 
 class FeatureExtractionError(RuntimeError):
@@ -111,8 +116,8 @@ class ExtractSummary:
 # One job (runs in a worker process)
 
 
-def _read_job_segments(path: Path) -> dict[str, list[tuple[str, float, float]]]:
-    segments: dict[str, list[tuple[str, float, float]]] = {}
+def _read_job_segments(path: Path) -> dict[str, list[Piece]]:
+    segments: dict[str, list[Piece]] = {}
     for utt, value in iter_table(path):
         recording, start, end = value.split()
         segments.setdefault(recording, []).append((utt, float(start), float(end)))
@@ -145,33 +150,22 @@ def segment_span(start: float, end: float, num_samples: int, sample_rate: int,
     return begin, stop
 
 
-def _recording_features(
-    recording: str, spec: str, pieces: list[tuple[str, float, float]] | None, job: Job,
-    conversions: collections.Counter | None = None,
+def utterance_features(
+    waveform: np.ndarray, rate: int, pieces: Sequence[Piece], options: FbankOptions,
+    speed_factors: Sequence[float] = (), max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
 ) -> Iterator[tuple[str, np.ndarray | str]]:
-    """Yield `(utterance, features or skip reason)` for every utterance of one recording.
+    """Yield `(utterance, features or skip reason)` for every piece of a decoded recording.
 
-    `pieces` are the recording's segments, or None for a whole-recording utterance.
-    The recording is decoded once; each speed factor changes it once. Recordings
-    resampled or cut to their first channel are counted in `conversions`.
+    `waveform` (at `rate`) is resampled to `options.sample_rate`, each piece
+    `(utterance, start, end)` (seconds; end -1: the recording's end) is cut from it as
+    Kaldi's extract-segments does, and each speed factor adds a copy `sp<factor>-<utterance>`
+    cut from the changed recording at times / factor. What stage 1 computes; decoding
+    from audio (`cat.decoding.audio`) computes the same.
     """
-    sample_rate = job.options.sample_rate
-    pieces = pieces if pieces is not None else [(recording, 0.0, -1.0)]
-    copies = [("", 1.0)] + [(speed_prefix(f), f) for f in job.speed_factors]
-    try:
-        waveform, rate, channels = read_audio_with_channels(spec)
-        waveform = resample(waveform, rate, sample_rate)
-    except AudioError as error:
-        for prefix, _ in copies:
-            for utt, _, _ in pieces:
-                yield prefix + utt, str(error)
-        return
-    if conversions is not None:
-        if rate != sample_rate:
-            conversions[f"resampled from {rate} Hz to {sample_rate} Hz"] += 1
-        if channels > 1:
-            conversions[f"{channels} channels, channel 0 used"] += 1
-    spans = [(utt, segment_span(start, end, len(waveform), sample_rate, job.max_overshoot))
+    sample_rate = options.sample_rate
+    waveform = resample(waveform, rate, sample_rate)
+    copies = [("", 1.0)] + [(speed_prefix(f), f) for f in speed_factors]
+    spans = [(utt, segment_span(start, end, len(waveform), sample_rate, max_overshoot))
              for utt, start, end in pieces]
     for prefix, factor in copies:
         audio = waveform if factor == 1.0 else speed_perturb(waveform, sample_rate, factor)
@@ -180,12 +174,51 @@ def _recording_features(
             if isinstance(span, str):
                 yield key, span
                 continue
-            begin, stop = int(span[0] / factor), min(int(span[1] / factor), len(audio))
+            begin, stop = _perturbed_span(span, len(waveform), len(audio), factor)
             try:
-                yield key, compute_fbank(audio[begin:stop], sample_rate, job.options,
+                yield key, compute_fbank(audio[begin:stop], sample_rate, options,
                                          seed=zlib.crc32(key.encode()))
             except AudioError as error:
                 yield key, str(error)
+
+
+def _recording_features(
+    recording: str, spec: str, pieces: list[Piece] | None, job: Job,
+    conversions: collections.Counter | None = None,
+) -> Iterator[tuple[str, np.ndarray | str]]:
+    """Yield `(utterance, features or skip reason)` for every utterance of one recording.
+
+    `pieces` are the recording's segments, or None for a whole-recording utterance.
+    The recording is decoded once; each speed factor changes it once. Recordings
+    resampled or cut to their first channel are counted in `conversions`.
+    """
+    pieces = pieces if pieces is not None else [(recording, 0.0, -1.0)]
+    try:
+        waveform, rate, channels = read_audio_with_channels(spec)
+    except AudioError as error:
+        for prefix in [""] + [speed_prefix(f) for f in job.speed_factors]:
+            for utt, _, _ in pieces:
+                yield prefix + utt, str(error)
+        return
+    if conversions is not None:
+        if rate != job.options.sample_rate:
+            conversions[f"resampled from {rate} Hz to {job.options.sample_rate} Hz"] += 1
+        if channels > 1:
+            conversions[f"{channels} channels, channel 0 used"] += 1
+    yield from utterance_features(waveform, rate, pieces, job.options, job.speed_factors,
+                                  job.max_overshoot)
+
+
+def _perturbed_span(span: tuple[int, int], num_samples: int, num_perturbed: int,
+                    factor: float) -> tuple[int, int]:
+    """Where a segment's samples lie in the recording changed by `factor`: its times /
+    factor; a segment reaching the recording's end reaches the changed recording's end
+    (all of sox's `floor(n / factor + 0.5)` samples for a whole recording)."""
+    if factor == 1.0:
+        return span
+    stop = num_perturbed if span[1] == num_samples else min(int(span[1] / factor),
+                                                           num_perturbed)
+    return int(span[0] / factor), stop
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@
 * `read_audio`: a `wav.scp` entry (a file soundfile reads: WAV, FLAC, Ogg Opus...; or a
   Kaldi pipe command ending in `|`) as float samples and their rate; a WAV whose header
   promises more data than the file holds is an error (`AudioError`);
-* `resample`, `speed_perturb` (tempo and pitch together, as sox `speed`);
 * `compute_fbank`: 80-dim log-mel fbank with `torchaudio.compliance.kaldi.fbank`
   (`FbankOptions`: 25 ms window, 10 ms shift, dither 0 unless asked, other options at
   their Kaldi defaults) on audio scaled to the int16 range as Kaldi reads it;
   `num_frames` the frame count it gives for a number of samples.
+
+Resampling (`cat.audio.codec.resample`) and speed perturbation (`cat.audio.speed`) are
+libsoxr's, as sox does them: nothing the new rate cannot hold is left in the top bins.
 
 Stage 1 (`cat.features.extract`) runs these over data directories; the streaming
 loader can run them on audio shards.
@@ -31,7 +33,8 @@ import numpy as np
 import soundfile
 import torch
 import torchaudio.compliance.kaldi
-import torchaudio.functional
+
+from cat.audio.codec import resample
 
 logger = logging.getLogger(__name__)
 
@@ -131,35 +134,6 @@ def _check_not_truncated(audio: soundfile.SoundFile, name: str) -> None:
                          f"file holds {present}")
 
 
-def _as_tensor(waveform: np.ndarray | torch.Tensor) -> torch.Tensor:
-    tensor = torch.as_tensor(waveform, dtype=torch.float32)
-    if tensor.dim() != 1:
-        raise ValueError(f"expected a 1-D waveform, got shape {tuple(tensor.shape)}")
-    return tensor
-
-
-def resample(waveform: np.ndarray | torch.Tensor, orig_rate: int, new_rate: int) -> np.ndarray:
-    """Resample a 1-D waveform with torchaudio's band-limited sinc interpolation."""
-    tensor = _as_tensor(waveform)
-    if orig_rate == new_rate or tensor.numel() == 0:
-        return tensor.numpy()
-    return torchaudio.functional.resample(tensor, int(orig_rate), int(new_rate)).numpy()
-
-
-def speed_perturb(waveform: np.ndarray | torch.Tensor, sample_rate: int,
-                  factor: float) -> np.ndarray:
-    """Change speed as sox `speed <factor>` does: tempo and pitch together.
-
-    The samples are taken to be at `sample_rate * factor` (rounded to whole Hz) and
-    resampled to `sample_rate`, so the duration becomes duration / factor.
-    """
-    if factor <= 0:
-        raise ValueError(f"speed factor must be positive, got {factor}")
-    # Rounded rather than truncated (as torchaudio.functional.speed does), so that
-    # 16000 * 0.57 = 9119.999... means 9120 Hz.
-    return resample(waveform, round(sample_rate * factor), sample_rate)
-
-
 def num_frames(num_samples: int, options: FbankOptions | None = None) -> int:
     """Kaldi's frame count with `snip_edges=true`: whole windows only."""
     options = options or FbankOptions()
@@ -172,13 +146,13 @@ def compute_fbank(waveform: np.ndarray | torch.Tensor, sample_rate: int,
                   options: FbankOptions | None = None, seed: int | None = None) -> np.ndarray:
     """Log-mel fbank of one waveform (floats in [-1, 1]) -> float32 array `[frames, bins]`.
 
-    The waveform is resampled to `options.sample_rate` if `sample_rate` differs, and
-    scaled to the int16 range as Kaldi reads audio. `seed` makes dithering (only used
-    when `options.dither > 0`) reproducible without touching the global RNG. Raises
-    `AudioError` if the waveform is shorter than one frame.
+    The waveform is resampled to `options.sample_rate` (`cat.audio.codec.resample`) if
+    `sample_rate` differs, and scaled to the int16 range as Kaldi reads audio. `seed`
+    makes dithering (only used when `options.dither > 0`) reproducible without touching
+    the global RNG. Raises `AudioError` if the waveform is shorter than one frame.
     """
     options = options or FbankOptions()
-    tensor = torch.from_numpy(resample(waveform, sample_rate, options.sample_rate))
+    tensor = torch.from_numpy(resample(np.asarray(waveform), sample_rate, options.sample_rate))
     if tensor.numel() < options.window_size:
         raise AudioError(f"too short for one frame: {tensor.numel()} samples at "
                          f"{options.sample_rate} Hz, need {options.window_size}")

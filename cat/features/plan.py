@@ -32,15 +32,14 @@ from cat.core.io import (
     read_table,
     write_table,
 )
-from cat.features.fbank import (
-    FbankOptions,
-)
+from cat.features.fbank import FbankOptions
 
 logger = logging.getLogger(__name__)
 
 # Bump when the features written for the same inputs and options change, so that
-# finished jobs of an older version are redone.
-FORMAT_VERSION = 1
+# finished jobs of an older version are redone. 2: resampling and speed perturbation
+# with libsoxr (`cat.audio`), as sox does them.
+FORMAT_VERSION = 2
 # Segments may end this much past the end of their recording; the end is then clipped.
 DEFAULT_MAX_OVERSHOOT = 0.05
 # kaldiio's kAutomaticMethod: what Kaldi's `--compress=true` uses.

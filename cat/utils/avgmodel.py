@@ -9,7 +9,8 @@ float64, stored in their own dtype); integer and boolean tensors, such as
 BatchNorm's `num_batches_tracked`, are taken from the last checkpoint given.
 All checkpoints must hold the same keys with the same shapes and dtypes.
 The output `{"model": averaged, "averaged_from": [paths]}` is written to a
-temporary file and renamed, so a failed run leaves no partial file.
+temporary file and renamed, so a failed run leaves no partial file. The averaging is
+`cat.decoding.checkpoint.average_checkpoints`.
 """
 
 from __future__ import annotations
@@ -22,42 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
-from cat.core.io import PathLike, atomic_write, setup_logging
-from cat.training.checkpoint import read_model_state
+from cat.core.io import atomic_write, setup_logging
+from cat.decoding.checkpoint import average_checkpoints
 
 logger = logging.getLogger(__name__)
-
-
-def _check_compatible(reference: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-                      reference_name: str, name: str) -> None:
-    if state.keys() != reference.keys():
-        only_here = sorted(state.keys() - reference.keys())[:5]
-        only_there = sorted(reference.keys() - state.keys())[:5]
-        raise ValueError(f"{name}: model keys differ from {reference_name}: only in {name}: "
-                         f"{only_here}; only in {reference_name}: {only_there}")
-    for key, value in state.items():
-        expected = reference[key]
-        if value.shape != expected.shape or value.dtype != expected.dtype:
-            raise ValueError(f"{name}: {key!r} is {value.dtype} {tuple(value.shape)} but "
-                             f"{expected.dtype} {tuple(expected.shape)} in {reference_name}")
-
-
-def average_checkpoints(paths: Sequence[PathLike]) -> dict[str, torch.Tensor]:
-    """Average the `model` state dicts of `paths` (see the module docstring)."""
-    if not paths:
-        raise ValueError("no checkpoints to average")
-    first = read_model_state(paths[0])
-    sums = {key: value.to(torch.float64) for key, value in first.items()
-            if value.is_floating_point()}
-    last = first
-    for path in paths[1:]:
-        state = read_model_state(path)
-        _check_compatible(first, state, str(paths[0]), str(path))
-        for key in sums:
-            sums[key] += state[key].to(torch.float64)
-        last = state
-    return {key: ((sums[key] / len(paths)).to(value.dtype) if key in sums else value.clone())
-            for key, value in last.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,8 +21,7 @@ from cat.core.config import (
     load_hyper,
     resolve_train_options,
 )
-from cat.core.io import PathLike, atomic_write
-from cat.core.stages import is_done, mark_done, signature
+from cat.core.io import PathLike
 
 logger = logging.getLogger(__name__)
 
@@ -79,29 +78,8 @@ class Plan:
 
 
 def select_checkpoint(plan: Plan) -> Path:
-    """The model to decode: an average per `inference.avgmodel`, else the best checkpoint."""
-    import torch
+    """The model to decode: an average per `inference.avgmodel`, else the best checkpoint
+    (`cat.decoding.checkpoint.select_checkpoint`)."""
+    from cat.decoding.checkpoint import select_checkpoint as select
 
-    from cat.training.checkpoint import CheckpointManager
-    from cat.utils.avgmodel import average_checkpoints
-
-    manager = CheckpointManager(plan.exp_dir / "check")
-    average = plan.hyper.get("inference", {}).get("avgmodel")
-    if not average:
-        best = manager.best() or manager.latest()
-        if best is None:
-            raise FileNotFoundError(f"{manager.directory}: no checkpoint (run stage 3 first)")
-        return best
-    mode, num = average.get("mode", "best"), average.get("num", 5)
-    paths = manager.select(mode, num)
-    if not paths:
-        raise FileNotFoundError(f"{manager.directory}: no checkpoint (run stage 3 first)")
-    out = manager.directory / f"avg-{mode}-{num}.pt"
-    sig = signature("avgmodel", [p.name for p in paths], files=paths)
-    if not is_done(out, sig):
-        averaged = average_checkpoints(paths)
-        with atomic_write(out, "wb") as f:
-            torch.save({"model": averaged, "averaged_from": [p.name for p in paths]}, f)
-        mark_done(out, sig)
-        logger.info("averaged %d %s checkpoints into %s", len(paths), mode, out)
-    return out
+    return select(plan.exp_dir, plan.hyper)

@@ -1,0 +1,300 @@
+"""Audio to decode, and its features as stage 1 computes them.
+
+Three kinds of list name the utterances; each becomes `Recording`s (what is read at once)
+holding `Piece`s (its utterances), with the list line each came from:
+
+* audio files (WAV, FLAC, Ogg Opus: what soundfile reads), one utterance per file, keyed
+  by the file name without its extension (`audio/BAC009S0764W0121.wav` ->
+  `BAC009S0764W0121`);
+* a Kaldi `wav.scp` (`<recording> <path>`, or `<recording> <command> |` whose standard
+  output is audio), each recording one utterance; or, with a `segments` file
+  (`<utterance> <recording> <start> <end>`, seconds, end -1 for the recording's end), its
+  segments, each recording read once for all of its segments;
+* a WeNet `data.list`: raw mode, a JSON object per line (`{"key", "wav", "txt"}`, and
+  optionally `"start"` and `"end"` in seconds; `txt` is not used), or shard mode, a tar
+  shard per line (a path, an `http(s)://` URL or a `pipe:` command, as the training
+  loader reads them) holding `<key>.<audio extension>` members (`wav`, `flac`, `opus`, ...)
+  next to `<key>.txt`; a member name is split at its LAST dot, so keys may hold dots and
+  `/` (`A/B/utt.1.wav` is key `A/B/utt.1`).
+
+`recording_features` reads one recording (file, command or shard) and yields each
+utterance's 80-dim fbank exactly as stage 1 does (`cat.features.extract.utterance_features`:
+resampled to 16 kHz with libsoxr, segments cut as Kaldi's extract-segments cuts them), or
+why it has none: unreadable, truncated or missing audio, a segment outside its recording,
+a shard member without audio. Every reason starts with the list line (`wav.scp:3: no
+such file: ...`) or the shard and member it concerns.
+
+Usage:
+    audio = from_wav_scp("data/test/wav.scp", "data/test/segments")
+    for recording in audio.recordings:
+        for key, features in recording_features(recording, FbankOptions()): ...
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cat.audio.codec import AudioDecodeError, decode
+from cat.core.io import PathLike, TableError, iter_table
+from cat.features.extract import utterance_features
+from cat.features.fbank import AudioError, FbankOptions, read_audio
+from cat.features.plan import scan_segments
+from cat.loading.sources import describe, read_shard
+from cat.loading.tar import CorruptShardError
+
+#: Member extensions of audio in WeNet shards (`<key>.<extension>`).
+AUDIO_EXTENSIONS = frozenset({"flac", "mp3", "m4a", "ogg", "opus", "wav", "wma"})
+
+
+class AudioListError(ValueError):
+    """A list of audio is malformed; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One utterance of a recording: seconds `start` to `end` (-1: the recording's end)."""
+
+    key: str
+    start: float
+    end: float
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """Audio read at once: a file or Kaldi pipe command with its pieces, or a tar shard
+    (`shard`: its members are the utterances). `where` is the list line naming it;
+    `weight` its size for dealing recordings to processes (None: unknown)."""
+
+    source: str
+    where: str
+    pieces: tuple[Piece, ...] = ()
+    shard: bool = False
+    weight: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioList:
+    """The recordings of a list, in its order; `name` says what the list was."""
+
+    name: str
+    recordings: list[Recording]
+
+    def weights(self) -> dict[str, float] | None:
+        """Each recording's weight by its index (as a string), or None when some are
+        unknown (`cat.features.plan.balance_jobs` deals them)."""
+        weights = {}
+        for index, recording in enumerate(self.recordings):
+            if recording.weight is None:
+                return None
+            weights[str(index)] = recording.weight
+        return weights
+
+
+def _check_key(key: str, where: str) -> str:
+    if not key or any(char.isspace() for char in key):
+        raise AudioListError(f"{where}: key {key!r} is empty or holds whitespace, which a "
+                             "`<key> <text>` line cannot hold")
+    return key
+
+
+def _file_weight(spec: str) -> float | None:
+    if spec.rstrip().endswith("|"):
+        return None
+    try:
+        return float(os.path.getsize(spec))
+    except OSError:
+        return 0.0  # missing: reported when read, quickly
+
+
+def from_files(paths: Sequence[PathLike]) -> AudioList:
+    """One utterance per audio file, keyed by its name without the extension."""
+    recordings = []
+    first: dict[str, int] = {}
+    for number, path in enumerate(map(str, paths), 1):
+        where = f"command line audio file {number}"
+        key = _check_key(Path(path).stem, f"{where} ({path})")
+        if key in first:
+            raise AudioListError(f"{where} ({path}): key {key!r} again (audio file "
+                                 f"{first[key]} has it); name the files in a wav.scp")
+        first[key] = number
+        recordings.append(Recording(path, where, (Piece(key, 0.0, -1.0, where),),
+                                    weight=_file_weight(path)))
+    if not recordings:
+        raise AudioListError("no audio files given")
+    return AudioList("command line audio files", recordings)
+
+
+def _read_wav_scp(path: Path) -> dict[str, tuple[str, str]]:
+    """recording -> (audio spec, `path:line`)."""
+    table: dict[str, tuple[str, str]] = {}
+    for lineno, (recording, spec) in enumerate(iter_table(path), 1):
+        if recording in table:
+            raise AudioListError(f"{path}:{lineno}: recording {recording!r} again (first at "
+                                 f"{table[recording][1]})")
+        table[recording] = (spec, f"{path}:{lineno}")
+    if not table:
+        raise AudioListError(f"{path}: no recordings")
+    return table
+
+
+def from_wav_scp(wav_scp: PathLike, segments: PathLike | None = None) -> AudioList:
+    """The recordings of a Kaldi `wav.scp`, each one utterance, or cut by `segments`."""
+    wav_scp = Path(wav_scp)
+    try:
+        table = _read_wav_scp(wav_scp)
+    except TableError as error:
+        raise AudioListError(str(error)) from None
+    if segments is None:
+        return AudioList(str(wav_scp), [
+            Recording(spec, where, (Piece(recording, 0.0, -1.0, where),),
+                      weight=_file_weight(spec))
+            for recording, (spec, where) in table.items()])
+    segments = Path(segments)
+    try:
+        durations, _ = scan_segments(segments, {key: spec for key, (spec, _) in table.items()})
+    except TableError as error:
+        raise AudioListError(str(error)) from None
+    pieces: dict[str, list[Piece]] = collections.defaultdict(list)
+    for lineno, (utt, value) in enumerate(iter_table(segments), 1):
+        recording, start, end = value.split()
+        pieces[recording].append(Piece(utt, float(start), float(end), f"{segments}:{lineno}"))
+    return AudioList(f"{wav_scp} with {segments}", [
+        Recording(table[recording][0], table[recording][1], tuple(pieces[recording]),
+                  weight=durations[recording])
+        for recording in table if recording in pieces])
+
+
+def _raw_entry(line: str, where: str) -> tuple[str, Piece]:
+    """(audio path, piece) of a raw-mode data.list line."""
+    try:
+        entry = json.loads(line)
+    except ValueError as error:
+        raise AudioListError(f"{where}: not a JSON object: {error}") from None
+    if not isinstance(entry, dict):
+        raise AudioListError(f"{where}: not a JSON object")
+    for name in ("key", "wav"):
+        if not isinstance(entry.get(name), str):
+            raise AudioListError(f"{where}: '{name}' is missing or not a string")
+    start, end = entry.get("start", 0.0), entry.get("end", -1.0)
+    for name, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise AudioListError(f"{where}: '{name}' is not a number of seconds: {value!r}")
+    return entry["wav"], Piece(_check_key(entry["key"], where), float(start), float(end), where)
+
+
+def from_data_list(path: PathLike) -> AudioList:
+    """A WeNet `data.list`, raw mode (JSON lines) or shard mode (a shard per line)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise AudioListError(f"{path}: not UTF-8 text") from None
+    numbered = [(lineno, line.strip()) for lineno, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise AudioListError(f"{path}: no entries")
+    raw = numbered[0][1].startswith("{")
+    for lineno, line in numbered:
+        if line.startswith("{") != raw:
+            raise AudioListError(f"{path}:{lineno}: a {'shard' if raw else 'JSON'} line in a "
+                                 f"{'raw' if raw else 'shard'}-mode list (line "
+                                 f"{numbered[0][0]} set the mode)")
+    if not raw:
+        return AudioList(str(path), [
+            Recording(line, f"{path}:{lineno}", shard=True,
+                      weight=None if "://" in line or line.startswith("pipe:")
+                      else _file_weight(line))
+            for lineno, line in numbered])
+    audio: dict[str, list[Piece]] = {}
+    wheres: dict[str, str] = {}
+    first: dict[str, str] = {}
+    for lineno, line in numbered:
+        wav, piece = _raw_entry(line, f"{path}:{lineno}")
+        if piece.key in first:
+            raise AudioListError(f"{piece.where}: key {piece.key!r} again (first at "
+                                 f"{first[piece.key]})")
+        first[piece.key] = piece.where
+        audio.setdefault(wav, []).append(piece)
+        wheres.setdefault(wav, piece.where)
+    return AudioList(str(path), [Recording(wav, wheres[wav], tuple(pieces),
+                                           weight=_file_weight(wav))
+                                 for wav, pieces in audio.items()])
+
+
+# ----------------------------------------------------------------------------- features
+
+
+def recording_features(recording: Recording, options: FbankOptions
+                       ) -> Iterator[tuple[str, np.ndarray | str]]:
+    """`(key, features or why there are none)` of each utterance of `recording`, in order."""
+    if recording.shard:
+        yield from _shard_features(recording, options)
+        return
+    try:
+        waveform, rate = read_audio(recording.source)
+    except AudioError as error:
+        for piece in recording.pieces:
+            yield piece.key, f"{recording.where}: {error}"
+        return
+    wheres = {piece.key: piece.where for piece in recording.pieces}
+    pieces = [(piece.key, piece.start, piece.end) for piece in recording.pieces]
+    for key, result in utterance_features(waveform, rate, pieces, options):
+        yield key, f"{wheres[key]}: {result}" if isinstance(result, str) else result
+
+
+def _shard_features(recording: Recording, options: FbankOptions
+                    ) -> Iterator[tuple[str, np.ndarray | str]]:
+    """Utterances of a WeNet shard: consecutive members with the same key form one."""
+    where = f"{recording.where}: {recording.source}"
+    key: str | None = None
+    members: dict[str, bytes] = {}
+    try:
+        for name, data in read_shard(recording.source):
+            member_key, dot, extension = name.rpartition(".")
+            if not dot or "/" in extension:
+                yield name, f"{where}: member {name!r} has no extension"
+                continue
+            if member_key != key:
+                if key is not None:
+                    yield from _member_features(key, members, where, options)
+                key, members = member_key, {}
+            members[extension] = bytes(data)
+    except (CorruptShardError, OSError) as error:
+        # What follows in the shard is lost, unnamed; the utterance being read is named.
+        if key is None:
+            yield recording.source, f"{where}: {describe(error)}"
+        else:
+            yield key, f"{where}: the shard breaks off at key {key!r}: {describe(error)}"
+        return
+    if key is not None:
+        yield from _member_features(key, members, where, options)
+
+
+def _member_features(key: str, members: dict[str, bytes], where: str,
+                     options: FbankOptions) -> Iterator[tuple[str, np.ndarray | str]]:
+    if not key or any(char.isspace() for char in key):
+        yield key, f"{where}: key {key!r} is empty or holds whitespace"
+        return
+    audio = sorted(extension for extension in members if extension in AUDIO_EXTENSIONS)
+    if len(audio) != 1:
+        found = ", ".join(f"{key}.{extension}" for extension in sorted(members))
+        yield key, (f"{where}: {'no' if not audio else 'more than one'} audio member for "
+                    f"key {key!r} (members: {found})")
+        return
+    name = f"{where}:{key}.{audio[0]}"
+    try:
+        waveform, rate = decode(members[audio[0]], name)
+    except AudioDecodeError as error:
+        yield key, str(error)
+        return
+    for utterance, result in utterance_features(waveform, rate, [(key, 0.0, -1.0)], options):
+        yield utterance, f"{name}: {result}" if isinstance(result, str) else result

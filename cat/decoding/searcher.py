@@ -1,0 +1,223 @@
+"""What every decoding run shares: its options, the model of an experiment, batching by
+length, and `Searcher`, one process's model decoding batches of utterances.
+
+`DecodeOptions` come from `hyper-p.json: inference.infer.option` (what stage 4 uses),
+overridden by the command line (`DecodeOptions.of_experiment`). `Searcher` decodes a
+batch with the family's `decode` (greedy or beam search, best hypothesis), or with its
+`nbest` beam search once per shallow-fusion setting (`FusionSpec`, `cat.lm.scorer`)
+after one network forward. `plan_batches` groups utterances of similar length within a
+budget of padded frames.
+
+Usage:
+    options = DecodeOptions.of_experiment(hyper, "exp/x/hyper-p.json", {"nj": 2})
+    searcher = Searcher("exp/x", "exp/x/check/avg-best-5.pt", "ctc", options, "cpu")
+    pairs = searcher.best([Utterance(key, features, NO_LABEL) for key, features in batch])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cat.core.config import (
+    CONFIG_NAME,
+    HYPER_NAME,
+    check_against_schema,
+    load_config,
+    load_hyper,
+    model_kind,
+    tokenizer_file,
+)
+from cat.core.io import PathLike, atomic_write
+from cat.lm.scorer import ShallowFusion, TokenLM
+from cat.loading.batch import Utterance, collate
+from cat.models.registry import build_model
+from cat.text.tokenizer import load as load_tokenizer
+from cat.training.checkpoint import load_model_state, read_model_state
+
+FRAME_SHIFT_SECONDS = 0.01
+NO_LABEL = np.zeros(0, np.int32)
+OPTIONS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "method": {"enum": ["greedy", "beam"], "description": "search algorithm"},
+        "beam_size": {"type": "integer", "minimum": 1, "description": "beam width"},
+        "nj": {"type": "integer", "minimum": 1, "description": "CPU decoding processes"},
+        "max_frames": {"type": "integer", "minimum": 1,
+                       "description": "padded input frames per batch"},
+        "batch_size": {"type": "integer", "minimum": 1, "description": "utterances per batch"},
+        "device": {"enum": ["auto", "cpu", "cuda"], "description": "where to decode"},
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """See `OPTIONS_SCHEMA`."""
+
+    method: str = "beam"
+    beam_size: int = 10
+    nj: int = 1
+    max_frames: int = 40000
+    batch_size: int = 64
+    device: str = "auto"
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any], source: str) -> DecodeOptions:
+        check_against_schema(options, OPTIONS_SCHEMA, source)
+        return cls(**options)
+
+    @classmethod
+    def of_experiment(cls, hyper: dict[str, Any], source: str,
+                      overrides: dict[str, Any]) -> DecodeOptions:
+        """`inference.infer.option` of `hyper` (from the file `source`), then the
+        `overrides` that are not None."""
+        options = dict(hyper.get("inference", {}).get("infer", {}).get("option", {}))
+        options.update({key: value for key, value in overrides.items() if value is not None})
+        return cls.from_dict(options, f"{source}: inference.infer.option")
+
+    def resolved_device(self) -> str:
+        """`cpu` or `cuda` (`auto`: cuda when torch sees a GPU)."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSummary:
+    """What one decoding run did."""
+
+    num_utts: int
+    audio_seconds: float
+    decode_seconds: float
+    num_skipped: int = 0
+
+    @property
+    def rtf(self) -> float:
+        return self.decode_seconds / self.audio_seconds if self.audio_seconds else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionSpec:
+    """Shallow fusion of a token-level n-gram (ARPA or kenlm binary `lm`), optionally
+    with LODR (`lodr`, subtracted with `lodr_weight`); see `cat.lm.scorer`."""
+
+    lm: str
+    alpha: float
+    beta: float = 0.0
+    lodr: str | None = None
+    lodr_weight: float = 0.0
+
+    def build(self, pieces: list[str], models: dict[str, TokenLM]) -> ShallowFusion:
+        """The scorer, loading each LM file once per process (`models` caches them)."""
+        for path in (self.lm, self.lodr):
+            if path is not None and path not in models:
+                models[path] = TokenLM(path, pieces)
+        return ShallowFusion(models[self.lm], self.alpha, self.beta,
+                             models[self.lodr] if self.lodr else None, self.lodr_weight)
+
+
+def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
+               device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """The experiment's model (eval mode, on `device`) with `checkpoint`'s weights, and its
+    tokenizer."""
+    exp_dir = Path(exp_dir)
+    hyper = load_hyper(exp_dir / HYPER_NAME)
+    config = load_config(exp_dir / CONFIG_NAME)
+    kind = model_kind(config)
+    if kind != expected_kind:
+        raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model; decode it with "
+                         f"cat.{kind}.decode")
+    tokenizer = load_tokenizer(tokenizer_file(hyper, str(exp_dir / HYPER_NAME)))
+    model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
+    load_model_state(model, read_model_state(checkpoint), checkpoint, exp_dir / CONFIG_NAME)
+    return model.to(device).eval(), tokenizer
+
+
+def plan_batches(lengths: dict[str, int], max_frames: int, batch_size: int) -> list[list[str]]:
+    """Utterance ids grouped by similar length, each group within the padded-frame budget."""
+    ordered = sorted(lengths, key=lambda key: (lengths[key], key))
+    batches: list[list[str]] = []
+    current: list[str] = []
+    for key in ordered:
+        # Sorted ascending: the newest utterance is the longest of the group.
+        if current and (lengths[key] * (len(current) + 1) > max_frames
+                        or len(current) >= batch_size):
+            batches.append(current)
+            current = []
+        current.append(key)
+    if current:
+        batches.append(current)
+    return batches
+
+
+#: An N-best list: (text, score) pairs, best first.
+NBest = list[tuple[str, float]]
+
+
+class Searcher:
+    """One process's model, tokenizer and LM scorers, decoding batches of utterances.
+
+    With `device` cpu the process uses one torch thread: processes are the unit of
+    parallelism. `forward_seconds` and `search_seconds` (one per fusion spec) add up the
+    time `nbest` spent.
+    """
+
+    def __init__(self, exp_dir: PathLike, checkpoint: PathLike, kind: str,
+                 options: DecodeOptions, device: str,
+                 specs: Sequence[FusionSpec | None] = ()) -> None:
+        if device == "cpu":
+            torch.set_num_threads(1)
+        self.device = torch.device(device)
+        self.options = options
+        self.model, self.tokenizer = load_model(exp_dir, checkpoint, kind, self.device)
+        pieces = [self.tokenizer.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
+        models: dict[str, TokenLM] = {}
+        self.fusions = [spec.build(pieces, models) if spec is not None else None
+                        for spec in specs]
+        self.forward_seconds = 0.0
+        self.search_seconds = [0.0] * len(self.fusions)
+
+    def best(self, utterances: Sequence[Utterance]) -> list[tuple[str, str]]:
+        """(key, best hypothesis) of each utterance, with `options.method`."""
+        batch = collate(utterances)
+        with torch.inference_mode():
+            hyps = self.model.decode(batch.feats.to(self.device),
+                                     batch.feat_lens.to(self.device),
+                                     method=self.options.method,
+                                     beam_size=self.options.beam_size)
+        return [(u.key, self.tokenizer.decode(list(hyp)))
+                for u, hyp in zip(utterances, hyps, strict=True)]
+
+    def nbest(self, utterances: Sequence[Utterance]) -> list[list[tuple[str, NBest]]]:
+        """Per fusion spec, (key, N-best list) of each utterance (beam search)."""
+        with torch.inference_mode():
+            start = time.perf_counter()
+            batch = collate(utterances)
+            encoded = self.model.search_inputs(batch.feats.to(self.device),
+                                               batch.feat_lens.to(self.device))
+            self.forward_seconds += time.perf_counter() - start
+            results = []
+            for index, fusion in enumerate(self.fusions):
+                start = time.perf_counter()
+                nbest = self.model.nbest(encoded, self.options.beam_size, fusion)
+                self.search_seconds[index] += time.perf_counter() - start
+                results.append([(u.key, [(self.tokenizer.decode(tokens), score)
+                                         for tokens, score in hyps])
+                                for u, hyps in zip(utterances, nbest, strict=True)])
+        return results
+
+
+def write_hyp(path: PathLike, pairs: Iterable[tuple[str, str]]) -> None:
+    """`<utt> <hypothesis>` lines sorted by utterance, atomically (an empty hypothesis is
+    the id alone, so a scorer sees it and counts deletions)."""
+    with atomic_write(path) as f:
+        for key, text in sorted(pairs):
+            f.write(f"{key} {text}\n" if text else f"{key}\n")

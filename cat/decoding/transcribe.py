@@ -1,0 +1,297 @@
+"""Transcribe audio with an experiment's model: features on the fly, decoding by length.
+
+The utterances of an `AudioList` (`cat.decoding.audio`: audio files, a `wav.scp` with
+optional `segments`, a WeNet `data.list`) get the 80-dim fbank stage 1 would give them
+(`cat.features.extract.utterance_features`), computed as they are read: nothing is
+written to disk but the results. The experiment's `config.json` must take those
+features (`encoder.kwargs.idim` 80).
+
+On the CPU, the recordings are dealt to `nj` processes balanced by size (bytes of
+audio, or seconds of segments); each reads its recordings in order and, every
+`window_frames` frames of features (30 minutes of audio by default, about 58 MB), sorts
+them by length into batches of at most `max_frames` padded frames and `batch_size`
+utterances (`plan_batches`, as stage 4 does) and decodes them; so memory stays bounded
+whatever the size of the list. With one process and a list shorter than a window, the
+batches are exactly stage 4's. With a GPU, `nj` processes compute features and the GPU
+decodes.
+
+Audio that cannot be used (missing, unreadable, truncated, too short, a segment outside
+its recording, a shard member without audio) is skipped, logged and counted with the
+list line it came from; the rest is decoded. Nothing decodable at all is an error.
+
+Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
+key, as stage 4 writes them), `skipped.txt` (`<key> <reason>`), `decode.log` (inputs,
+checkpoint, options, counts, audio and wall seconds, real-time factor) and, with an LM,
+`nbest.jsonl`.
+
+Usage:
+    audio = from_data_list("data.list")
+    transcript = transcribe("exp/synth-ctc", audio, "exp/synth-ctc/check/avg-best-5.pt",
+                            "ctc", DecodeOptions(nj=2))
+    write_outputs(transcript, "exp/synth-ctc/transcribe/data.list")
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cat.core.config import CONFIG_NAME, load_config
+from cat.core.io import PathLike, atomic_write
+from cat.core.process import process_pool
+from cat.decoding.audio import AudioList, Recording, recording_features
+from cat.decoding.searcher import (
+    FRAME_SHIFT_SECONDS,
+    NO_LABEL,
+    DecodeOptions,
+    DecodeSummary,
+    FusionSpec,
+    NBest,
+    Searcher,
+    plan_batches,
+    write_hyp,
+)
+from cat.features.fbank import FbankOptions
+from cat.features.plan import balance_jobs
+from cat.lm.rescore import NBEST_NAME, write_nbest
+from cat.loading.batch import Utterance
+
+logger = logging.getLogger(__name__)
+
+#: Frames of features a process gathers before sorting and decoding them (30 minutes).
+WINDOW_FRAMES = 180_000
+#: Where an utterance stands in the list: (recording index, position in the recording).
+Order = tuple[int, int]
+
+
+class TranscribeError(RuntimeError):
+    """Nothing could be transcribed, or the experiment does not take stage 1's features."""
+
+
+@dataclasses.dataclass
+class Transcript:
+    """What `transcribe` produced; `hypotheses`, `nbest` and `skipped` in list order."""
+
+    name: str
+    checkpoint: str
+    device: str
+    workers: int
+    options: DecodeOptions
+    fusion: FusionSpec | None
+    hypotheses: list[tuple[str, str]]
+    nbest: list[tuple[str, NBest]] | None
+    skipped: list[tuple[str, str]]
+    summary: DecodeSummary
+
+
+@dataclasses.dataclass
+class _Decoded:
+    """One process's results."""
+
+    hypotheses: list[tuple[Order, str, str, NBest | None]] = dataclasses.field(
+        default_factory=list)
+    skipped: list[tuple[Order, str, str]] = dataclasses.field(default_factory=list)
+    frames: int = 0
+
+
+def check_feature_dim(exp_dir: PathLike, options: FbankOptions) -> None:
+    """The experiment's model must take `options.num_mel_bins`-dim features."""
+    path = Path(exp_dir) / CONFIG_NAME
+    idim = load_config(path).get("encoder", {}).get("kwargs", {}).get("idim")
+    if idim != options.num_mel_bins:
+        raise TranscribeError(f"{path}: encoder.kwargs.idim is {idim}, but audio is turned "
+                              f"into stage 1's {options.num_mel_bins}-dim fbank; decode this "
+                              "experiment's own features with --data")
+
+
+# ----------------------------------------------------------------------------- in a process
+
+
+def _features(recordings: Iterable[tuple[int, Recording]], fbank: FbankOptions
+              ) -> Iterator[tuple[Order, str, np.ndarray | str]]:
+    for index, recording in recordings:
+        for position, (key, result) in enumerate(recording_features(recording, fbank)):
+            yield (index, position), key, result
+
+
+def _recording_features(index: int, recording: Recording, fbank: FbankOptions
+                        ) -> list[tuple[Order, str, np.ndarray | str]]:
+    """All utterances of one recording (a feature process's task when a GPU decodes)."""
+    return list(_features([(index, recording)], fbank))
+
+
+def _pooled_features(pool: Executor, recordings: list[Recording], fbank: FbankOptions,
+                     ahead: int) -> Iterator[tuple[Order, str, np.ndarray | str]]:
+    """Features computed by the pool, in list order, at most `ahead` recordings ahead."""
+    tasks = iter(enumerate(recordings))
+    pending = collections.deque(pool.submit(_recording_features, index, recording, fbank)
+                                for index, recording in itertools.islice(tasks, ahead))
+    while pending:
+        items = pending.popleft().result()
+        for index, recording in itertools.islice(tasks, 1):
+            pending.append(pool.submit(_recording_features, index, recording, fbank))
+        yield from items
+
+
+def _decode_window(searcher: Searcher, window: dict[str, tuple[Order, np.ndarray]],
+                   options: DecodeOptions, out: _Decoded) -> None:
+    lengths = {key: len(features) for key, (_, features) in window.items()}
+    for keys in plan_batches(lengths, options.max_frames, options.batch_size):
+        utterances = [Utterance(key, window[key][1], NO_LABEL) for key in keys]
+        if searcher.fusions:
+            for key, hyps in searcher.nbest(utterances)[0]:
+                out.hypotheses.append((window[key][0], key, hyps[0][0] if hyps else "", hyps))
+        else:
+            for key, text in searcher.best(utterances):
+                out.hypotheses.append((window[key][0], key, text, None))
+        out.frames += sum(lengths[key] for key in keys)
+
+
+def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | str]],
+            options: DecodeOptions, window_frames: int) -> _Decoded:
+    """Decode utterances as their features arrive, a window of frames at a time."""
+    out = _Decoded()
+    window: dict[str, tuple[Order, np.ndarray]] = {}
+    seen: set[str] = set()
+    frames = 0
+    for order, key, result in items:
+        if isinstance(result, str):
+            out.skipped.append((order, key, result))
+            continue
+        if key in seen:
+            out.skipped.append((order, key, f"key {key!r} again: only its first utterance "
+                                            "is decoded"))
+            continue
+        seen.add(key)
+        window[key] = (order, result)
+        frames += len(result)
+        if frames >= window_frames:
+            _decode_window(searcher, window, options, out)
+            window, frames = {}, 0
+    if window:
+        _decode_window(searcher, window, options, out)
+    return out
+
+
+def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptions,
+                  device: str, fusion: FusionSpec | None, share: list[tuple[int, Recording]],
+                  fbank: FbankOptions, window_frames: int) -> _Decoded:
+    """Read, featurize and decode `share` in this process."""
+    searcher = Searcher(exp_dir, checkpoint, kind, options, device,
+                        [fusion] if fusion is not None else [])
+    return _decode(searcher, _features(share, fbank), options, window_frames)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _shares(audio: AudioList, num_workers: int) -> list[list[tuple[int, Recording]]]:
+    """The recordings dealt to processes, balanced by weight, each share in list order."""
+    ids = [str(index) for index in range(len(audio.recordings))]
+    jobs = balance_jobs(ids, audio.weights(), num_workers)
+    return [[(index, audio.recordings[index]) for index in sorted(map(int, job))]
+            for job in jobs if job]
+
+
+def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: DecodeOptions,
+         device: str, fusion: FusionSpec | None, fbank: FbankOptions,
+         window_frames: int) -> tuple[list[_Decoded], int]:
+    """Results per process, and the number of processes."""
+    workers = max(1, min(options.nj, len(audio.recordings)))
+    if device == "cuda":
+        searcher = Searcher(exp_dir, checkpoint, kind, options, device,
+                            [fusion] if fusion is not None else [])
+        if workers == 1:
+            items = _features(enumerate(audio.recordings), fbank)
+            return [_decode(searcher, items, options, window_frames)], 1
+        with process_pool(workers) as pool:
+            items = _pooled_features(pool, audio.recordings, fbank, 2 * workers)
+            return [_decode(searcher, items, options, window_frames)], workers
+    shares = _shares(audio, workers)
+    arguments = (exp_dir, checkpoint, kind, options, device, fusion)
+    if len(shares) == 1:
+        return [_decode_share(*arguments, shares[0], fbank, window_frames)], 1
+    with process_pool(len(shares)) as pool:
+        futures = [pool.submit(_decode_share, *arguments, share, fbank, window_frames)
+                   for share in shares]
+        return [future.result() for future in futures], len(shares)
+
+
+def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: str,
+               options: DecodeOptions, fusion: FusionSpec | None = None,
+               fbank: FbankOptions | None = None,
+               window_frames: int = WINDOW_FRAMES) -> Transcript:
+    """Decode every utterance of `audio` (see the module docstring)."""
+    fbank = fbank or FbankOptions()
+    check_feature_dim(exp_dir, fbank)
+    if fusion is not None and options.method != "beam":
+        raise ValueError(f"decoding with language models needs method 'beam', got "
+                         f"{options.method!r}")
+    device = options.resolved_device()
+    start = time.perf_counter()
+    results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
+                            fusion, fbank, window_frames)
+    seconds = time.perf_counter() - start
+    decoded = sorted(item for out in results for item in out.hypotheses)
+    skipped = sorted(item for out in results for item in out.skipped)
+    # Processes catch a key repeated in their own share; this, one repeated across shares.
+    first: dict[str, Order] = {}
+    kept = []
+    for item in decoded:
+        if item[1] in first:
+            skipped.append((item[0], item[1], f"key {item[1]!r} again: only its first "
+                                              "utterance is decoded"))
+        else:
+            first[item[1]] = item[0]
+            kept.append(item)
+    skipped.sort()
+    frames = sum(out.frames for out in results)  # all that was decoded
+    for _, key, reason in skipped:
+        logger.warning("skipped %s: %s", key, reason)
+    if not kept:
+        detail = f"; first: {skipped[0][1]}: {skipped[0][2]}" if skipped else ""
+        raise TranscribeError(f"nothing to transcribe in {audio.name}: {len(skipped)} "
+                              f"utterance(s), all skipped{detail}")
+    summary = DecodeSummary(len(kept), frames * FRAME_SHIFT_SECONDS, seconds, len(skipped))
+    logger.info("transcribed %d utterances (%.1f s of audio) from %s in %.1f s: RTF %.4f "
+                "(%s, %d worker%s); %d skipped", summary.num_utts, summary.audio_seconds,
+                audio.name, seconds, summary.rtf, device, workers, "s" * (workers > 1),
+                len(skipped))
+    return Transcript(
+        audio.name, str(checkpoint), device, workers, options, fusion,
+        [(key, text) for _, key, text, _ in kept],
+        [(key, hyps) for _, key, _, hyps in kept] if fusion is not None else None,
+        [(key, reason) for _, key, reason in skipped], summary)
+
+
+def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
+    """`hyp`, `skipped.txt`, `decode.log` (and `nbest.jsonl` with an LM) in `out_dir`."""
+    out_dir = Path(out_dir)
+    write_hyp(out_dir / "hyp", transcript.hypotheses)
+    with atomic_write(out_dir / "skipped.txt") as f:
+        for key, reason in transcript.skipped:
+            f.write(f"{key} {' '.join(reason.split())}\n")
+    if transcript.nbest is not None:
+        write_nbest(out_dir / NBEST_NAME, transcript.nbest)
+    summary = transcript.summary
+    report: dict[str, Any] = {
+        "data": transcript.name, "checkpoint": transcript.checkpoint,
+        **dataclasses.asdict(transcript.options),
+        "device": transcript.device, "workers": transcript.workers,
+        "fusion": dataclasses.asdict(transcript.fusion) if transcript.fusion else None,
+        "num_utts": summary.num_utts, "num_skipped": summary.num_skipped,
+        "audio_seconds": round(summary.audio_seconds, 2),
+        "decode_seconds": round(summary.decode_seconds, 2), "rtf": round(summary.rtf, 4)}
+    with atomic_write(out_dir / "decode.log") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")

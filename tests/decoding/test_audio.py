@@ -1,0 +1,186 @@
+"""Audio to decode: the lists that name it, and features equal to stage 1's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kaldiio
+import numpy as np
+import pytest
+
+from cat.core.io import write_table
+from cat.decoding.audio import (
+    AudioListError,
+    from_data_list,
+    from_files,
+    from_wav_scp,
+    recording_features,
+)
+from cat.features.extract import extract
+from cat.features.fbank import FbankOptions
+from cat.testing.audio import make_audio_file, make_corrupt_file, write_kaldi_data_dir
+from cat.testing.uio import UioUtterance, write_raw_list, write_shard_list, write_uio_shard
+
+
+def stage1(data_dir: Path, feat_dir: Path) -> dict[str, np.ndarray]:
+    extract(data_dir, feat_dir, progress=False)
+    return {key: np.asarray(matrix)
+            for key, matrix in kaldiio.load_scp(str(feat_dir / "feats.scp")).items()}
+
+
+def features_of(audio) -> dict[str, np.ndarray | str]:
+    return {key: result for recording in audio.recordings
+            for key, result in recording_features(recording, FbankOptions())}
+
+
+@pytest.fixture
+def recordings(tmp_path) -> dict[str, str]:
+    audio = tmp_path / "audio"
+    wav = make_audio_file(audio / "a.wav", 1.1, seed=1)
+    return {"a": str(wav),
+            "b": str(make_audio_file(audio / "b.flac", 0.9, sample_rate=22050, seed=2)),
+            "c": str(make_audio_file(audio / "c.opus", 1.0, seed=3)),
+            "d": str(make_audio_file(audio / "d.wav", 0.7, sample_rate=8000, seed=4)),
+            "p": f"cat {wav} |"}
+
+
+def test_wav_scp_features_are_stage_ones(tmp_path, recordings):
+    data_dir = write_kaldi_data_dir(tmp_path / "data", recordings)
+    expected = stage1(data_dir, tmp_path / "fbank")
+    audio = from_wav_scp(data_dir / "wav.scp")
+    assert [r.where for r in audio.recordings] == [f"{data_dir / 'wav.scp'}:{n}"
+                                                   for n in range(1, 6)]
+    got = features_of(audio)
+    assert list(got) == list(expected) == ["a", "b", "c", "d", "p"]
+    for key, matrix in expected.items():
+        np.testing.assert_array_equal(got[key], matrix, err_msg=key)
+
+
+def test_segments_are_cut_as_stage_one_cuts_them(tmp_path, recordings):
+    long = make_audio_file(tmp_path / "audio/long.flac", 3.0, seed=5)
+    segments = {"L-1": ("long", 0.0, 1.2), "L-2": ("long", 1.1, 2.0),
+                "L-3": ("long", 2.5, 3.02),  # ends 20 ms past the recording: clipped
+                "L-4": ("long", 3.5, 4.0),   # after the end
+                "A-1": ("a", 0.2, -1)}       # to the end of the recording
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"long": str(long),
+                                                        "a": recordings["a"]},
+                                    segments=segments)
+    expected = stage1(data_dir, tmp_path / "fbank")
+    audio = from_wav_scp(data_dir / "wav.scp", data_dir / "segments")
+    assert [len(r.pieces) for r in audio.recordings] == [1, 4]  # wav.scp order: a, long
+    got = features_of(audio)
+    assert sorted(expected) == ["A-1", "L-1", "L-2", "L-3"]
+    for key, matrix in expected.items():
+        np.testing.assert_array_equal(got[key], matrix, err_msg=key)
+    # segments lines in byte order: A-1, L-1, L-2, L-3, L-4
+    assert got["L-4"].startswith(f"{data_dir / 'segments'}:5: segment starts at 3.5 s, "
+                                 "after the recording end")
+
+
+def test_unreadable_audio_is_named_by_its_line(tmp_path, recordings):
+    good = recordings["a"]
+    wav_scp = tmp_path / "wav.scp"
+    write_table(wav_scp, [("u1", good), ("u2", str(tmp_path / "missing.wav")),
+                          ("u3", str(make_corrupt_file(tmp_path / "garbage.wav", "garbage"))),
+                          ("u4", str(make_corrupt_file(tmp_path / "half.wav", "truncated",
+                                                       source=good))),
+                          ("u5", "false |")], sort=False)
+    got = features_of(from_wav_scp(wav_scp))
+    assert isinstance(got["u1"], np.ndarray)
+    assert got["u2"] == f"{wav_scp}:2: no such file: {tmp_path / 'missing.wav'}"
+    assert got["u3"].startswith(f"{wav_scp}:3: cannot decode {tmp_path / 'garbage.wav'}")
+    assert got["u4"].startswith(f"{wav_scp}:4: truncated audio")
+    assert got["u5"].startswith(f"{wav_scp}:5: command 'false' exited with status 1")
+
+
+def test_audio_files_are_keyed_by_name(tmp_path, recordings):
+    audio = from_files([recordings["a"], recordings["b"]])
+    assert [r.pieces[0].key for r in audio.recordings] == ["a", "b"]
+    with pytest.raises(AudioListError, match=r"audio file 2 \(.*a.flac\): key 'a' again "
+                                             r"\(audio file 1 has it\)"):
+        from_files([recordings["a"], str(make_audio_file(tmp_path / "x/a.flac", 0.5))])
+    with pytest.raises(AudioListError, match="holds whitespace"):
+        from_files([str(make_audio_file(tmp_path / "my file.wav", 0.5))])
+
+
+def test_raw_data_list(tmp_path, recordings):
+    path = write_raw_list(tmp_path / "raw.list", [("A/B/utt.1", recordings["a"], "今天"),
+                                                  ("x.y", recordings["c"], "好")])
+    with open(path, "a", encoding="utf-8") as f:  # a WeNet segment: seconds of a file
+        f.write(json.dumps({"key": "A/B/utt.2", "wav": recordings["a"], "txt": "天",
+                            "start": 0.1, "end": 0.8}) + "\n")
+    audio = from_data_list(path)
+    assert [[p.key for p in r.pieces] for r in audio.recordings] == [
+        ["A/B/utt.1", "A/B/utt.2"], ["x.y"]]  # file a is read once
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"a": recordings["a"],
+                                                        "c": recordings["c"]},
+                                    segments={"s": ("a", 0.1, 0.8)})
+    expected = stage1(data_dir, tmp_path / "fbank")
+    whole = stage1(write_kaldi_data_dir(tmp_path / "whole", {"a": recordings["a"],
+                                                             "c": recordings["c"]}),
+                   tmp_path / "whole_fbank")
+    got = features_of(audio)
+    np.testing.assert_array_equal(got["A/B/utt.1"], whole["a"])
+    np.testing.assert_array_equal(got["A/B/utt.2"], expected["s"])
+    np.testing.assert_array_equal(got["x.y"], whole["c"])
+
+
+@pytest.mark.parametrize(("lines", "message"), [
+    (['{"key": "a", "wav": "a.wav"', ], r"raw.list:1: not a JSON object"),
+    (['{"key": "a"}'], r"raw.list:1: 'wav' is missing or not a string"),
+    (['{"key": "a b", "wav": "a.wav"}'], r"raw.list:1: key 'a b' is empty or holds whitespace"),
+    (['{"key": "a", "wav": "a.wav"}', '', '{"key": "a", "wav": "b.wav"}'],
+     r"raw.list:3: key 'a' again \(first at .*raw.list:1\)"),
+    (['{"key": "a", "wav": "a.wav"}', 'shards/data-0.tar'],
+     r"raw.list:2: a shard line in a raw-mode list \(line 1 set the mode\)"),
+    (['{"key": "a", "wav": "a.wav", "start": "0"}'],
+     r"raw.list:1: 'start' is not a number of seconds"),
+    ([], r"raw.list: no entries"),
+])
+def test_malformed_data_lists_name_the_line(tmp_path, lines, message):
+    path = tmp_path / "raw.list"
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    with pytest.raises(AudioListError, match=message):
+        from_data_list(path)
+
+
+def test_duplicate_wav_scp_recording_names_both_lines(tmp_path):
+    path = tmp_path / "wav.scp"
+    path.write_text("a x.wav\nb y.wav\na z.wav\n", encoding="utf-8")
+    with pytest.raises(AudioListError, match=r"wav.scp:3: recording 'a' again "
+                                             r"\(first at .*wav.scp:1\)"):
+        from_wav_scp(path)
+
+
+def test_shard_members_are_grouped_by_the_last_dot(tmp_path, recordings):
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"a": recordings["a"]})
+    expected = stage1(data_dir, tmp_path / "fbank")["a"]
+    wav = Path(recordings["a"]).read_bytes()
+    shard = write_uio_shard(tmp_path / "shards/shard-0.tar", [
+        UioUtterance("A/B/utt.1", wav, "今天"),
+        UioUtterance("C/only.text", b"", "好", audio_format="txt"),  # two .txt members
+        UioUtterance("bad.1", b"RIFF garbage", "天"),
+        UioUtterance("sp0.9-utt.2", wav, "气", audio_format="wav"),
+    ])
+    truncated = tmp_path / "shards/shard-1.tar"
+    truncated.write_bytes(shard.read_bytes()[:3000])
+    list_path = write_shard_list(tmp_path / "data.list",
+                                 [shard, truncated, tmp_path / "shards/missing.tar"])
+    audio = from_data_list(list_path)
+    assert all(r.shard for r in audio.recordings)
+    results = [(key, result) for recording in audio.recordings
+               for key, result in recording_features(recording, FbankOptions())]
+    keys = [key for key, _ in results]
+    assert keys == ["A/B/utt.1", "C/only.text", "bad.1", "sp0.9-utt.2", "A/B/utt.1",
+                    str(tmp_path / "shards/missing.tar")]
+    got = dict(results[:4])
+    np.testing.assert_array_equal(got["A/B/utt.1"], expected)
+    np.testing.assert_array_equal(got["sp0.9-utt.2"], expected)
+    assert got["C/only.text"] == (f"{list_path}:1: {shard}: no audio member for key "
+                                  "'C/only.text' (members: C/only.text.txt)")
+    assert got["bad.1"].startswith(f"cannot decode audio {list_path}:1: {shard}:bad.1.wav")
+    assert results[4][1].startswith(f"{list_path}:2: {truncated}: the shard breaks off at key "
+                                    "'A/B/utt.1'")
+    assert results[5][1].startswith(f"{list_path}:3: {tmp_path / 'shards/missing.tar'}: "
+                                    "FileNotFoundError")
