@@ -49,6 +49,9 @@ import soundfile
 import soxr
 
 FORMATS = ("wav", "flac", "opus")
+#: Extensions of the audio `decode` reads in shards and lists: what the packers write,
+#: and Ogg Vorbis and MP3 as other tools' shards may hold them.
+READ_EXTENSIONS = (*FORMATS, "ogg", "mp3")
 # soundfile (major format, subtype) of each format.
 _SOUNDFILE_FORMATS = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"),
                       "opus": ("OGG", "OPUS")}

@@ -34,24 +34,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
-import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from cat.audio.codec import AudioDecodeError, decode
+from cat.audio.codec import READ_EXTENSIONS, AudioDecodeError, decode
 from cat.core.io import PathLike, TableError, iter_table
 from cat.features.extract import utterance_features
 from cat.features.fbank import AudioError, FbankOptions, read_audio
 from cat.features.plan import scan_segments
+from cat.formats.data_list import URL_PREFIXES, DataListError, read_data_list
 from cat.loading.sources import describe, read_shard
 from cat.loading.tar import CorruptShardError
 
 #: Member extensions of audio in WeNet shards (`<key>.<extension>`).
-AUDIO_EXTENSIONS = frozenset({"flac", "mp3", "m4a", "ogg", "opus", "wav", "wma"})
+AUDIO_EXTENSIONS = frozenset(READ_EXTENSIONS)
 
 
 class AudioListError(ValueError):
@@ -173,58 +172,25 @@ def from_wav_scp(wav_scp: PathLike, segments: PathLike | None = None) -> AudioLi
         for recording in table if recording in pieces])
 
 
-def _raw_entry(line: str, where: str) -> tuple[str, Piece]:
-    """(audio path, piece) of a raw-mode data.list line."""
-    try:
-        entry = json.loads(line)
-    except ValueError as error:
-        raise AudioListError(f"{where}: not a JSON object: {error}") from None
-    if not isinstance(entry, dict):
-        raise AudioListError(f"{where}: not a JSON object")
-    for name in ("key", "wav"):
-        if not isinstance(entry.get(name), str):
-            raise AudioListError(f"{where}: '{name}' is missing or not a string")
-    start, end = entry.get("start", 0.0), entry.get("end", -1.0)
-    for name, value in (("start", start), ("end", end)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
-            raise AudioListError(f"{where}: '{name}' is not a number of seconds: {value!r}")
-    return entry["wav"], Piece(_check_key(entry["key"], where), float(start), float(end), where)
-
-
 def from_data_list(path: PathLike) -> AudioList:
-    """A WeNet `data.list`, raw mode (JSON lines) or shard mode (a shard per line)."""
-    path = Path(path)
+    """A WeNet `data.list` (`cat.formats.data_list`), raw mode (JSON lines) or shard mode
+    (a shard per line)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise AudioListError(f"{path}: not UTF-8 text") from None
-    numbered = [(lineno, line.strip()) for lineno, line in enumerate(lines, 1) if line.strip()]
-    if not numbered:
-        raise AudioListError(f"{path}: no entries")
-    raw = numbered[0][1].startswith("{")
-    for lineno, line in numbered:
-        if line.startswith("{") != raw:
-            raise AudioListError(f"{path}:{lineno}: a {'shard' if raw else 'JSON'} line in a "
-                                 f"{'raw' if raw else 'shard'}-mode list (line "
-                                 f"{numbered[0][0]} set the mode)")
-    if not raw:
+        listing = read_data_list(path)
+    except DataListError as error:
+        raise AudioListError(str(error)) from None
+    if not listing.raw:
         return AudioList(str(path), [
-            Recording(line, f"{path}:{lineno}", shard=True,
-                      weight=None if "://" in line or line.startswith("pipe:")
-                      else _file_weight(line))
-            for lineno, line in numbered])
+            Recording(line.location, line.where, shard=True,
+                      weight=None if line.location.startswith(URL_PREFIXES)
+                      else _file_weight(line.location))
+            for line in listing.shards])
     audio: dict[str, list[Piece]] = {}
     wheres: dict[str, str] = {}
-    first: dict[str, str] = {}
-    for lineno, line in numbered:
-        wav, piece = _raw_entry(line, f"{path}:{lineno}")
-        if piece.key in first:
-            raise AudioListError(f"{piece.where}: key {piece.key!r} again (first at "
-                                 f"{first[piece.key]})")
-        first[piece.key] = piece.where
-        audio.setdefault(wav, []).append(piece)
-        wheres.setdefault(wav, piece.where)
+    for entry in listing.entries:
+        audio.setdefault(entry.wav, []).append(Piece(entry.key, entry.start, entry.end,
+                                                     entry.where))
+        wheres.setdefault(entry.wav, entry.where)
     return AudioList(str(path), [Recording(wav, wheres[wav], tuple(pieces),
                                            weight=_file_weight(wav))
                                  for wav, pieces in audio.items()])

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cat.audio.codec import READ_EXTENSIONS
 from cat.features.fbank import FbankOptions
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
 
@@ -35,7 +36,7 @@ _ORDINAL_MASK = (1 << ORDINAL_BITS) - 1
 #: The member of a sample that holds its transcript.
 TRANSCRIPT = "txt"
 #: Members a sample holds its speech in, one of: features, or audio (`AudioConfig`).
-AUDIO_TYPES = ("wav", "flac", "opus")
+AUDIO_TYPES = READ_EXTENSIONS
 CONTENT_TYPES = ("npy", *AUDIO_TYPES)
 #: Every member the loader reads (others are passed over).
 MEMBER_TYPES = (TRANSCRIPT, *CONTENT_TYPES)

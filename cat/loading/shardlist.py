@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 from braceexpand import braceexpand
 
+from cat.formats.data_list import DataListError, ShardLine, iter_data_list
 from cat.formats.shard_format import (
     CONTENT_FEATURES,
     HTTP_PREFIXES,
@@ -111,43 +112,20 @@ def _expand_one(pattern: str, timeout: float) -> list[str]:
 
 
 def read_data_list(path: str) -> list[str]:
-    """The shards of a WeNet `data.list`: one shard path or URL per line (relative paths
-    are relative to the list), or, in raw mode, JSON lines `{"key", "wav", "txt"}` read
-    as virtual shards of `RAW_SHARD_UTTS` entries (`rawlist:<byte offset>:<entries>:<list>`;
-    a relative `wav` is relative to the list's folder).
-    Errors name the file and line."""
-    path = os.path.abspath(path)
-    folder = os.path.dirname(path)
+    """The shards of a WeNet `data.list` (`cat.formats.data_list`): its shards in shard
+    mode; in raw mode its entries as virtual shards of `RAW_SHARD_UTTS` entries
+    (`rawlist:<byte offset>:<entries>:<list>`). Errors name the file and line; raw entries
+    need a `txt` for training."""
     shards: list[str] = []
     raw: list[int] = []  # byte offset of each raw entry
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            start, offset = offset, offset + len(line)
-            try:
-                text = line.decode("utf-8").strip()
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 ({error})") from None
-            if not text:
-                continue
-            if text.startswith("{"):
-                try:
-                    entry = json.loads(text)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{lineno}: not JSON: {error}") from None
-                missing = [k for k in ("key", "wav", "txt") if not isinstance(entry.get(k), str)]
-                if missing:
-                    raise ValueError(f"{path}:{lineno}: a raw data.list entry needs string "
-                                     f"'key', 'wav' and 'txt'; {missing[0]!r} is missing")
-                raw.append(start)
-            else:
-                shards.append(text if is_url(text) or os.path.isabs(text)
-                              else os.path.join(folder, text))
-            if raw and shards:
-                raise ValueError(f"{path}:{lineno}: the list mixes shard paths and raw "
-                                 "JSON entries; keep one kind per data.list")
-    if not raw and not shards:
-        raise ValueError(f"{path}: an empty data.list")
+    for item in iter_data_list(path):
+        if isinstance(item, ShardLine):
+            shards.append(item.location)
+            continue
+        if item.txt is None:
+            raise DataListError(f"{item.where}: no 'txt' (the transcript training needs)")
+        raw.append(item.offset)
+    path = os.path.abspath(path)
     return shards or [f"{RAW_LIST}{raw[i]}:{len(raw[i:i + RAW_SHARD_UTTS])}:{path}"
                       for i in range(0, len(raw), RAW_SHARD_UTTS)]
 

@@ -18,9 +18,7 @@ import contextlib
 import errno
 import http.client
 import io
-import json
 import logging
-import os
 import subprocess
 import tarfile
 import urllib.error
@@ -30,6 +28,10 @@ from typing import BinaryIO
 
 from zlib_ng.zlib_ng import crc32
 
+from cat.audio.codec import AudioDecodeError, decode, encode
+from cat.features.extract import segment_span
+from cat.features.plan import DEFAULT_MAX_OVERSHOOT
+from cat.formats.data_list import DataListError, RawEntry, read_raw_entries
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS, encode_key
 from cat.loading.shardlist import RAW_LIST, raw_list_part
 from cat.loading.tar import BufferPool, CorruptShardError, MemberFilter, iter_tar_members
@@ -120,35 +122,43 @@ def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[Bina
 
 def raw_list_tar(url: str) -> io.BytesIO:
     """The entries of a raw `data.list` part (`cat.loading.shardlist.read_data_list`) as
-    an in-memory tar of `<key>.<ext>` audio (the `wav` file's bytes, as they are; a relative
-    path is relative to the list's folder) and
-    `<key>.txt` members, keys escaped like the packer's. An entry whose audio file cannot
-    be read gets no audio member, so the loader counts it as incomplete."""
+    an in-memory tar of `<key>.<ext>` audio and `<key>.txt` members, keys escaped like the
+    packer's: a whole file's bytes as they are, or an entry's `start`-`end` piece cut as
+    stage 1 cuts segments and stored as 16-bit WAV. An entry whose audio cannot be read
+    or cut gets no audio member (a warning says why), so the loader counts it as
+    incomplete."""
     offset, count, path = raw_list_part(url)
+    try:
+        entries = read_raw_entries(path, offset, count)
+    except (DataListError, OSError) as error:
+        raise StorageError(str(error), False) from None
     buffer = io.BytesIO()
-    with open(path, "rb") as f, tarfile.open(fileobj=buffer, mode="w") as tar:
-        f.seek(offset)
-        taken = 0
-        while taken < count:
-            line = f.readline()
-            if not line:
-                raise StorageError(f"{path} ends before its entry {taken + 1} of {count} "
-                                   f"from byte {offset} (changed since it was read?)", False)
-            if not line.strip():
-                continue
-            entry = json.loads(line)
-            name = encode_key(entry["key"])
-            extension = entry["wav"].rpartition(".")[2].lower()
-            wav = os.path.join(os.path.dirname(path), entry["wav"])  # as is when absolute
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for entry in entries:
+            name = encode_key(entry.key)
             try:
-                with open(wav, "rb") as audio:
-                    _add_bytes(tar, f"{name}.{extension}", audio.read())
-            except OSError as error:
-                logger.warning("%s: %s: cannot read %s: %s", path, entry["key"], wav, error)
-            _add_bytes(tar, f"{name}.txt", entry["txt"].encode("utf-8"))
-            taken += 1
+                extension, data = _raw_audio(entry)
+            except (OSError, AudioDecodeError, ValueError) as error:
+                logger.warning("%s: %s: cannot read %s: %s", entry.where, entry.key,
+                               entry.wav, error)
+            else:
+                _add_bytes(tar, f"{name}.{extension}", data)
+            _add_bytes(tar, f"{name}.txt", (entry.txt or "").encode("utf-8"))
     buffer.seek(0)
     return buffer
+
+
+def _raw_audio(entry: RawEntry) -> tuple[str, bytes]:
+    """(extension, bytes) of a raw entry's audio: the file, or its piece as WAV."""
+    with open(entry.wav, "rb") as f:
+        data = f.read()
+    if entry.start == 0.0 and entry.end == -1.0:
+        return entry.wav.rpartition(".")[2].lower(), data
+    waveform, rate = decode(data, entry.wav)
+    span = segment_span(entry.start, entry.end, len(waveform), rate, DEFAULT_MAX_OVERSHOOT)
+    if isinstance(span, str):
+        raise ValueError(span)
+    return "wav", encode(waveform[span[0]:span[1]], rate, "wav")
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -126,22 +126,13 @@ def test_raw_data_list(tmp_path, recordings):
     np.testing.assert_array_equal(got["x.y"], whole["c"])
 
 
-@pytest.mark.parametrize(("lines", "message"), [
-    (['{"key": "a", "wav": "a.wav"', ], r"raw.list:1: not a JSON object"),
-    (['{"key": "a"}'], r"raw.list:1: 'wav' is missing or not a string"),
-    (['{"key": "a b", "wav": "a.wav"}'], r"raw.list:1: key 'a b' is empty or holds whitespace"),
-    (['{"key": "a", "wav": "a.wav"}', '', '{"key": "a", "wav": "b.wav"}'],
-     r"raw.list:3: key 'a' again \(first at .*raw.list:1\)"),
-    (['{"key": "a", "wav": "a.wav"}', 'shards/data-0.tar'],
-     r"raw.list:2: a shard line in a raw-mode list \(line 1 set the mode\)"),
-    (['{"key": "a", "wav": "a.wav", "start": "0"}'],
-     r"raw.list:1: 'start' is not a number of seconds"),
-    ([], r"raw.list: no entries"),
-])
-def test_malformed_data_lists_name_the_line(tmp_path, lines, message):
+def test_malformed_data_lists_are_audio_list_errors_naming_the_line(tmp_path):
+    # The checks themselves: tests/formats/test_data_list.py.
     path = tmp_path / "raw.list"
-    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
-    with pytest.raises(AudioListError, match=message):
+    path.write_text('{"key": "a", "wav": "a.wav"}\n\n{"key": "a", "wav": "b.wav"}\n',
+                    encoding="utf-8")
+    with pytest.raises(AudioListError, match=r"raw.list:3: key 'a' again \(first at "
+                                             r".*raw.list:1\)"):
         from_data_list(path)
 
 

@@ -3,6 +3,7 @@ fly, online speed perturbation, exact resume, and shards on an S3 object store."
 
 from __future__ import annotations
 
+import json
 import tarfile
 import time
 
@@ -154,8 +155,11 @@ def test_data_list_in_shard_and_raw_mode_reads_the_same_utterances(corpus, token
 def test_bad_data_lists_are_errors_naming_file_and_line(tmp_path, tokenizer):
     cases = {"mixed.list": ("/a/shard.tar\n{\"key\": \"k\", \"wav\": \"k.wav\", \"txt\": \"x\"}\n",
                             r"mixed.list:2: the list mixes shard paths and raw"),
-             "nokey.list": ("{\"wav\": \"k.wav\", \"txt\": \"x\"}\n", r"nokey.list:1: .*'key'"),
+             "nokey.list": ("{\"wav\": \"k.wav\", \"txt\": \"x\"}\n",
+                            r"nokey.list:1: 'key' is missing"),
              "json.list": ("{\"key\": \n", r"json.list:1: not JSON"),
+             "notxt.list": ("{\"key\": \"k\", \"wav\": \"k.wav\"}\n",
+                            r"notxt.list:1: no 'txt' \(the transcript training needs\)"),
              "empty.list": ("\n\n", r"empty.list: an empty data.list")}
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
@@ -331,3 +335,21 @@ def test_audio_settings_must_match_what_the_index_says_the_shards_hold(packed, t
     with pytest.raises(ValueError, match=r"trset mixes feature and audio shards"):
         _stream([f"{folder}/*.tar", str(experiment.root / "data/wds/train/data-*.tar")],
                 tokenizer)
+
+
+def test_raw_list_pieces_are_cut_from_their_file(corpus, tokenizer, tmp_path):
+    key = "A/B/utt.1"
+    wav = corpus.raw_list.parent / "wav" / f"{key}.wav"
+    listing = tmp_path / "pieces.list"
+    listing.write_text("".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in [
+        {"key": "first", "wav": str(wav), "txt": "今天", "start": 0.0, "end": 0.3},
+        {"key": "rest", "wav": str(wav), "txt": "天气", "start": 0.3, "end": -1},
+        {"key": "outside", "wav": str(wav), "txt": "很好", "start": 9.0, "end": 10.0}]),
+        encoding="utf-8")
+    found = _features_by_key(_run_epoch(_stream(str(listing), tokenizer), 1)[0])
+    waveform, _ = decode(wav.read_bytes(), key)
+    for name, (begin, end) in {"first": (0, 4800), "rest": (4800, len(waveform))}.items():
+        expected = compute_fbank(to_float32(to_int16(waveform[begin:end])), 16000,
+                                 AudioConfig().fbank)
+        np.testing.assert_allclose(found[name], expected, rtol=0, atol=1e-4)
+    assert "outside" not in found
