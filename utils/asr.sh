@@ -5,10 +5,13 @@
 # Stages:
 #   0  data preparation: local/data.sh $local_data_opts -> data/<set>/
 #   1  features: 80-dim fbank -> data/fbank/<set> (the training set speed-perturbed into
-#      data/fbank/<train_set>_sp when --speed_perturb is given)
+#      data/fbank/<train_set>_sp when --speed_perturb is given), for the feature dirs the
+#      experiment's hyper-p.json data names (none for a training set packed as audio
+#      shards, data.shards.audio, which the loader turns into features)
 #   2  tokenizer and map-style packs (cat.utils.pipeline prepare); the tar shards the
-#      experiment streams, in the length groups of its hyper-p.json data.shards
-#      (local/prep_wds.py pack-exp; nothing for a map-style experiment)
+#      experiment streams, in the length groups of its hyper-p.json data.shards, of
+#      features or (data.shards.audio) of audio (local/prep_wds.py pack-exp; nothing for a
+#      map-style experiment)
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
 #   5  language models named by hyper-p.json inference.lm (e.g. exp/lm-char-5gram):
@@ -50,12 +53,18 @@ fi
 
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   log "Stage 1: fbank features"
+  # Only the feature dirs the experiment reads: none for a training set packed as audio.
+  needed=$(python -m cat.utils.pipeline feature-dirs "$exp")
   for part in "$train_set" $test_sets; do
     out=data/fbank/$part
     opts=()
     if [ "$part" = "$train_set" ] && [ -n "$speed_perturb" ]; then
       out=data/fbank/${part}_sp
       opts=(--speed-perturb "$speed_perturb")
+    fi
+    if ! grep -qxF "$out" <<<"$needed"; then
+      log "  $out: not read by $exp (hyper-p.json data), not extracted"
+      continue
     fi
     signature="$(cat data/.prepare.done) ${opts[*]}"
     if is_done "$out/.done" "$signature"; then

@@ -14,6 +14,10 @@
 * `decode` (stage 4): averages checkpoints (`inference.avgmodel`), decodes every
   `data.test` set with `inference.infer` and scores it with `cat.utils.wer`; the table of
   results goes to `exp/<name>/RESULTS.md`.
+* `feature-dirs` (for stage 1): prints the feature dirs (`data/fbank/<set>`) that
+  `data.train`, `data.dev` and `data.test` name, one per line, so that stage 1 extracts
+  only what the experiment reads: with audio shards (`data.shards.audio`) `data.train`
+  names Kaldi data dirs, and the training set needs no stage-1 features.
 * `lm` (stage 5): trains the n-gram LMs that `inference.lm` names (`cat.lm.train`), tunes
   each setting's weights on the dev set (grid search: shallow fusion and LODR weights by
   decoding, rescoring weights on the kept N-best lists), writes them to
@@ -30,6 +34,7 @@ Usage:
     python -m cat.utils.pipeline train exp/synth-ctc --nproc 1
     python -m cat.utils.pipeline decode exp/synth-ctc --nj 2
     python -m cat.utils.pipeline lm exp/synth-ctc --nj 2
+    python -m cat.utils.pipeline feature-dirs exp/synth-ctc  # what stage 1 must extract
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from cat.core.config import (
     CONFIG_NAME,
     HYPER_NAME,
     apply_env,
+    as_list,
 )
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.stages import is_done, mark_done, signature
@@ -213,6 +219,21 @@ def _results_table(plan: Plan, checkpoint: Path, options: Any, unit: str,
 # ----------------------------------------------------------------------------- CLI
 
 
+def feature_dirs(exp_dir: PathLike) -> list[str]:
+    """The feature dirs the experiment reads (data dirs with a `feats.scp` to be made),
+    in `data.train`, `data.dev`, `data.test` order, each once."""
+    plan = Plan.load(exp_dir)
+    audio = (plan.data.get("shards") or {}).get("audio") is not None
+    found: list[str] = []
+    for section in ("train", "dev", "test"):
+        if section == "train" and audio:
+            continue  # Kaldi data dirs, packed as audio
+        for directory in as_list(plan.data.get(section)):
+            if directory not in found:
+                found.append(directory)
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cat.utils.pipeline",
                                      description=__doc__.split("\n\n")[0])
@@ -220,9 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, help_text in (("prepare", "stage 2: tokenizer and map-style packs"),
                             ("train", "stage 3: training"),
                             ("decode", "stage 4: decoding and scoring"),
-                            ("lm", "stage 5: language models, decoding with them")):
+                            ("lm", "stage 5: language models, decoding with them"),
+                            ("feature-dirs", "the feature dirs stage 1 must extract")):
         command = sub.add_parser(name, help=help_text)
         command.add_argument("exp_dir", help="experiment directory, e.g. exp/synth-ctc")
+        if name == "feature-dirs":
+            continue
         if name == "train":
             command.add_argument("--nproc", type=int, default=1,
                                  help="training processes (torchrun when > 1)")
@@ -234,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prepare(args.exp_dir)
     elif args.command == "train":
         train(args.exp_dir, args.nproc)
+    elif args.command == "feature-dirs":
+        print("\n".join(feature_dirs(args.exp_dir)))
     elif args.command == "lm":
         table = decode_lm(args.exp_dir, args.nj)
         if table is not None:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import kaldiio
@@ -120,22 +121,33 @@ def test_aishell_recipe_runs_every_stage(tmp_path):
 
 
 @pytest.mark.slow
-def test_wenetspeech_recipe_streams_shards_through_every_stage(tmp_path):
+def test_wenetspeech_recipe_streams_audio_shards_through_every_stage(tmp_path):
     recipe = _recipe_copy(tmp_path, "wenetspeech")
-    _run(recipe, "--synthetic", "true", "--synthetic_hours", "0.06", "--exp", "exp/tiny-ctc")
+    output = _run(recipe, "--synthetic", "true", "--synthetic_hours", "0.06",
+                  "--exp", "exp/tiny-ctc")
     # segments cut from the long Opus recordings
     assert (recipe / "data/train_l/segments").is_file()
-    # tar shards in two length groups, each with an index that validates
-    groups = sorted(p.name for p in (recipe / "data/wds/train_l").iterdir() if p.is_dir())
+    # the training set is packed as audio: stage 1 computes no features for it
+    assert "data/fbank/train_l: not read by exp/tiny-ctc" in output
+    assert not (recipe / "data/fbank/train_l").exists()
+    # opus shards in two length groups, each with an index that validates
+    shards = recipe / "data/wds/train_l_opus"
+    groups = sorted(p.name for p in shards.iterdir() if p.is_dir())
     assert groups == ["10_300", "300_2000"]
     for group in groups:
-        assert validate(recipe / "data/wds/train_l" / group) == []
+        assert validate(shards / group) == []
+        header = json.loads((shards / group / "index.jsonl").read_text().splitlines()[0])
+        assert header["content"] == "audio" and header["audio_format"] == "opus"
+        with tarfile.open(next((shards / group).glob("data-*.tar"))) as tar:
+            assert {name.rpartition(".")[2] for name in tar.getnames()} == {"opus", "txt"}
     # training streamed the shards: the epoch summary accounts for every utterance
-    num_train = len((recipe / "data/fbank/train_l/text").read_text(encoding="utf-8").splitlines())
+    num_train = len((recipe / "data/train_l/text").read_text(encoding="utf-8").splitlines())
     summary = json.loads((recipe / "exp/tiny-ctc/log/epoch-001.json").read_text())
     (rank,) = summary["ranks"]
-    assert rank["expected"] == num_train and rank["not_trained"] == 0
-    assert rank["trained"] + sum(rank["dropped"].values()) == num_train
+    dropped_in_packing = len((shards / "dropped.txt").read_text().splitlines()) \
+        if (shards / "dropped.txt").exists() else 0
+    assert rank["expected"] + dropped_in_packing == num_train and rank["not_trained"] == 0
+    assert rank["trained"] + sum(rank["dropped"].values()) == rank["expected"]
     coverage = json.loads((recipe / "exp/tiny-ctc/log/coverage.jsonl").read_text()
                           .splitlines()[0])
     assert coverage["epoch"] == 1 and coverage["trained"] == rank["trained"]
