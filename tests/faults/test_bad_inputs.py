@@ -5,6 +5,7 @@ and listed with their reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -22,6 +23,7 @@ from cat.data import aishell
 from cat.decoding.inference import DecodeOptions, decode_set
 from cat.features import extract
 from cat.formats import audio_pack, mappack, prep_wds, shard_check, shard_format
+from cat.formats.data_list import DataListError
 from cat.loading.reader import DataUnavailableError
 from cat.loading.tar import CorruptShardError
 from cat.testing.audio import (
@@ -34,6 +36,7 @@ from cat.testing.features import write_feature_corpus
 from cat.testing.release import make_aishell_release
 from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
 from cat.testing.training import write_tiny_experiment
+from cat.testing.uio import UioUtterance, synth_wav, write_uio_shard
 from cat.text import tokenizer as tk
 from cat.training.checkpoint import CheckpointManager, CheckpointMismatchError
 from cat.training.cli import train
@@ -501,6 +504,82 @@ def test_undecodable_member_with_strict_shards(experiment, tmp_path):
     with pytest.raises(ValueError, match=r"shard .*bad/data-0\.tar: utterance 'utt2': "
                                          r"corrupt_features not \.npy data \(strict_shards"):
         train(NAME, "cat.ctc.train")
+
+
+@pytest.fixture
+def audio_experiment(tmp_path, monkeypatch):
+    """The tiny experiment with an 80-dim model (and dev set), for audio training data."""
+    experiment = write_tiny_experiment(tmp_path, feat_dim=80, options={"epochs": 1})
+    monkeypatch.chdir(tmp_path)
+    return experiment
+
+
+def _audio_shards(experiment, trset, **options):
+    """Stream `trset` as audio: 80-dim fbank computed on the fly."""
+    experiment.use_shards(trset=trset, audio={"speed_perturb": [0.9, 1.0, 1.1]}, **options)
+
+
+def _uio_utterances(experiment, count):
+    texts = experiment.train.transcripts
+    return [UioUtterance(key, synth_wav(0.8, seed=i), texts[key])
+            for i, key in enumerate(sorted(texts)[:count])]
+
+
+def test_audio_shards_without_audio_settings(audio_experiment, tmp_path):
+    experiment = audio_experiment
+    data_dir = make_data_dir(tmp_path / "corpus")
+    audio_pack.pack_audio(data_dir, experiment.root / "data/wds_audio", "flac")
+    experiment.use_shards(trset="data/wds_audio/data-*.tar")
+    with pytest.raises(ValueError, match=r"data/wds_audio/index\.jsonl lists audio shards, but "
+                                         r"train\.option\.audio \(how audio becomes "
+                                         r"features\) is not set"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_undecodable_audio_member_in_training(audio_experiment):
+    experiment = audio_experiment
+    utterances = _uio_utterances(experiment, 6)
+    utterances[2] = dataclasses.replace(utterances[2], audio=b"RIFF garbage")
+    for number in range(2):
+        write_uio_shard(experiment.root / f"uio/shards_{number:09d}.tar",
+                        utterances[3 * number:3 * number + 3])
+    _audio_shards(experiment, "uio/shards_*.tar", utts_per_shard_estimate=3)
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == 5 and list(summary["dropped"]) == ["bad_audio"]
+    drops = (experiment.exp_dir / "log/drops/epoch-001.rank-0.txt").read_text()
+    assert f"{utterances[2].key} bad_audio cannot decode audio " in drops
+    assert "uio/shards_000000000.tar:" in drops
+
+
+def test_malformed_raw_data_list(audio_experiment):
+    experiment = audio_experiment
+    listing = experiment.root / "data.list"
+    listing.write_text('{"key": "a", "wav": "a.wav", "txt": "的"}\n{"key": "b", "wav": }\n',
+                       encoding="utf-8")
+    _audio_shards(experiment, "data.list")
+    with pytest.raises(DataListError, match=r"data\.list:2: not JSON: Expecting value"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_raw_data_list_entry_whose_audio_is_missing(audio_experiment, caplog):
+    experiment = audio_experiment
+    lines = []
+    for utterance in _uio_utterances(experiment, 4):
+        path = experiment.root / "wav" / f"{utterance.key}.wav"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(utterance.audio)
+        lines.append(json.dumps({"key": utterance.key, "wav": f"wav/{utterance.key}.wav",
+                                 "txt": utterance.text}, ensure_ascii=False))
+    gone = experiment.root / "wav" / f"{_uio_utterances(experiment, 4)[1].key}.wav"
+    gone.unlink()
+    (experiment.root / "data.list").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _audio_shards(experiment, "data.list")
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == 3
+    assert summary["dropped"] == {"incomplete_sample": 1}
+    assert f"cannot read {gone}: [Errno 2] No such file or directory" in caplog.text
 
 
 def test_shard_server_dropping_connections(experiment):
