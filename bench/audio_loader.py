@@ -35,20 +35,15 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import logging
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +62,7 @@ from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stream import ShardStream
 from cat.testing.seaweedfs import seaweedfs_s3
+from cat.testing.shards import serve_directory_process
 from cat.text import tokenizer as tk
 
 RATE = 16000
@@ -133,32 +129,6 @@ def _wenet_style(shards: list[Path], batch: int, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _http_server(directory: Path) -> Iterator[str]:
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
-                               "--directory", str(directory), str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the HTTP server did not start")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait()
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--utterances", type=int, default=600, help="utterances in the corpus")
@@ -204,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                      _wenet_style(sorted((shards / "opus").glob("data-*.tar")), args.batch,
                                   args.repeats)))
         names = " ".join(p.name for p in sorted((shards / "opus").glob("data-*.tar")))
-        with _http_server(shards / "opus") as url:
+        with serve_directory_process(shards / "opus") as (_, url):
             pattern = f"{url}/{{{','.join(n[:-4] for n in names.split())}}}.tar"
             rows.append(("stream opus sp over HTTP",
                          _epochs(_stream(pattern, tokenizer, sp, args.batch), args.repeats)))

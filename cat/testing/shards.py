@@ -2,7 +2,9 @@
 
 `write_uneven_shards` packs a feature corpus into one folder per shard (each with its own
 `index.jsonl`), so shards can have any sizes; `truncate_file` cuts a file short;
-`serve_directory` serves a folder over HTTP on 127.0.0.1 for `http://` shard tests.
+`serve_directory` serves a folder over HTTP on 127.0.0.1 for `http://` shard tests (in a
+thread, with injected faults); `serve_directory_process` does it from a process of its
+own (`python -m http.server`), which a test can kill or stop, or a benchmark time apart.
 """
 
 from __future__ import annotations
@@ -11,8 +13,13 @@ import contextlib
 import functools
 import http.server
 import io
+import signal
+import socket
+import subprocess
+import sys
 import tarfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -173,3 +180,35 @@ def serve_directory(directory: PathLike, faults: dict[str, list[str]] | None = N
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_directory_process(directory: PathLike, startup_timeout: float = 30.0
+                            ) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`python -m http.server` serving `directory` on 127.0.0.1 (a free port), in its own
+    process; yields `(process, base URL)` once it answers, and kills it on leaving (after
+    a SIGCONT, in case the test stopped it)."""
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
+                                "--directory", str(directory), str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server for {directory} did not start")
+            time.sleep(0.05)
+        yield process, f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait()

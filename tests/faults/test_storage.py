@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,40 +19,13 @@ import pytest
 
 import cat
 from cat.testing.seaweedfs import seaweedfs_s3
+from cat.testing.shards import serve_directory_process
 from cat.testing.training import write_tiny_experiment
 
 REPO_ROOT = Path(cat.__file__).resolve().parent.parent
 NAME = "exp/tiny"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _server(directory: Path):
-    """`python -m http.server` on 127.0.0.1 in its own process; yields (process, url)."""
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
-                                "--directory", str(directory), str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
-            assert time.monotonic() < deadline, "the shard server did not start"
-            time.sleep(0.05)
-        yield process, f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGCONT)
-        process.kill()
-        process.wait()
 
 
 def _latest_step(exp_dir: Path) -> int:
@@ -68,7 +40,7 @@ def _latest_step(exp_dir: Path) -> int:
 def test_shard_server_failing_mid_epoch_stops_training_with_an_error(tmp_path, fault, strict):
     experiment = write_tiny_experiment(tmp_path, options={
         "epochs": 3, "check_freq": 1, "shuffle_buffer": 4, "sort_buffer": 4})
-    with _server(tmp_path / "data/wds/train") as (server, url):
+    with serve_directory_process(tmp_path / "data/wds/train") as (server, url):
         experiment.use_shards(trset=f"{url}/data-0000{{0..7}}.tar", read_ahead_mb=0,
                               read_timeout=2, strict_shards=strict)
         environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
