@@ -66,6 +66,8 @@ from cat.storage.s3 import S3_SCHEME, default_store, index_url, is_s3_url, split
 logger = logging.getLogger(__name__)
 
 RAW_LIST = "rawlist:"
+#: Shard names the loader refuses: compressed tars (WeNet's tools can write them).
+COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
 URL_PREFIXES = (*HTTP_PREFIXES, "pipe:", S3_SCHEME, RAW_LIST)
 #: Entries of a raw-mode `data.list` read as one (virtual) shard.
 RAW_SHARD_UTTS = 100
@@ -86,6 +88,10 @@ def expand_shard_patterns(patterns: Sequence[str] | str,
     origin: dict[str, str] = {}
     for pattern in patterns:
         for shard in _expand_one(pattern, timeout):
+            if _url_path(shard).endswith(COMPRESSED_SUFFIXES):
+                raise ValueError(f"shard {shard} (from {pattern!r}) is compressed; the loader "
+                                 "reads plain tar shards (audio members are compressed "
+                                 "already): decompress it, e.g. gunzip, and index the folder")
             if shard in origin:
                 raise ValueError(f"shard {shard} is listed twice (patterns "
                                  f"{origin[shard]!r} and {pattern!r})")

@@ -353,3 +353,10 @@ def test_raw_list_pieces_are_cut_from_their_file(corpus, tokenizer, tmp_path):
                                  AudioConfig().fbank)
         np.testing.assert_allclose(found[name], expected, rtol=0, atol=1e-4)
     assert "outside" not in found
+
+
+def test_compressed_shards_are_refused_by_name(tmp_path):
+    corpus = make_uio_corpus(tmp_path, {"a": "今天", "b": "天气"}, gzip=True)
+    with pytest.raises(ValueError, match=r"shards_000000000\.tar\.gz \(from .*\) is "
+                                         r"compressed; the loader reads plain tar shards"):
+        load_shard_list(str(corpus.shard_list), 1)
