@@ -35,6 +35,28 @@ def _latest_step(exp_dir: Path) -> int:
     return 0
 
 
+def _break_storage_during_training(root: Path, exp_dir: Path, environment: dict,
+                                   break_storage) -> tuple[int, str, float]:
+    """Starts training, calls `break_storage()` once the first checkpoint is saved and
+    returns (exit status, stderr, seconds from the fault to the end of training)."""
+    training = subprocess.Popen([sys.executable, "-m", "cat.ctc.train", NAME], cwd=root,
+                                env=environment, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _latest_step(exp_dir) < 1:
+            assert training.poll() is None, training.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.02)
+        break_storage()
+        began = time.monotonic()
+        _, errors = training.communicate(timeout=150)
+        return training.returncode, errors, time.monotonic() - began
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(training.pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize(("fault", "strict"), [("kill", False), ("stop", False),
                                                 ("kill", True)])
 def test_shard_server_failing_mid_epoch_stops_training_with_an_error(tmp_path, fault, strict):
@@ -44,23 +66,10 @@ def test_shard_server_failing_mid_epoch_stops_training_with_an_error(tmp_path, f
         experiment.use_shards(trset=f"{url}/data-0000{{0..7}}.tar", read_ahead_mb=0,
                               read_timeout=2, strict_shards=strict)
         environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-        training = subprocess.Popen([sys.executable, "-m", "cat.ctc.train", NAME],
-                                    cwd=tmp_path, env=environment, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            while _latest_step(experiment.exp_dir) < 1:
-                assert training.poll() is None, training.stderr.read()[-3000:]
-                assert time.monotonic() < deadline, "training did not start"
-                time.sleep(0.02)
-            server.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-            began = time.monotonic()
-            _, errors = training.communicate(timeout=150)
-            seconds = time.monotonic() - began
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(training.pid, signal.SIGKILL)
-    assert training.returncode != 0
+        returncode, errors, seconds = _break_storage_during_training(
+            tmp_path, experiment.exp_dir, environment,
+            lambda: server.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP))
+    assert returncode != 0
     assert "DataUnavailableError" in errors and url in errors, errors[-3000:]
     if strict:
         assert "strict_shards is set" in errors
@@ -94,24 +103,9 @@ def test_training_from_s3_trains_everything_and_a_dead_store_stops_it(tmp_path):
         assert [c["trained"] for c in coverage] == [len(complete.train.keys)] * 2
 
         broken.use_shards(trset=trset, read_ahead_mb=0, read_timeout=2)
-        training = subprocess.Popen([sys.executable, "-m", "cat.ctc.train", NAME],
-                                    cwd=broken.root, env=environment,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            while _latest_step(broken.exp_dir) < 1:
-                assert training.poll() is None, training.stderr.read()[-3000:]
-                assert time.monotonic() < deadline, "training did not start"
-                time.sleep(0.02)
-            server.stop()
-            began = time.monotonic()
-            _, errors = training.communicate(timeout=150)
-            seconds = time.monotonic() - began
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(training.pid, signal.SIGKILL)
-    assert training.returncode != 0
+        returncode, errors, seconds = _break_storage_during_training(
+            broken.root, broken.exp_dir, environment, server.stop)
+    assert returncode != 0
     assert "DataUnavailableError" in errors and "storage: s3://speech at http://127.0.0.1:" \
         in errors and "s3://speech/wds/train/data-0000" in errors, errors[-3000:]
     assert seconds < 60, seconds
