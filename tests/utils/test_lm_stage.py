@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cat.core.config import ConfigError, validate_hyper
+from cat.core.config import ConfigError, load_config, validate_hyper
 from cat.lm.train import load_lm_config
 from cat.utils.lm_stage import _grid, _pass_name, decode_lm, train_lm
 
@@ -38,11 +38,14 @@ def test_bad_lm_settings_are_named(lm, message):
 
 
 def test_published_experiments_validate():
-    for exp in ("aishell/exp/ctc-v1", "aishell/exp/rnnt-v1", "aishell/exp/synth-ctc-short",
-                "aishell/exp/synth-rnnt-short", "aishell/exp/tiny-ctc",
-                "wenetspeech/exp/train_l/rnnt-v1"):
-        validate_hyper(json.loads((ROOT / "egs" / exp / "hyper-p.json").read_text()), exp)
-    for lm in (ROOT / "egs").glob("*/exp/*lm-*"):
+    hypers = sorted((ROOT / "egs").glob("*/exp/**/hyper-p.json"))
+    assert len(hypers) >= 13, hypers
+    for path in hypers:
+        validate_hyper(json.loads(path.read_text()), str(path.relative_to(ROOT)))
+        load_config(path.with_name("config.json"))
+    lms = list((ROOT / "egs").glob("*/exp/*lm-*"))
+    assert len(lms) >= 3, lms
+    for lm in lms:
         load_lm_config(lm)
 
 
