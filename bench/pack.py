@@ -34,7 +34,8 @@ from cat.testing.features import utterance_ids, write_feature_corpus
 MEGABYTE = 1e6
 
 
-def _best_time(run: Callable[[], None], prepare: Callable[[], None], repeat: int) -> float:
+def best_time(run: Callable[[], object], prepare: Callable[[], None], repeat: int) -> float:
+    """Seconds of the fastest of `repeat` runs of `run`, each after `prepare`."""
     best = float("inf")
     for _ in range(repeat):
         prepare()
@@ -100,14 +101,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         pack(1)()
         listing = _write_baseline_members(workdir, out, workdir / "members")
         baseline_tar = workdir / "baseline.tar"
-        tar_seconds = _best_time(
+        tar_seconds = best_time(
             lambda: subprocess.run(["tar", "-cf", str(baseline_tar), "-C",
                                     str(workdir / "members"), "-T", str(listing)], check=True),
             lambda: baseline_tar.unlink(missing_ok=True), args.repeat)
         tar_rate = feature_bytes / MEGABYTE / tar_seconds
         print(f"{'system tar':<22} {tar_seconds:7.2f} s {tar_rate:8.1f} MB/s  ratio 1.00")
         # pack_data fsyncs every shard before renaming it; this line prices that in.
-        synced_seconds = _best_time(
+        synced_seconds = best_time(
             lambda: subprocess.run(f"tar -cf '{baseline_tar}' -C '{workdir / 'members'}' "
                                    f"-T '{listing}' && sync '{baseline_tar}'", shell=True,
                                    check=True),
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"ratio {synced_rate / tar_rate:.2f}")
         rates = {}
         for num_jobs in args.nj:
-            seconds = _best_time(pack(num_jobs), clear_output, args.repeat)
+            seconds = best_time(pack(num_jobs), clear_output, args.repeat)
             rates[num_jobs] = feature_bytes / MEGABYTE / seconds
             print(f"{f'pack_data nj={num_jobs}':<22} {seconds:7.2f} s "
                   f"{rates[num_jobs]:8.1f} MB/s  ratio {rates[num_jobs] / tar_rate:.2f}")

@@ -30,7 +30,6 @@ import argparse
 import logging
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,8 +37,9 @@ import numpy as np
 import soundfile
 import torch
 
-# The synthesis of a sibling benchmark (run as a script, bench/ is on sys.path).
+# Sibling benchmarks: their synthesis and timing (run as a script, bench/ is on sys.path).
 from audio_bytes import make_speech
+from pack import best_time
 
 from cat.core.io import write_table
 from cat.features.extract import extract
@@ -49,16 +49,6 @@ from cat.formats.prep_wds import pack_data
 RATE = 16000
 MEGABYTE = 1e6
 HOUR = 3600.0
-
-
-def _best_time(run: Callable[[], object], prepare: Callable[[], None], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        prepare()
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def write_corpus(root: Path, speech: list[np.ndarray], count: int,
@@ -143,18 +133,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             return float(sum(p.stat().st_size for p in out.rglob("*.tar")))
 
         for num_jobs in args.nj:
-            stage1 = _best_time(lambda nj=num_jobs: extract(whole, fbank, nj=nj,
+            stage1 = best_time(lambda nj=num_jobs: extract(whole, fbank, nj=nj,
                                                             progress=False),
                                 clear(fbank), args.repeat)
             rows.append((f"stage 1 fbank nj={num_jobs}", stage1, 0.0))
-            pack = _best_time(lambda nj=num_jobs: pack_data(
+            pack = best_time(lambda nj=num_jobs: pack_data(
                 fbank / "feats.scp", fbank / "text", out, utts_per_file=args.utts_per_file,
                 num_jobs=nj), clear(out), args.repeat)
             rows.append((f"pack_data (features) nj={num_jobs}", pack, shard_bytes()))
             rows.append((f"stage 1 + pack_data nj={num_jobs}", stage1 + pack, shard_bytes()))
             for source, data in (("wav files", whole), ("long opus", long)):
                 for audio_format in ("wav", "flac", "opus"):
-                    took = _best_time(lambda d=data, f=audio_format, nj=num_jobs: pack_audio(
+                    took = best_time(lambda d=data, f=audio_format, nj=num_jobs: pack_audio(
                         d, out, f, utts_per_file=args.utts_per_file, num_jobs=nj),
                         clear(out), args.repeat)
                     rows.append((f"pack_audio {audio_format} from {source} nj={num_jobs}",
