@@ -33,8 +33,6 @@ import io
 import subprocess
 import tarfile
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +40,7 @@ import soundfile
 import soxr
 import torch
 import torchaudio
+from timing import best_time
 
 from cat.audio.codec import decode, encode, to_int16
 from cat.audio.speed import speed_perturb
@@ -73,16 +72,6 @@ def make_speech(count: int, seed: int) -> list[np.ndarray]:
         waveform = np.concatenate([pad[0], voice, pad[1]])
         utterances.append(to_int16(add_noise(waveform, speaker.snr_db, rng)))
     return utterances
-
-
-def best_time(function: Callable[[], object], repeats: int) -> float:
-    function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def tar_bytes(members: list[tuple[str, bytes]]) -> int:

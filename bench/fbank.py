@@ -18,12 +18,13 @@ import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import kaldi_native_fbank
 import numpy as np
 import torch
+from timing import best_time
 
 from cat.audio.codec import resample
 from cat.core.io import read_table
@@ -50,17 +51,6 @@ def peer_fbank(waveform: np.ndarray, options: FbankOptions, fetch: bool = True,
     if not fetch:
         return None
     return np.stack([fbank.get_frame(i) for i in range(fbank.num_frames_ready)])
-
-
-def best_time(function: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` calls, after one warm-up call."""
-    function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def load_waveforms(data_dir: Path, options: FbankOptions) -> list[np.ndarray]:

@@ -24,25 +24,15 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from timing import best_time
 
 from cat.formats import prep_wds
 from cat.testing.features import utterance_ids, write_feature_corpus
 
 MEGABYTE = 1e6
-
-
-def best_time(run: Callable[[], object], prepare: Callable[[], None], repeat: int) -> float:
-    """Seconds of the fastest of `repeat` runs of `run`, each after `prepare`."""
-    best = float("inf")
-    for _ in range(repeat):
-        prepare()
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _write_baseline_members(corpus_dir: Path, shard_dir: Path, members_dir: Path) -> Path:
@@ -104,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tar_seconds = best_time(
             lambda: subprocess.run(["tar", "-cf", str(baseline_tar), "-C",
                                     str(workdir / "members"), "-T", str(listing)], check=True),
-            lambda: baseline_tar.unlink(missing_ok=True), args.repeat)
+            args.repeat, prepare=lambda: baseline_tar.unlink(missing_ok=True), warm_up=False)
         tar_rate = feature_bytes / MEGABYTE / tar_seconds
         print(f"{'system tar':<22} {tar_seconds:7.2f} s {tar_rate:8.1f} MB/s  ratio 1.00")
         # pack_data fsyncs every shard before renaming it; this line prices that in.
@@ -112,13 +102,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             lambda: subprocess.run(f"tar -cf '{baseline_tar}' -C '{workdir / 'members'}' "
                                    f"-T '{listing}' && sync '{baseline_tar}'", shell=True,
                                    check=True),
-            lambda: baseline_tar.unlink(missing_ok=True), args.repeat)
+            args.repeat, prepare=lambda: baseline_tar.unlink(missing_ok=True), warm_up=False)
         synced_rate = feature_bytes / MEGABYTE / synced_seconds
         print(f"{'system tar + sync':<22} {synced_seconds:7.2f} s {synced_rate:8.1f} MB/s  "
               f"ratio {synced_rate / tar_rate:.2f}")
         rates = {}
         for num_jobs in args.nj:
-            seconds = best_time(pack(num_jobs), clear_output, args.repeat)
+            seconds = best_time(pack(num_jobs), args.repeat, prepare=clear_output, warm_up=False)
             rates[num_jobs] = feature_bytes / MEGABYTE / seconds
             print(f"{f'pack_data nj={num_jobs}':<22} {seconds:7.2f} s "
                   f"{rates[num_jobs]:8.1f} MB/s  ratio {rates[num_jobs] / tar_rate:.2f}")

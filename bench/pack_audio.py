@@ -39,7 +39,7 @@ import torch
 
 # Sibling benchmarks: their synthesis and timing (run as a script, bench/ is on sys.path).
 from audio_bytes import make_speech
-from pack import best_time
+from timing import best_time
 
 from cat.core.io import write_table
 from cat.features.extract import extract
@@ -135,18 +135,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         for num_jobs in args.nj:
             stage1 = best_time(lambda nj=num_jobs: extract(whole, fbank, nj=nj,
                                                             progress=False),
-                                clear(fbank), args.repeat)
+                                args.repeat, prepare=clear(fbank), warm_up=False)
             rows.append((f"stage 1 fbank nj={num_jobs}", stage1, 0.0))
             pack = best_time(lambda nj=num_jobs: pack_data(
                 fbank / "feats.scp", fbank / "text", out, utts_per_file=args.utts_per_file,
-                num_jobs=nj), clear(out), args.repeat)
+                num_jobs=nj), args.repeat, prepare=clear(out), warm_up=False)
             rows.append((f"pack_data (features) nj={num_jobs}", pack, shard_bytes()))
             rows.append((f"stage 1 + pack_data nj={num_jobs}", stage1 + pack, shard_bytes()))
             for source, data in (("wav files", whole), ("long opus", long)):
                 for audio_format in ("wav", "flac", "opus"):
                     took = best_time(lambda d=data, f=audio_format, nj=num_jobs: pack_audio(
                         d, out, f, utts_per_file=args.utts_per_file, num_jobs=nj),
-                        clear(out), args.repeat)
+                        args.repeat, prepare=clear(out), warm_up=False)
                     rows.append((f"pack_audio {audio_format} from {source} nj={num_jobs}",
                                  took, shard_bytes()))
             _print(rows, seconds, num_jobs)

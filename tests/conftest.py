@@ -3,9 +3,10 @@
 import pytest
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
-    """Tiny tensors run fastest on one thread, and tests share the machine's cores."""
+    """Tiny tensors run fastest on one thread, and tests share the machine's cores; set
+    for every test, since code under test may change it (training sets `threads`)."""
     import torch
 
     previous = torch.get_num_threads()

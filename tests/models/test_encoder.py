@@ -17,15 +17,6 @@ from cat.models.layer import (
 )
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def tiny_encoder(**overrides) -> ConformerNet:
     kwargs = {"idim": 20, "hdim": 16, "num_cells": 2, "num_heads": 2, "kernel_size": 5,
               "dropout": 0.1}

@@ -27,15 +27,6 @@ from cat.rnnt.model import (
 from cat.training.scheduler import SCHEDULERS, build_scheduler
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def ctc_config() -> dict:
     return {
         "specaug": {"num_freq_masks": 2, "max_freq_mask_width": 4, "num_time_masks": 2,

@@ -8,15 +8,6 @@ import torch
 from cat.models.specaug import SpecAugment
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def padded_batch(lengths: list[int], dim: int = 40, pad_value: float = -7.0) -> torch.Tensor:
     """Features of value 1 + small noise on valid frames and `pad_value` on padding."""
     feats = torch.full((len(lengths), max(lengths), dim), pad_value)

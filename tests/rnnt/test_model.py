@@ -9,15 +9,6 @@ from cat.models.encoder import ConformerNet
 from cat.rnnt.model import JointNet, LSTMPredictor, StatelessPredictor, TransducerModel
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def tiny_transducer(num_classes: int = 6, predictor: str = "lstm",
                     loss_normalization: str = "utterance") -> TransducerModel:
     torch.manual_seed(0)

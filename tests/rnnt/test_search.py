@@ -11,15 +11,6 @@ from cat.rnnt.model import JointNet, LSTMPredictor, StatelessPredictor
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def components(kind: str, num_classes: int, seed: int, blank_bias: float = 0.0):
     """Random predictor + joiner; `blank_bias` shifts the blank logit."""
     torch.manual_seed(seed)

@@ -16,15 +16,6 @@ from cat.training.scheduler import (
 )
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Tiny tensors: one thread avoids thread-pool overhead on shared CPUs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def noam_config(**kwargs) -> dict:
     schedule = {"peak_lr": 1e-3, "warmup_steps": 10, "stop_step": 40}
     schedule.update(kwargs)
