@@ -44,7 +44,7 @@ from cat.core.process import process_pool
 from cat.features.extract import segment_span
 from cat.features.fbank import FbankOptions, num_frames
 from cat.features.plan import DEFAULT_MAX_OVERSHOOT, read_segments
-from cat.formats.tables import DropLog, as_path_list, read_labels, transcript_verdict
+from cat.formats.tables import DropLog, as_path_list, join_labels, read_labels
 
 logger = logging.getLogger(__name__)
 
@@ -212,17 +212,8 @@ def load_audio_utterances(data_dirs: PathLike | Sequence[PathLike], drops: DropL
         text_files.append(data_dir / "text")
     labels = read_labels(text_files)
 
-    keys = []
-    for utt in sorted(entries.pieces):
-        text = labels.get(utt)
-        reason = "no_label" if text is None else transcript_verdict(text)
-        if reason:
-            drops.add(utt, reason)
-        else:
-            keys.append(utt)
-    for utt in sorted(labels):
-        if utt not in entries.pieces:
-            drops.add(utt, "no_audio")
+    ordered = sorted(entries.pieces)
+    keys = [ordered[i] for i in join_labels(ordered, labels, drops, unmatched="no_audio")]
 
     lengths = _recording_lengths(entries, keys, num_jobs)
     kept, frames = [], []

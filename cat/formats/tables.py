@@ -335,17 +335,25 @@ def load_utterances(f_scps: PathLike | Sequence[PathLike],
     """
     table = read_feature_index(f_scps)
     labels = read_labels(f_labels)
+    keep = join_labels(table.keys, labels, drops, unmatched="no_features")
+    table.texts = [labels.get(key, "") for key in table.keys]
+    return table.select(keep)
+
+
+def join_labels(keys: Sequence[str], labels: dict[str, str], drops: DropLog,
+                unmatched: str) -> list[int]:
+    """Indices of `keys` whose transcript passes `transcript_verdict`; the others go to
+    `drops` (`no_label` or the verdict), and so do transcripts of no key (`unmatched`)."""
     keep = []
-    for index, key in enumerate(table.keys):
+    for index, key in enumerate(keys):
         text = labels.get(key)
         reason = "no_label" if text is None else transcript_verdict(text)
         if reason:
             drops.add(key, reason)
         else:
             keep.append(index)
-    feature_keys = set(table.keys)
+    present = set(keys)
     for key in sorted(labels):
-        if key not in feature_keys:
-            drops.add(key, "no_features")
-    table.texts = [labels.get(key, "") for key in table.keys]
-    return table.select(keep)
+        if key not in present:
+            drops.add(key, unmatched)
+    return keep

@@ -26,7 +26,6 @@ from cat.core.io import PathLike
 logger = logging.getLogger(__name__)
 
 
-
 # ---------------------------------------------------------------------------- helpers
 
 
