@@ -44,6 +44,8 @@ if [ -z "$exp" ]; then
   echo "$0: --exp is required (an experiment directory holding hyper-p.json)" >&2
   exit 1
 fi
+log "Stages $stage-$stop_stage of $exp: train_set=$train_set test_sets='$test_sets'" \
+  "speed_perturb='$speed_perturb' nj=$nj nproc=$nproc"
 
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log "Stage 0: data preparation (local/data.sh $local_data_opts)"

@@ -34,6 +34,8 @@ speed_perturb=0.9,1.1   # speed factors added to train ("" for none)
 exp=                    # experiment dir; default exp/synth-ctc (synthetic) or exp/ctc-v1
 nproc=1                 # training processes (GPUs, or CPU processes with gloo)
 
+# Further options of ../../utils/asr.sh (e.g. --test_sets) are passed on to it; --help lists them.
+po_forward_to=../../utils/asr.sh
 . ../../utils/parse_options.sh
 
 if [ -z "$exp" ]; then
@@ -44,4 +46,5 @@ fi
   --exp "$exp" --train_set train --test_sets "dev test" --speed_perturb "$speed_perturb" \
   --local_data_opts "--synthetic $synthetic --synthetic_utts $synthetic_utts \
 --synthetic_seed $synthetic_seed --lm_sentences $lm_sentences --aishell_root $aishell_root \
---download $download --nj $nj"
+--download $download --nj $nj" \
+  "${po_forwarded[@]}"

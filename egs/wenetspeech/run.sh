@@ -35,6 +35,8 @@ speed_perturb=          # speed factors added to the training set (e.g. 0.9,1.1)
 exp=                    # experiment dir; default exp/synth-ctc or exp/train_m/ctc-v1
 nproc=1                 # training processes (GPUs, or CPU processes with gloo)
 
+# Further options of ../../utils/asr.sh (e.g. --test_sets) are passed on to it; --help lists them.
+po_forward_to=../../utils/asr.sh
 . ../../utils/parse_options.sh
 
 if [ -z "$train_subset" ]; then
@@ -50,4 +52,5 @@ train_set=train_$(echo "$train_subset" | tr '[:upper:]' '[:lower:]')
   --speed_perturb "$speed_perturb" \
   --local_data_opts "--synthetic $synthetic --synthetic_hours $synthetic_hours \
 --synthetic_seed $synthetic_seed --wenetspeech_root $wenetspeech_root \
---train_subset $train_subset --nj $nj"
+--train_subset $train_subset --nj $nj" \
+  "${po_forwarded[@]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import runpy
@@ -353,3 +354,37 @@ def test_empty_matrices_survive_the_round_trip(tmp_path):
     assert samples["empty"]["npy"].shape == (0, 4)
     assert np.array_equal(samples["sp1.1-full"]["npy"], corpus.features["sp1.1-full"])
     assert shard_check.validate(out) == []
+
+
+@pytest.mark.parametrize("recipe", ["aishell", "wenetspeech"])
+def test_spec_interface_imports_from_the_recipe_and_packs_what_webdataset_reads(
+        corpus, tmp_path, recipe):
+    """As the large-dataset design shows it: `from prep_wds import pack_data` in local/."""
+    local = REPO_ROOT / "egs" / recipe / "local"
+    out = tmp_path / "wds"
+    script = (
+        "import inspect, sys\n"
+        "from prep_wds import UTTS_PER_FILE, pack_data\n"
+        "params = inspect.signature(pack_data).parameters\n"
+        "assert UTTS_PER_FILE == 2000, UTTS_PER_FILE\n"
+        "assert list(params)[:5] == ['f_scps', 'f_labels', 'd_out', 'fmt', 'filter_group']\n"
+        "assert params['fmt'].default == 'data-%05d.tar'\n"
+        "assert params['filter_group'].default is None\n"
+        "pack_data(sys.argv[1], sys.argv[2], sys.argv[3], filter_group=['0:1000'])\n")
+    # Without path.sh's PYTHONPATH: the wrapper finds the checkout that holds it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", script, str(corpus.feats_scp),
+                           str(corpus.text), str(out)],
+                          cwd=local, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shards = sorted(str(p) for p in (out / "0_1000").glob("data-*.tar"))
+    assert shards and (out / "0_1000" / "data-00000.tar").exists()
+    seen = {}
+    for sample in wds.WebDataset(shards, shardshuffle=False):
+        key = shard_format.decode_key(sample["__key__"])
+        seen[key] = (np.load(io.BytesIO(sample["npy"])), sample["txt"].decode("utf-8"))
+    assert set(seen) == set(corpus.features)
+    for key, (matrix, text) in seen.items():
+        assert np.array_equal(matrix, corpus.features[key])  # bit-exact
+        assert matrix.dtype == corpus.features[key].dtype
+        assert text == corpus.transcripts[key]

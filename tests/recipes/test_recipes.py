@@ -153,3 +153,30 @@ def test_wenetspeech_recipe_streams_audio_shards_through_every_stage(tmp_path):
     assert coverage["epoch"] == 1 and coverage["trained"] == rank["trained"]
     results = _results(recipe)
     assert set(results) == {"dev", "test_net", "test_meeting"}
+
+
+@pytest.mark.parametrize("corpus", ["aishell", "wenetspeech"])
+def test_run_sh_help_from_the_repository_root_lists_every_option_with_its_default(corpus):
+    proc = subprocess.run(["bash", f"egs/{corpus}/run.sh", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "can't read" not in proc.stderr
+    text = proc.stdout
+    assert "Usage:" in text  # the header
+    options = dict(re.findall(r"^  --(\w+) +(\S+)", text, re.MULTILINE))
+    assert options["stage"] == "0" and options["stop_stage"] == "5"
+    assert options["nj"] == "2" and options["synthetic"] == "false"
+    # utils/asr.sh's own options, passed on: listed with their defaults.
+    assert "passed on to ../../utils/asr.sh" in text
+    assert options["test_sets"] == "dev" and options["local_data_opts"] == '""'
+
+
+def test_recipe_passes_further_options_on_to_the_shared_stages(tmp_path):
+    recipe = _recipe_copy(tmp_path, "aishell")
+    log = _run(recipe, "--test_sets", "test", "--train_set=train2", "--stage", "9",
+               "--stop_stage", "9", "--exp", "exp/tiny-ctc")
+    assert "train_set=train2 test_sets='test'" in log
+    proc = subprocess.run(["bash", "run.sh", "--no_such_option", "1"], cwd=recipe,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "unknown option --no_such_option" in proc.stderr
