@@ -466,7 +466,8 @@ def make_lm_text(corpus_dir: str | os.PathLike, out_path: str | os.PathLike,
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sentences, speakers and voices")
     parser.add_argument("--num-chars", type=int, default=350,
                         help="size of the character inventory")
     parser.add_argument("--distinct-sounds", choices=DISTINCT_SOUNDS, default="syllable",
@@ -483,15 +484,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="layout", required=True)
     aishell = sub.add_parser("aishell", help="AISHELL-1 layout")
-    aishell.add_argument("out_dir")
+    aishell.add_argument("out_dir", help="where the release layout is written")
     size = aishell.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-utts", type=int, help="utterances in train+dev+test")
     size.add_argument("--hours", type=float, help="approximate hours in train+dev+test")
-    aishell.add_argument("--utts-per-speaker", type=int, default=25)
+    aishell.add_argument("--utts-per-speaker", type=int, default=25,
+                         help="utterances each synthetic speaker says")
     aishell.add_argument("--split", default="0.9,0.05,0.05", help="train,dev,test ratios")
     _add_common(aishell)
     wenet = sub.add_parser("wenetspeech", help="WenetSpeech layout")
-    wenet.add_argument("out_dir")
+    wenet.add_argument("out_dir", help="where the release layout is written")
     size = wenet.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-audios", type=int, help="long recordings in all sets")
     size.add_argument("--hours", type=float, help="approximate hours of speech in all sets")
@@ -502,8 +504,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "disjoint from a generated corpus")
     lm_text.add_argument("out_dir", help="the synthetic corpus (AISHELL-1 or WenetSpeech)")
     lm_text.add_argument("text", help="output Kaldi text file")
-    lm_text.add_argument("--num-sentences", type=int, required=True)
-    lm_text.add_argument("--seed", type=int, default=0)
+    lm_text.add_argument("--num-sentences", type=int, required=True,
+                         help="sentences to write")
+    lm_text.add_argument("--seed", type=int, default=0, help="seed of the sentences")
     args = parser.parse_args(argv)
     setup_logging()
     if args.layout == "lm-text":

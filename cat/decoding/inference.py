@@ -69,11 +69,13 @@ import kaldiio
 from cat.core.config import HYPER_NAME, load_hyper
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.process import process_pool
+from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import (
     FRAME_SHIFT_SECONDS,
     NO_LABEL,
+    OPTIONS_SCHEMA,
     DecodeOptions,
     DecodeSummary,
     FusionSpec,
@@ -108,7 +110,11 @@ def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches:
     """Decode `batches` in this process; returns (utt, hypothesis) pairs."""
     searcher = Searcher(exp_dir, checkpoint, kind, options, device)
     features = kaldiio.load_scp(scp)
-    return [pair for keys in batches for pair in searcher.best(_utterances(features, keys))]
+    pairs = []
+    for keys in batches:
+        pairs += searcher.best(_utterances(features, keys))
+        advance(len(keys))
+    return pairs
 
 
 def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
@@ -125,6 +131,7 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
     for keys in batches:
         for index, pairs in enumerate(searcher.nbest(_utterances(features, keys))):
             results[index] += pairs
+        advance(len(keys))
     return results, searcher.forward_seconds, searcher.search_seconds
 
 
@@ -156,14 +163,17 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
     scp, lengths, device, shares = _plan_workers(data_dir, options)
     specs = [spec for spec, _ in passes]
     start = time.perf_counter()
-    if len(shares) == 1:
-        outputs = [_search_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
-                                   options, device, specs)]
-    else:
-        with process_pool(len(shares)) as pool:
-            futures = [pool.submit(_search_batches, str(exp_dir), str(checkpoint), kind,
-                                   str(scp), share, options, device, specs) for share in shares]
-            outputs = [future.result() for future in futures]
+    with WorkerProgress(len(lengths), f"decoding {data_dir.name} ({len(passes)} pass"
+                        f"{'es' * (len(passes) > 1)})") as progress:
+        if len(shares) == 1:
+            outputs = [_search_batches(str(exp_dir), str(checkpoint), kind, str(scp),
+                                       shares[0], options, device, specs)]
+        else:
+            with process_pool(len(shares), *progress.pool_initializer()) as pool:
+                futures = [pool.submit(_search_batches, str(exp_dir), str(checkpoint), kind,
+                                       str(scp), share, options, device, specs)
+                           for share in shares]
+                outputs = [future.result() for future in futures]
     wall = time.perf_counter() - start
     forward_seconds = sum(out[1] for out in outputs)
     search_seconds = [sum(out[2][i] for out in outputs) for i in range(len(passes))]
@@ -200,14 +210,15 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
     scp, lengths, device, shares = _plan_workers(data_dir, options)
     workers = len(shares)
     start = time.perf_counter()
-    if workers == 1:
-        pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
-                                options, device)
-    else:
-        with process_pool(workers) as pool:
-            futures = [pool.submit(_decode_batches, str(exp_dir), str(checkpoint), kind,
-                                   str(scp), share, options, device) for share in shares]
-            pairs = [pair for future in futures for pair in future.result()]
+    with WorkerProgress(len(lengths), f"decoding {data_dir.name}") as progress:
+        if workers == 1:
+            pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
+                                    options, device)
+        else:
+            with process_pool(workers, *progress.pool_initializer()) as pool:
+                futures = [pool.submit(_decode_batches, str(exp_dir), str(checkpoint), kind,
+                                       str(scp), share, options, device) for share in shares]
+                pairs = [pair for future in futures for pair in future.result()]
     seconds = time.perf_counter() - start
     summary = DecodeSummary(len(pairs), sum(lengths.values()) * FRAME_SHIFT_SECONDS, seconds)
     write_hyp(out_dir / "hyp", pairs)
@@ -246,12 +257,13 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output directory (hyp, decode.log; required with "
                                       "--data; audio: else key/text lines on stdout)")
     options = parser.add_argument_group("options (default: hyper-p.json inference.infer.option)")
-    options.add_argument("--method", choices=("greedy", "beam"))
-    options.add_argument("--beam-size", type=int)
-    options.add_argument("--nj", type=int)
-    options.add_argument("--max-frames", type=int)
-    options.add_argument("--batch-size", type=int)
-    options.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    # Help and choices come from the option schema, the one definition of these options.
+    defaults = DecodeOptions()
+    for name, spec in OPTIONS_SCHEMA["properties"].items():
+        kind = {"integer": int, "number": float}.get(spec.get("type"), str)
+        options.add_argument("--" + name.replace("_", "-"), type=kind, choices=spec.get("enum"),
+                             help=f"{spec['description']} (built-in default: "
+                                  f"{getattr(defaults, name)})")
     lm = parser.add_argument_group("shallow fusion (beam search; also writes nbest.jsonl)")
     lm.add_argument("--lm", help="token-level n-gram (ARPA or kenlm binary)")
     lm.add_argument("--alpha", type=float, default=0.3, help="LM weight")

@@ -47,13 +47,20 @@ OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "method": {"enum": ["greedy", "beam"], "description": "search algorithm"},
-        "beam_size": {"type": "integer", "minimum": 1, "description": "beam width"},
-        "nj": {"type": "integer", "minimum": 1, "description": "CPU decoding processes"},
+        "method": {"enum": ["greedy", "beam"],
+                   "description": "search algorithm: greedy, or beam search (prefix beam "
+                                  "search for CTC)"},
+        "beam_size": {"type": "integer", "minimum": 1,
+                      "description": "beam width: hypotheses kept per step"},
+        "nj": {"type": "integer", "minimum": 1,
+               "description": "CPU decoding processes, each decoding a share of the batches"},
         "max_frames": {"type": "integer", "minimum": 1,
-                       "description": "padded input frames per batch"},
-        "batch_size": {"type": "integer", "minimum": 1, "description": "utterances per batch"},
-        "device": {"enum": ["auto", "cpu", "cuda"], "description": "where to decode"},
+                       "description": "padded input frames per batch (utterances sorted by "
+                                      "length)"},
+        "batch_size": {"type": "integer", "minimum": 1,
+                       "description": "utterances per batch at most"},
+        "device": {"enum": ["auto", "cpu", "cuda"],
+                   "description": "where to decode; auto: CUDA when available"},
     },
 }
 

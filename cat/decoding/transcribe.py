@@ -49,6 +49,7 @@ import numpy as np
 from cat.core.config import CONFIG_NAME, load_config
 from cat.core.io import PathLike, atomic_write
 from cat.core.process import process_pool
+from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import AudioList, Recording, recording_features
 from cat.decoding.searcher import (
     FRAME_SHIFT_SECONDS,
@@ -155,6 +156,7 @@ def _decode_window(searcher: Searcher, window: dict[str, tuple[Order, np.ndarray
             for key, text in searcher.best(utterances):
                 out.hypotheses.append((window[key][0], key, text, None))
         out.frames += sum(lengths[key] for key in keys)
+        advance(len(keys))
 
 
 def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | str]],
@@ -167,10 +169,12 @@ def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | s
     for order, key, result in items:
         if isinstance(result, str):
             out.skipped.append((order, key, result))
+            advance(1)
             continue
         if key in seen:
             out.skipped.append((order, key, f"key {key!r} again: only its first utterance "
                                             "is decoded"))
+            advance(1)
             continue
         seen.add(key)
         window[key] = (order, result)
@@ -205,8 +209,9 @@ def _shares(audio: AudioList, num_workers: int) -> list[list[tuple[int, Recordin
 
 def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: DecodeOptions,
          device: str, fusion: FusionSpec | None, fbank: FbankOptions,
-         window_frames: int) -> tuple[list[_Decoded], int]:
-    """Results per process, and the number of processes."""
+         window_frames: int, initializer: tuple) -> tuple[list[_Decoded], int]:
+    """Results per process, and the number of processes; `initializer`: of the worker
+    processes, that report their progress."""
     workers = max(1, min(options.nj, len(audio.recordings)))
     if device == "cuda":
         searcher = Searcher(exp_dir, checkpoint, kind, options, device,
@@ -214,14 +219,14 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
         if workers == 1:
             items = _features(enumerate(audio.recordings), fbank)
             return [_decode(searcher, items, options, window_frames)], 1
-        with process_pool(workers) as pool:
+        with process_pool(workers) as pool:  # feature workers; decoding reports here
             items = _pooled_features(pool, audio.recordings, fbank, 2 * workers)
             return [_decode(searcher, items, options, window_frames)], workers
     shares = _shares(audio, workers)
     arguments = (exp_dir, checkpoint, kind, options, device, fusion)
     if len(shares) == 1:
         return [_decode_share(*arguments, shares[0], fbank, window_frames)], 1
-    with process_pool(len(shares)) as pool:
+    with process_pool(len(shares), *initializer) as pool:
         futures = [pool.submit(_decode_share, *arguments, share, fbank, window_frames)
                    for share in shares]
         return [future.result() for future in futures], len(shares)
@@ -239,8 +244,12 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
                          f"{options.method!r}")
     device = options.resolved_device()
     start = time.perf_counter()
-    results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
-                            fusion, fbank, window_frames)
+    # Utterances to decode: known up front except in tar shards (then the bar only counts).
+    total = None if any(r.shard for r in audio.recordings) else \
+        sum(len(r.pieces) or 1 for r in audio.recordings)
+    with WorkerProgress(total, f"transcribing {audio.name}") as progress:
+        results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
+                                fusion, fbank, window_frames, progress.pool_initializer())
     seconds = time.perf_counter() - start
     decoded = sorted(item for out in results for item in out.hypotheses)
     skipped = sorted(item for out in results for item in out.skipped)

@@ -163,3 +163,14 @@ class ProcessTree:
         self.log.flush()
         with open(self.log.fileno(), encoding="utf-8", errors="replace", closefd=False) as f:
             return f.read() if f.seek(0) == 0 else ""
+
+
+def advance_progress(count: int, delay: float = 0.0) -> int:
+    """A pool task: `count` steps of `delay` seconds, each reported to the parent's
+    `cat.core.progress.WorkerProgress`; returns `count`."""
+    from cat.core.progress import advance
+
+    for _ in range(count):
+        time.sleep(delay)
+        advance(1)
+    return count

@@ -523,7 +523,8 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a tokenizer on Kaldi text files")
-    train.add_argument("--type", required=True, choices=sorted(TOKENIZERS))
+    train.add_argument("--type", required=True, choices=sorted(TOKENIZERS),
+                       help="tokenizer kind (hyper-p.json tokenizer.type)")
     train.add_argument("--text", required=True, action="extend", nargs="+",
                        help="Kaldi text file(s) (<utt> <transcript>); repeatable")
     train.add_argument("--out", required=True, help="tokenizer file to write")

@@ -15,10 +15,13 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from cat.core.config import (
     HYPER_NAME,
@@ -175,13 +178,13 @@ def tune_setting(run: LMRun, name: str, setting: dict[str, Any], dev: str) -> di
         rescorer = WordRescorer(arpa, make_splitter(config["unit"], config.get("tokenizer")))
         scores = NBestScores.compute(read_nbest(best_out / NBEST_NAME), rescorer)
         best = None
-        for alpha in _grid(rescore["alpha"]):
-            for beta in _grid(rescore.get("beta")):
-                error = run.score(dev, scores.best(alpha, beta)).error_rate
-                report["rescore_grid"].append({"alpha": alpha, "beta": beta,
-                                               "error_rate": error})
-                if best is None or error < best[2]:
-                    best = (alpha, beta, error)
+        grid = list(itertools.product(_grid(rescore["alpha"]), _grid(rescore.get("beta"))))
+        for alpha, beta in tqdm(grid, desc=f"{name}: rescoring weights on {set_name(dev)}",
+                                unit="point", disable=None):
+            error = run.score(dev, scores.best(alpha, beta)).error_rate
+            report["rescore_grid"].append({"alpha": alpha, "beta": beta, "error_rate": error})
+            if best is None or error < best[2]:
+                best = (alpha, beta, error)
         report["rescore"] = {"alpha": best[0], "beta": best[1]}
         best_error = best[2]
     report["dev_error_rate"] = best_error

@@ -1,0 +1,38 @@
+"""Every option of every command line of the package says what it is for (`--help`)."""
+
+import ast
+from pathlib import Path
+
+import cat
+
+PACKAGE = Path(cat.__file__).resolve().parent
+
+
+def _options_without_help() -> list[str]:
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"
+                    and "help" not in {keyword.arg for keyword in node.keywords}):
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {names}")
+    return missing
+
+
+def test_every_command_line_option_has_help_text():
+    assert _options_without_help() == []
+
+
+def test_decode_options_take_their_help_from_the_option_schema(capsys):
+    import pytest
+
+    from cat.decoding.inference import build_parser
+    from cat.decoding.searcher import OPTIONS_SCHEMA
+
+    with pytest.raises(SystemExit):
+        build_parser("ctc").parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, spec in OPTIONS_SCHEMA["properties"].items():
+        assert f"--{name.replace('_', '-')}" in text
+        assert " ".join(spec["description"].split()) in text
