@@ -6,7 +6,6 @@ import logging
 import os
 from pathlib import Path
 
-import kaldi_native_fbank
 import kaldiio
 import numpy as np
 import pytest
@@ -68,6 +67,8 @@ def test_compute_fbank_matches_torchaudio_and_kaldi_native_fbank():
     assert ours.shape == (snip_edges_frames(len(waveform)), 80)
     np.testing.assert_allclose(ours, kaldi_fbank(waveform), rtol=0, atol=1e-5)
 
+    # A development package: without it, this comparison is skipped, not the suite.
+    kaldi_native_fbank = pytest.importorskip("kaldi_native_fbank")
     options = kaldi_native_fbank.FbankOptions()
     options.frame_opts.dither = 0.0
     options.frame_opts.snip_edges = True
