@@ -11,6 +11,9 @@ import soundfile as sf
 
 from cat.data import sentences, synth, voices
 
+# Speaking with espeak-ng takes seconds per test: the quick tier leaves these out.
+pytestmark = pytest.mark.slow
+
 
 def _tree_digest(root: Path) -> dict[str, str]:
     return {

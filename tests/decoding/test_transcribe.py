@@ -86,6 +86,7 @@ def test_audio_files_give_stage_4_hypotheses(recipe, tmp_path, capsys):
     assert "RTF" in err and "6 utterances" in err
 
 
+@pytest.mark.slow
 def test_wav_scp_and_data_lists_give_stage_4_hypotheses(recipe, tmp_path):
     kind, experiment, hyps = recipe
     audio = experiment.test_audio()
@@ -193,6 +194,7 @@ def test_a_model_of_other_features_is_refused(tmp_path, monkeypatch, caplog):
            "turned into stage 1's 80-dim fbank" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_feature_pool_feeds_the_decoder_in_list_order(recipe):
     """The GPU path: `nj` processes compute features for one decoding process (checked
     here on the CPU: the same utterances, features and order as computed in-process)."""

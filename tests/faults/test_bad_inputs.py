@@ -582,6 +582,7 @@ def test_raw_data_list_entry_whose_audio_is_missing(audio_experiment, caplog):
     assert f"cannot read {gone}: [Errno 2] No such file or directory" in caplog.text
 
 
+@pytest.mark.slow
 def test_shard_server_dropping_connections(experiment):
     drops = {f"data-{i:05d}.tar": ["drop"] * 4 for i in range(8)}
     with serve_directory(experiment.root / "data/wds/train", drops) as url:

@@ -23,7 +23,7 @@ from cat.testing.processes import ProcessTree, command_line
 from cat.testing.training import write_tiny_experiment
 from cat.text.tokenizer import load as load_tokenizer
 
-pytestmark = [pytest.mark.skipif(not Path("/proc/self/stat").is_file(),
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path("/proc/self/stat").is_file(),
                                  reason="needs Linux /proc"),
               pytest.mark.timeout(240)]
 

@@ -281,6 +281,7 @@ def test_other_sample_rates_are_resampled(tmp_path, rate, extension):
     np.testing.assert_allclose(matrix, kaldi_fbank(resampled), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_parallel_jobs_match_one_job_and_resume_per_job(tmp_path):
     data_dir = make_data_dir(tmp_path / "corpus", durations=(0.6, 0.9, 0.7, 1.1, 0.5))
     extract(data_dir, tmp_path / "one", nj=1, progress=False)

@@ -243,6 +243,7 @@ def test_commands_in_wav_scp(tmp_path):
     assert np.array_equal(members["s1"][0], soundfile.read(source, dtype="float32")[0][:RATE])
 
 
+@pytest.mark.slow
 def test_rerun_keeps_shards_and_rewrites_only_changed_ones(corpus, tmp_path):
     data = make_segmented_data_dir(tmp_path / "long", durations=(6.0, 4.5, 3.2, 5.0),
                                    extension=".wav")
@@ -358,6 +359,7 @@ def test_pack_exp_packs_audio_when_data_shards_says_so(corpus, tmp_path, monkeyp
         prep_wds.pack_experiment(exp)
 
 
+@pytest.mark.slow
 def test_cli_packs_audio(corpus, tmp_path):
     out = tmp_path / "cli"
     prep_wds.main(["pack-audio", "--data", *map(str, corpus), "--out", str(out), "--format",

@@ -264,6 +264,7 @@ def test_rerun_keeps_finished_shards_and_refuses_foreign_ones(corpus, tmp_path):
         prep_wds.pack_data(corpus.feats_scp, corpus.text, out, utts_per_file=20)
 
 
+@pytest.mark.slow
 def test_two_processes_write_the_same_bytes_as_one(corpus, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     prep_wds.pack_data(corpus.feats_scp, corpus.text, one, filter_group=["5:30", "30:"],

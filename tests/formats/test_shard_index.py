@@ -24,6 +24,7 @@ def _expected_frames() -> dict[str, int]:
             for i, key in enumerate(TEXTS)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("gzip", "num_jobs"), [(False, 2), (True, 1)])
 def test_index_of_uio_shards_has_exact_counts(tmp_path, gzip, num_jobs):
     corpus = make_uio_corpus(tmp_path / "uio", TEXTS, utts_per_shard=2, gzip=gzip)

@@ -47,6 +47,7 @@ def _epoch(experiment, epoch: int, ranks: int = 2) -> tuple[dict, list[list[str]
     return summary, trained
 
 
+@pytest.mark.slow
 def test_uneven_shards_end_every_epoch_on_all_ranks_together(tmp_path):
     experiment = write_tiny_experiment(tmp_path, options={
         "epochs": 2, "log_utterances": True, "workers": 1, "grad_accum": 2})
@@ -110,6 +111,7 @@ def test_ten_uneven_layouts_end_every_epoch_together_and_cut_little(tmp_path, ra
     assert np.mean(shares) < {2: 0.08, 3: 0.14}[ranks]
 
 
+@pytest.mark.slow
 def test_map_style_ranks_get_equal_batches(tmp_path):
     experiment = write_tiny_experiment(tmp_path, options={
         "epochs": 1, "log_utterances": True, "max_frames": 250, "batch_size": 8,

@@ -116,6 +116,7 @@ def test_map_style_resume_ends_with_the_same_model(tmp_path, monkeypatch):
         assert torch.equal(value, final["resumed"]["model"][key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_streaming_resume_trains_the_same_batches_and_model(tmp_path, monkeypatch, workers):
     final, logs, steps = {}, {}, {}
