@@ -790,9 +790,15 @@ def migrate(hyper: dict[str, Any], config: dict[str, Any], new_exp: str,
 
 
 def count_model_parameters(config: dict[str, Any], num_classes: int) -> int:
-    """Parameters of the model `config` builds for `num_classes` classes."""
+    """Parameters of the model `config` builds for `num_classes` classes.
+
+    The model is built on torch's meta device: shapes only, no memory, no initialisation.
+    """
+    import torch
+
     from cat.models.registry import build_model, count_parameters
-    return count_parameters(build_model(config, num_classes))
+    with torch.device("meta"):
+        return count_parameters(build_model(config, num_classes))
 
 
 def _read(path: Path) -> dict[str, Any]:
