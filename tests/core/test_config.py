@@ -125,8 +125,14 @@ def test_editor_settings_map_experiment_files_to_the_schemas():
     assert mapped == {"./cat/core/schemas/hyper-p.schema.json": ["egs/*/exp/**/hyper-p.json"],
                       "./cat/core/schemas/config.schema.json": ["egs/*/exp/**/config.json"],
                       "./cat/lm/schemas/lm.schema.json": ["egs/*/exp/**/lm.json"]}
-    for url in mapped:
-        assert (root / url).is_file(), url
+    for url, patterns in mapped.items():
+        schema = json.loads((root / url).read_text(encoding="utf-8"))
+        files = [path for pattern in patterns for path in sorted(root.glob(pattern))]
+        assert files, patterns
+        for path in files:
+            # What an editor checks while a file is edited: the file against its schema.
+            config.check_against_schema(json.loads(path.read_text(encoding="utf-8")), schema,
+                                        str(path))
 
 
 def test_defaults_and_placeholders_are_resolved(tmp_path):
