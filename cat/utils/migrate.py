@@ -120,6 +120,15 @@ class _Recorder:
     def add(self, status: str, file: str, key: str, detail: str) -> None:
         self.entries.append(Entry(status, file, key, detail))
 
+    def respell(self, start: int, prefix: str, spellings: dict[str, str]) -> None:
+        """Show the keys recorded since entry `start` under `prefix` as CAT's file spells them."""
+        for index in range(start, len(self.entries)):
+            entry = self.entries[index]
+            if entry.key.startswith(prefix):
+                name, dot, rest = entry.key[len(prefix):].partition(".")
+                key = prefix + spellings.get(name, name) + dot + rest
+                self.entries[index] = dataclasses.replace(entry, key=key)
+
     def rest(self, file: str, prefix: str, section: dict[str, Any], why: str) -> None:
         """Name every key left in `section` as not mapped."""
         for key, value in section.items():
@@ -281,7 +290,14 @@ def _migrate_tokenizer(tokenizer: dict[str, Any], new_exp: str,
 
 def _migrate_train_option(option: dict[str, Any], data: dict[str, Any],
                           record: _Recorder) -> dict[str, Any]:
-    option = {_option_key(k): v for k, v in option.items()}
+    start, spellings = len(record.entries), {_option_key(k): k for k in option}
+    out = _migrate_train_options({_option_key(k): v for k, v in option.items()}, data, record)
+    record.respell(start, "train.option.", spellings)
+    return out
+
+
+def _migrate_train_options(option: dict[str, Any], data: dict[str, Any],
+                           record: _Recorder) -> dict[str, Any]:
     out: dict[str, Any] = {}
     where = "train.option."
     for key in SAME_TRAIN_OPTIONS:
@@ -390,7 +406,9 @@ def _migrate_inference(inference: dict[str, Any], record: _Recorder) -> dict[str
         if infer.get("bin") in ("cat.ctc.decode", "cat.rnnt.decode"):
             new["bin"] = infer.pop("bin")
             record.add("mapped", HYPER_NAME, "inference.infer.bin", repr(new["bin"]))
-        option = {_option_key(k): v for k, v in dict(infer.pop("option", {})).items()}
+        cat_option = dict(infer.pop("option", {}))
+        start, spellings = len(record.entries), {_option_key(k): k for k in cat_option}
+        option = {_option_key(k): v for k, v in cat_option.items()}
         new_option: dict[str, Any] = {"method": "beam"}
         for key in ("beam_size", "nj"):
             if key in option:
@@ -413,6 +431,7 @@ def _migrate_inference(inference: dict[str, Any], record: _Recorder) -> dict[str
                 record.add("dropped", HYPER_NAME, f"inference.infer.option.{key}",
                            f"{json.dumps(option.pop(key))}: set by stage 4")
         record.rest(HYPER_NAME, "inference.infer.option.", option, "no such decoding option")
+        record.respell(start, "inference.infer.option.", spellings)
         new["option"] = new_option
         record.rest(HYPER_NAME, "inference.infer.", infer, "no such key here")
         out["infer"] = new

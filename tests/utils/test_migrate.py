@@ -65,9 +65,9 @@ def test_migrated_experiment_loads_and_names_every_key(name, tmp_path):
     assert experiment.train_bin == ("cat.rnnt.train" if "joiner" in cat_config
                                     else "cat.ctc.train")
     report = (new_exp / "migration.txt").read_text(encoding="utf-8")
-    # Every CAT train.option key appears in the report under its CAT name or spelling.
+    # Every CAT train.option key appears in the report as CAT's file spells it.
     for key in hyper["train"]["option"]:
-        assert f"train.option.{key.replace('-', '_')}" in report, key
+        assert f"hyper-p.json: train.option.{key}: " in report, key
     for key in cat_config["encoder"]["kwargs"]:
         assert f"encoder.kwargs.{key}" in report, key
     with pytest.raises(FileExistsError, match="exists"):
@@ -108,12 +108,12 @@ def test_unknown_keys_are_named_in_both_files():
     cat_config["decoder"]["kwargs"]["variational_noise"] = [0.0, 0.1]
     migration = migrate(hyper, cat_config, "exp/x")
     unmapped = _entries(migration, "not mapped")
-    assert "no such training option" in unmapped["hyper-p.json: train.option.dynamic_batch_modes"]
+    assert "no such training option" in unmapped["hyper-p.json: train.option.dynamic-batch-modes"]
     assert "hyper-p.json: tokenizer.option-train.split_digits" in unmapped
     assert "config.json: encoder.kwargs.hidden_dim" in unmapped
     assert "config.json: decoder.kwargs.variational_noise" in unmapped
     report = migration.report()
-    assert "not mapped  hyper-p.json: train.option.dynamic_batch_modes: 1: no such training" \
+    assert "not mapped  hyper-p.json: train.option.dynamic-batch-modes: 1: no such training" \
         in report
     # The worst comes first: every 'not mapped' line precedes every 'mapped' line.
     statuses = [line.split("  ")[0].strip() for line in report.splitlines()[2:]]
