@@ -15,8 +15,16 @@ Unknown or misspelled keys are errors naming the file, the key path and the allo
 e.g. ``hyper-p.json: train.option: unknown key 'large-dataset' (did you mean
 'large_dataset'?); allowed keys: amp, batch_size, ...``.
 
-`train.option` defaults come from the schema's `default` values; `null` placeholders are
-resolved here: `trset` -> `exp/<name>/pack/train.npz` (map-style only), `devset` ->
+`train.option` is defined once, in the schema (`$defs.trainOption`): each key's type,
+`default` and `description`. `TrainOptions`, the frozen dataclass the trainer reads, is
+derived from it when first used (`options_class`): one field per key, typed from the
+JSON types, defaulting to the schema's default. Adding an option means adding it to the
+schema only. The schema is the source rather than the dataclass because it is what users
+and their editors see (`.vscode/settings.json` maps `hyper-p.json` files to it for
+completion and validation), it says more than Python types can (ranges, patterns,
+enums, descriptions), and the loader already validates every file against it; a
+dataclass written by hand would repeat all of that. `null` placeholders are resolved
+here: `trset` -> `exp/<name>/pack/train.npz` (map-style only), `devset` ->
 `exp/<name>/pack/dev.npz`, `tokenizer` -> `tokenizer.file`, `filter` -> `data.filter`.
 Paths stay relative to the recipe directory (the working directory).
 
@@ -30,14 +38,17 @@ Usage:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import json
+import operator
 import os
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 
@@ -49,6 +60,10 @@ HYPER_NAME = "hyper-p.json"
 CONFIG_NAME = "config.json"
 RESOLVED_NAME = "resolved.json"
 CONFIG_SCHEMA_PATH = Path(__file__).with_name("schemas") / "config.schema.json"
+
+if TYPE_CHECKING:
+    # At run time `TrainOptions` is a dataclass derived from the schema (module __getattr__).
+    TrainOptions = Any
 
 
 class ConfigError(ValueError):
@@ -137,46 +152,64 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainOptions:
-    """`hyper-p.json:train.option` with every default filled (meanings: see the schema).
+_JSON_TYPES: dict[str, type] = {"boolean": bool, "integer": int, "number": float,
+                                 "string": str, "object": dict, "array": list,
+                                 "null": type(None)}
 
-    `trset` and `devset` are lists of paths or shard patterns; `filter` may be None.
-    """
 
-    large_dataset: bool
-    trset: list[str]
-    devset: list[str]
-    dev_large_dataset: bool
-    tokenizer: str
-    filter: str | None
-    batch_size: int
-    max_frames: int
-    seed: int
-    workers: int
-    prefetch: int
-    shuffle_buffer: int
-    sort_buffer: int
-    read_ahead_mb: int
-    utts_per_shard_estimate: int
-    strict_shards: bool
-    audio: dict[str, Any] | None
-    read_timeout: float
-    read_retries: int
-    bad_shard_limit: float
-    epochs: int
-    max_steps: int
-    grad_accum: int
-    grad_norm: float
-    amp: bool
-    check_freq: int
-    keep_checkpoints: int
-    time_budget_minutes: float
-    dist_timeout_seconds: float
-    stall_seconds: float
-    threads: int
-    log_interval: int
-    log_utterances: bool
+def _python_type(spec: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """The Python type of a schema property: JSON types, `anyOf` unions and `$ref`s."""
+    if "$ref" in spec:
+        return _python_type(defs[spec["$ref"].rsplit("/", 1)[-1]], defs)
+    if "anyOf" in spec:
+        parts = [_python_type(part, defs) for part in spec["anyOf"]]
+    elif "type" in spec:
+        names = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
+        parts = [_JSON_TYPES[name] for name in names]
+    else:
+        return Any
+    return functools.reduce(operator.or_, dict.fromkeys(parts))
+
+
+def _field(name: str, spec: dict[str, Any], defs: dict[str, Any]) -> tuple[str, Any, Any]:
+    default = spec["default"]
+    if isinstance(default, (dict, list)):
+        value = dataclasses.field(default_factory=functools.partial(copy.deepcopy, default))
+    else:
+        value = dataclasses.field(default=default)
+    return name, _python_type(spec, defs), value
+
+
+def options_class(schema: dict[str, Any]) -> type:
+    """A frozen dataclass with one field per `trainOption` key of the hyper-p.json `schema`."""
+    defs = schema["$defs"]
+    properties = defs["trainOption"]["properties"]
+    missing = sorted(key for key, spec in properties.items() if "default" not in spec)
+    if missing:
+        raise ConfigError(f"{HYPER_SCHEMA_PATH}: $defs.trainOption: {', '.join(missing)} "
+                          "without a 'default'")
+    cls = dataclasses.make_dataclass(
+        "TrainOptions", [_field(name, spec, defs) for name, spec in properties.items()],
+        frozen=True)
+    cls.__module__ = __name__
+    cls.__doc__ = ("`hyper-p.json:train.option` with every default filled, derived from "
+                   "the schema (`$defs.trainOption`, where each key is described). "
+                   "`trset` and `devset` are lists of paths or shard patterns once "
+                   "resolved; `filter` may be None.")
+    return cls
+
+
+@functools.cache
+def train_options_class() -> type:
+    """`TrainOptions`, built once from the hyper-p.json schema."""
+    return options_class(load_hyper_schema())
+
+
+def __getattr__(name: str) -> Any:
+    # `TrainOptions` is derived from the schema when first asked for, not at import.
+    if name == "TrainOptions":
+        return train_options_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -272,7 +305,7 @@ def resolve_train_options(hyper: dict[str, Any], exp_dir: PathLike,
     option["tokenizer"] = tokenizer_file(hyper, source)
     if option["filter"] is None:
         option["filter"] = hyper.get("data", {}).get("filter")
-    return TrainOptions(**option)
+    return train_options_class()(**option)
 
 
 def load_experiment(exp_dir: PathLike, expected_bin: str | None = None) -> Experiment:

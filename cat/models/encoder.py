@@ -17,8 +17,24 @@ from cat.models.layer import (
     Conv2dSubsampling,
     RelPositionalEncoding,
     TimeReduction,
+    VGG2LSubsampling,
     lengths_to_padding_mask,
 )
+
+SUBSAMPLINGS = ("conv2d", "conv2d_padded", "vgg2l")
+
+
+def build_subsampling(kind: str, idim: int, hdim: int,
+                      channels: int | None) -> Conv2dSubsampling | VGG2LSubsampling:
+    """The x4 subsampling `kind` (see `ConformerNet`) from `idim` features to `hdim`."""
+    if kind not in SUBSAMPLINGS:
+        raise ValueError(f"subsampling must be one of {SUBSAMPLINGS}, got {kind!r}")
+    if kind == "vgg2l":
+        if channels is not None:
+            raise ValueError("subsampling_channels applies to conv2d subsampling only "
+                             "(vgg2l has 64 and 128 channels)")
+        return VGG2LSubsampling(idim, hdim)
+    return Conv2dSubsampling(idim, hdim, channels, pad_end=kind == "conv2d_padded")
 
 
 class FeatureNormalizer(nn.Module):
@@ -60,10 +76,17 @@ class ConformerNet(nn.Module):
         dropout: dropout of the residual branches and the subsampled input.
         dropout_attn: dropout on the attention weights.
         conv_norm: "batchnorm" or "layernorm" in the convolution module.
+        subsampling: the x4 subsampling before the blocks: "conv2d" (two unpadded 3x3
+            stride-2 convolutions), "conv2d_padded" (the same, each padded by one zero
+            frame and bin at the end: CAT's `conv: "conv2d"`), "vgg2l" (two VGG blocks,
+            64 and 128 channels: CAT's and ESPnet's VGG2L).
         subsampling_channels: channels of the conv2d subsampling (default `hdim`).
-        time_reduction_factor: extra frame-rate reduction (1 = none) by frame stacking.
+        time_reduction_factor: extra frame-rate reduction (1 = none).
         time_reduction_position: number of blocks run before the extra reduction
-            (0 = right after the conv subsampling, which makes all blocks cheaper).
+            (0 = right after the conv subsampling, which makes all blocks cheaper;
+            `num_cells` = after the last block, as CAT does by default).
+        time_reduction_mode: "stack" (stack frames and project them back) or
+            "subsample" (keep every factor-th frame, no parameters: CAT's).
         global_cmvn: normalise the input features with a global mean and standard
             deviation held in the model (see `FeatureNormalizer`), so checkpoints carry
             them to decoding. The trainer sets them from training data before step 0.
@@ -74,22 +97,23 @@ class ConformerNet(nn.Module):
     def __init__(self, idim: int, hdim: int, num_cells: int, num_heads: int = 4,
                  kernel_size: int = 15, ffn_mult: int = 4, dropout: float = 0.1,
                  dropout_attn: float = 0.0, conv_norm: str = "batchnorm",
-                 subsampling_channels: int | None = None, time_reduction_factor: int = 1,
-                 time_reduction_position: int = 0, global_cmvn: bool = False) -> None:
+                 subsampling: str = "conv2d", subsampling_channels: int | None = None,
+                 time_reduction_factor: int = 1, time_reduction_position: int = 0,
+                 time_reduction_mode: str = "stack", global_cmvn: bool = False) -> None:
         super().__init__()
         if not 0 <= time_reduction_position <= num_cells:
             raise ValueError(f"time_reduction_position={time_reduction_position} must be within "
                              f"[0, num_cells={num_cells}]")
         self.output_dim = hdim
         self.normalizer = FeatureNormalizer(idim) if global_cmvn else None
-        self.subsampling = Conv2dSubsampling(idim, hdim, subsampling_channels)
+        self.subsampling = build_subsampling(subsampling, idim, hdim, subsampling_channels)
         self.positional = RelPositionalEncoding(hdim, dropout)
         self.cells = nn.ModuleList(
             ConformerBlock(hdim, num_heads, ffn_mult * hdim, kernel_size, dropout, dropout_attn,
                            conv_norm)
             for _ in range(num_cells)
         )
-        self.time_reduction = (TimeReduction(hdim, time_reduction_factor)
+        self.time_reduction = (TimeReduction(hdim, time_reduction_factor, time_reduction_mode)
                                if time_reduction_factor > 1 else None)
         self.time_reduction_position = time_reduction_position
 
@@ -100,7 +124,7 @@ class ConformerNet(nn.Module):
 
     def output_lengths(self, feat_lens: torch.Tensor) -> torch.Tensor:
         """Encoder output lengths for inputs of `feat_lens` frames."""
-        lengths = Conv2dSubsampling.output_lengths(feat_lens)
+        lengths = self.subsampling.output_lengths(feat_lens)
         if self.time_reduction is not None:
             lengths = self.time_reduction.output_lengths(lengths)
         return lengths

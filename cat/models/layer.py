@@ -7,8 +7,13 @@ results as its utterances run one by one (in eval mode).
 
 Blocks:
   * `Conv2dSubsampling`: two stride-2 3x3 conv2d layers (time and frequency
-    reduced by 4) followed by a linear projection.
-  * `TimeReduction`: stacks `factor` consecutive frames and projects them back.
+    reduced by 4) followed by a linear projection; with `pad_end` each convolution
+    first pads one zero frame and bin at the end (CAT's `conv: "conv2d"`).
+  * `VGG2LSubsampling`: two VGG blocks (two 3x3 convolutions and a 2x2 max-pool
+    each, 64 then 128 channels) followed by a linear projection (CAT's and ESPnet's
+    `vgg2l`).
+  * `TimeReduction`: stacks `factor` consecutive frames and projects them back, or
+    keeps every `factor`-th frame (no parameters).
   * `RelPositionalEncoding` + `RelPositionMultiHeadAttention`: Transformer-XL
     style self-attention with relative positions and the global content and
     position biases (u, v), as in ESPnet's `RelPositionMultiHeadedAttention`.
@@ -32,59 +37,140 @@ def lengths_to_padding_mask(lengths: torch.Tensor, max_length: int | None = None
     return positions.unsqueeze(0) >= lengths.unsqueeze(1)
 
 
-class Conv2dSubsampling(nn.Module):
-    """Reduce the frame rate by 4 with two 3x3 stride-2 convolutions (no padding).
+def zero_beyond(x: torch.Tensor, lengths: torch.Tensor, time_dim: int) -> torch.Tensor:
+    """Zero the positions of `x` at or beyond `lengths` along `time_dim` (batch first)."""
+    mask = lengths_to_padding_mask(lengths, x.size(time_dim))
+    shape = [mask.size(0)] + [1] * (x.dim() - 1)
+    shape[time_dim] = mask.size(1)
+    return x.masked_fill(mask.view(shape), 0.0)
 
-    Output frame `t` only sees input frames `4t .. 4t+6`, so outputs on valid
-    frames do not depend on the padding. `T' = ((T - 1) // 2 - 1) // 2`: an
-    input shorter than 7 frames gives no output frame.
+
+class Conv2dSubsampling(nn.Module):
+    """Reduce the frame rate by 4 with two 3x3 stride-2 convolutions.
+
+    Without `pad_end` (the default) the convolutions are unpadded: output frame `t`
+    only sees input frames `4t .. 4t+6`, so outputs on valid frames do not depend on
+    the padding, and `T' = ((T - 1) // 2 - 1) // 2` (an input shorter than 7 frames
+    gives no output frame).
+
+    With `pad_end` (CAT's `conv: "conv2d"`), each convolution first appends one zero
+    frame and one zero bin: `T' = T // 4` and `idim // 4` bins reach the projection.
+    Padded input frames and first-convolution outputs past each utterance's length are
+    zeroed, so the last frames see the same zeros as the utterance run alone.
     """
 
-    def __init__(self, idim: int, odim: int, channels: int | None = None) -> None:
+    def __init__(self, idim: int, odim: int, channels: int | None = None,
+                 pad_end: bool = False) -> None:
         super().__init__()
         channels = channels or odim
+        self.pad_end = pad_end
         self.conv = nn.Sequential(
             nn.Conv2d(1, channels, kernel_size=3, stride=2),
             nn.ReLU(),
             nn.Conv2d(channels, channels, kernel_size=3, stride=2),
             nn.ReLU(),
         )
-        freq = ((idim - 1) // 2 - 1) // 2
+        freq = idim // 4 if pad_end else ((idim - 1) // 2 - 1) // 2
         if freq < 1:
             raise ValueError(f"feature dimension idim={idim} is too small for 4x conv subsampling")
         self.out = nn.Linear(channels * freq, odim)
 
-    @staticmethod
-    def output_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         """Number of output frames for inputs of `lengths` frames."""
+        if self.pad_end:
+            return torch.div(lengths, 4, rounding_mode="floor").clamp(min=0)
         return torch.div(torch.div(lengths - 1, 2, rounding_mode="floor") - 1, 2,
                          rounding_mode="floor").clamp(min=0)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` [B, T, idim] -> ([B, T', odim], lengths [B])."""
         out_lengths = self.output_lengths(lengths)
-        if x.size(1) < 7:
+        if x.size(1) < (4 if self.pad_end else 7):
             return x.new_zeros(x.size(0), 0, self.out.out_features), out_lengths
-        x = self.conv(x.unsqueeze(1))  # [B, C, T', F']
+        x = x.unsqueeze(1)  # [B, 1, T, F]
+        if self.pad_end:
+            x = zero_beyond(x, lengths, 2)
+            x = torch.relu(self.conv[0](nn.functional.pad(x, (0, 1, 0, 1))))
+            x = zero_beyond(x, torch.div(lengths, 2, rounding_mode="floor"), 2)
+            x = torch.relu(self.conv[2](nn.functional.pad(x, (0, 1, 0, 1))))
+        else:
+            x = self.conv(x)
+        batch, channels, time, freq = x.shape  # [B, C, T', F']
+        x = self.out(x.transpose(1, 2).reshape(batch, time, channels * freq))
+        return x, out_lengths
+
+
+class VGG2LSubsampling(nn.Module):
+    """Reduce the frame rate by 4 with two VGG blocks, then project to `odim`.
+
+    Each block is two 3x3 convolutions (stride 1, padding 1) with ReLU and a 2x2
+    max-pool that keeps a trailing odd frame (ceil mode); the blocks have 64 and 128
+    channels, so `128 * ceil(ceil(idim / 2) / 2)` values per frame reach the projection
+    and `T' = ceil(ceil(T / 2) / 2)`. Positions past each utterance's length are zeroed
+    after every convolution, so a batch gives the same valid outputs as its utterances
+    run alone.
+    """
+
+    CHANNELS = (64, 128)
+
+    def __init__(self, idim: int, odim: int) -> None:
+        super().__init__()
+        first, second = self.CHANNELS
+        self.convs = nn.ModuleList([
+            nn.Conv2d(1, first, 3, padding=1), nn.Conv2d(first, first, 3, padding=1),
+            nn.Conv2d(first, second, 3, padding=1), nn.Conv2d(second, second, 3, padding=1),
+        ])
+        freq = math.ceil(math.ceil(idim / 2) / 2)
+        self.out = nn.Linear(second * freq, odim)
+
+    @staticmethod
+    def _halve(lengths: torch.Tensor) -> torch.Tensor:
+        return torch.div(lengths + 1, 2, rounding_mode="floor")
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Number of output frames for inputs of `lengths` frames."""
+        return self._halve(self._halve(lengths)).clamp(min=0)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` [B, T, idim] -> ([B, ceil(ceil(T/2)/2), odim], lengths [B])."""
+        out_lengths = self.output_lengths(lengths)
+        if x.size(1) == 0:
+            return x.new_zeros(x.size(0), 0, self.out.out_features), out_lengths
+        x = zero_beyond(x.unsqueeze(1), lengths, 2)  # [B, 1, T, F]
+        for block in range(2):
+            for conv in self.convs[2 * block: 2 * block + 2]:
+                x = zero_beyond(torch.relu(conv(x)), lengths, 2)
+            x = nn.functional.max_pool2d(x, 2, stride=2, ceil_mode=True)
+            lengths = self._halve(lengths)
         batch, channels, time, freq = x.shape
         x = self.out(x.transpose(1, 2).reshape(batch, time, channels * freq))
         return x, out_lengths
 
 
-class TimeReduction(nn.Module):
-    """Reduce the frame rate by `factor`: stack consecutive frames, project back to `dim`.
+TIME_REDUCTION_MODES = ("stack", "subsample")
 
-    A trailing partial group is completed with zeros, so `T' = ceil(T / factor)`.
-    Padded input frames are zeroed first, which keeps the last valid group of a
-    padded utterance equal to the same utterance run alone.
+
+class TimeReduction(nn.Module):
+    """Reduce the frame rate by `factor`, `T' = ceil(T / factor)`.
+
+    `mode` "stack": concatenate `factor` consecutive frames and project them back to
+    `dim` (a linear layer); a trailing partial group is completed with zeros. Padded
+    input frames are zeroed first, which keeps the last valid group of a padded
+    utterance equal to the same utterance run alone.
+    `mode` "subsample": keep frames 0, factor, 2 * factor, ... (no parameters; CAT's
+    time reduction).
     """
 
-    def __init__(self, dim: int, factor: int) -> None:
+    def __init__(self, dim: int, factor: int, mode: str = "stack") -> None:
         super().__init__()
         if factor < 2:
             raise ValueError(f"time reduction factor must be >= 2, got {factor}")
+        if mode not in TIME_REDUCTION_MODES:
+            raise ValueError(f"time_reduction_mode must be one of {TIME_REDUCTION_MODES}, "
+                             f"got {mode!r}")
         self.factor = factor
-        self.proj = nn.Linear(dim * factor, dim)
+        self.mode = mode
+        self.proj = nn.Linear(dim * factor, dim) if mode == "stack" else None
 
     def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
         """Number of output frames for inputs of `lengths` frames."""
@@ -92,6 +178,8 @@ class TimeReduction(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`x` [B, T, D] -> ([B, ceil(T / factor), D], lengths [B])."""
+        if self.proj is None:
+            return x[:, ::self.factor], self.output_lengths(lengths)
         batch, time, dim = x.shape
         x = x.masked_fill(lengths_to_padding_mask(lengths, time).unsqueeze(-1), 0.0)
         remainder = (-time) % self.factor

@@ -6,10 +6,12 @@ import dataclasses
 import json
 import os
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
 
+import cat
 from cat.core import config
 from cat.core.config import ConfigError
 from cat.testing.training import tiny_model_config
@@ -38,13 +40,99 @@ def _hyper(**option) -> dict:
     }
 
 
-def test_schema_is_valid_and_matches_the_options_dataclass():
+def test_schema_is_valid_and_the_options_dataclass_is_derived_from_it():
     schema = config.load_hyper_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     properties = schema["$defs"]["trainOption"]["properties"]
-    assert set(properties) == {f.name for f in dataclasses.fields(config.TrainOptions)}
+    fields = {f.name: f for f in dataclasses.fields(config.TrainOptions)}
+    assert list(fields) == list(properties)
+    options = config.TrainOptions()
+    python_types = {"boolean": bool, "integer": int, "number": float}
     for key, spec in properties.items():
         assert "default" in spec and spec.get("description"), key
+        assert getattr(options, key) == spec["default"], key
+        if isinstance(spec.get("type"), str) and spec["type"] in python_types:
+            assert fields[key].type is python_types[spec["type"]], key
+    assert fields["trset"].type == str | list | None
+    # Mutable defaults are copies: one instance cannot change another's.
+    assert config.TrainOptions().audio is None
+    assert config.TrainOptions.__module__ == "cat.core.config"
+
+
+def test_an_option_added_to_the_schema_needs_nothing_else(tmp_path, monkeypatch):
+    schema = config.load_hyper_schema()
+    schema["$defs"]["trainOption"]["properties"]["new_option"] = {
+        "type": "array", "items": {"type": "integer"}, "default": [1, 2],
+        "description": "an option only the schema defines"}
+    monkeypatch.setattr(config, "load_hyper_schema", lambda: schema)
+    config.train_options_class.cache_clear()
+    try:
+        assert config.TrainOptions().new_option == [1, 2]
+        exp = _write_exp(tmp_path, _hyper(new_option=[3]))
+        assert config.load_experiment(exp).options.new_option == [3]
+        exp = _write_exp(tmp_path / "2", _hyper(new_option=["x"]))
+        with pytest.raises(ConfigError, match=r"train.option.new_option\[0\]: 'x' is not of "):
+            config.load_experiment(exp)
+        del schema["$defs"]["trainOption"]["properties"]["new_option"]["default"]
+        with pytest.raises(ConfigError, match="trainOption: new_option without a 'default'"):
+            config.options_class(schema)
+    finally:
+        monkeypatch.undo()
+        config.train_options_class.cache_clear()
+    assert not hasattr(config.TrainOptions(), "new_option")
+
+
+def _undescribed(schema: dict) -> list[str]:
+    """Paths of properties without a description (directly or through their $ref)."""
+    definitions = schema.get("$defs", {})
+
+    def described(spec: dict) -> bool:
+        if "description" in spec:
+            return True
+        ref = spec.get("$ref", "")
+        return bool(ref) and described(definitions[ref.rsplit("/", 1)[-1]])
+
+    missing = []
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, list):
+            for index, item in enumerate(node):
+                walk(item, f"{path}[{index}]")
+        if not isinstance(node, dict):
+            return
+        for key, spec in node.get("properties", {}).items():
+            if isinstance(spec, dict) and not described(spec):
+                missing.append(f"{path}.{key}")
+        for key, child in node.items():
+            # Conditional subschemas restate keys described where they are defined.
+            if key not in ("if", "then", "else", "not"):
+                walk(child, f"{path}/{key}")
+
+    walk(schema, "")
+    return missing
+
+
+@pytest.mark.parametrize("path", [config.HYPER_SCHEMA_PATH, config.CONFIG_SCHEMA_PATH,
+                                  Path(cat.__file__).parent / "lm" / "schemas" / "lm.schema.json"])
+def test_every_schema_key_has_a_description_for_editors(path):
+    assert _undescribed(json.loads(path.read_text(encoding="utf-8"))) == []
+
+
+def test_editor_settings_map_experiment_files_to_the_schemas():
+    root = Path(cat.__file__).parent.parent
+    settings = json.loads((root / ".vscode" / "settings.json").read_text(encoding="utf-8"))
+    mapped = {entry["url"]: entry["fileMatch"] for entry in settings["json.schemas"]}
+    assert mapped == {"./cat/core/schemas/hyper-p.schema.json": ["egs/*/exp/**/hyper-p.json"],
+                      "./cat/core/schemas/config.schema.json": ["egs/*/exp/**/config.json"],
+                      "./cat/lm/schemas/lm.schema.json": ["egs/*/exp/**/lm.json"]}
+    for url, patterns in mapped.items():
+        schema = json.loads((root / url).read_text(encoding="utf-8"))
+        files = [path for pattern in patterns for path in sorted(root.glob(pattern))]
+        assert files, patterns
+        for path in files:
+            # What an editor checks while a file is edited: the file against its schema.
+            config.check_against_schema(json.loads(path.read_text(encoding="utf-8")), schema,
+                                        str(path))
 
 
 def test_defaults_and_placeholders_are_resolved(tmp_path):

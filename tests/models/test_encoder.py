@@ -13,6 +13,7 @@ from cat.models.layer import (
     RelPositionalEncoding,
     RelPositionMultiHeadAttention,
     TimeReduction,
+    VGG2LSubsampling,
     lengths_to_padding_mask,
 )
 
@@ -42,6 +43,31 @@ def test_subsampling_of_too_short_input_gives_no_frames():
     out, out_lens = Conv2dSubsampling(20, 8)(torch.randn(2, 6, 20), torch.tensor([6, 3]))
     assert out.shape == (2, 0, 8)
     assert out_lens.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("length", [4, 5, 7, 8, 50, 101])
+def test_padded_subsampling_keeps_a_quarter_of_frames_and_bins(length):
+    layer = Conv2dSubsampling(20, 8, pad_end=True)
+    assert layer.out.in_features == 8 * (20 // 4)
+    out, out_lens = layer(torch.randn(1, length, 20), torch.tensor([length]))
+    assert out.shape == (1, length // 4, 8) and int(out_lens[0]) == length // 4
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 8, 50, 101])
+def test_vgg2l_subsampling_rounds_up_twice(length):
+    layer = VGG2LSubsampling(20, 8)
+    assert layer.out.in_features == 128 * 5
+    out, out_lens = layer(torch.randn(1, length, 20), torch.tensor([length]))
+    expected = math.ceil(math.ceil(length / 2) / 2)
+    assert out.shape == (1, expected, 8) and int(out_lens[0]) == expected
+
+
+def test_subsampling_time_reduction_keeps_every_factor_th_frame():
+    layer = TimeReduction(4, 2, mode="subsample")
+    x = torch.randn(2, 5, 4)
+    out, out_lens = layer(x, torch.tensor([5, 3]))
+    assert torch.equal(out, x[:, ::2]) and out_lens.tolist() == [3, 2]
+    assert not list(layer.parameters())
 
 
 def test_time_reduction_stacks_frames_and_rounds_up():
@@ -77,9 +103,16 @@ def test_output_shapes_and_lengths(overrides):
     {"conv_norm": "layernorm"},
     {"time_reduction_factor": 2},
     {"time_reduction_factor": 2, "time_reduction_position": 1},
+    {"subsampling": "conv2d_padded"},
+    {"subsampling": "vgg2l", "time_reduction_factor": 2, "time_reduction_position": 2,
+     "time_reduction_mode": "subsample"},
+    {"subsampling": "vgg2l", "global_cmvn": True},
 ])
 def test_padding_does_not_change_valid_outputs(overrides):
     encoder = tiny_encoder(**overrides).eval()
+    if encoder.normalizer is not None:
+        # Statistics that map zero padding to values far from zero.
+        encoder.normalizer.set_stats(torch.full((20,), 3.0), torch.full((20,), 0.5))
     feat_lens = torch.tensor([70, 45, 29])
     feats = torch.randn(3, 70, 20)
     for index, length in enumerate(feat_lens.tolist()):
@@ -175,6 +208,9 @@ def test_gradients_reach_every_parameter():
     ({"conv_norm": "groupnorm"}, "conv norm"),
     ({"time_reduction_position": 3}, "time_reduction_position"),
     ({"idim": 4}, "too small"),
+    ({"subsampling": "conv3d"}, "subsampling must be one of"),
+    ({"subsampling": "vgg2l", "subsampling_channels": 8}, "subsampling_channels applies"),
+    ({"time_reduction_factor": 2, "time_reduction_mode": "drop"}, "time_reduction_mode"),
 ])
 def test_invalid_sizes_raise_with_the_option_named(overrides, message):
     with pytest.raises(ValueError, match=message):

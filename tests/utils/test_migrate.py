@@ -1,0 +1,175 @@
+"""CAT v3 experiments migrate: every key mapped or named, CAT's models rebuilt."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from cat.core import config as config_module
+from cat.core.config import ConfigError
+from cat.utils import migrate as migrate_module
+from cat.utils.migrate import count_model_parameters, data_dir, main, migrate
+
+CAT_EXPS = Path(__file__).with_name("cat_v3")
+# Parameter counts CAT published in each experiment's readme.md (millions).
+PUBLISHED = {"aishell-ctc-v1": 79.50, "aishell-rnnt-v1": 84.30,
+             "wenetspeech-train_l-rnnt-v1": 91.67, "wenetspeech-train_m-ctc-v1": 86.01,
+             "wenetspeech-train_m-rnnt-v1": 91.27}
+# The vocabulary CAT's trained tokenizer had (config.json num_classes, written by CAT's
+# stage 3; train_l's 5536 characters, not its hyper-p.json's 5147, give the 91.67 M).
+VOCAB = {"aishell-ctc-v1": 4232, "aishell-rnnt-v1": 4232, "wenetspeech-train_l-rnnt-v1": 5536,
+         "wenetspeech-train_m-ctc-v1": 5147, "wenetspeech-train_m-rnnt-v1": 5147}
+RECIPES = Path(__file__).parents[2] / "egs"
+
+
+def _load(name: str) -> tuple[dict, dict]:
+    folder = CAT_EXPS / name
+    return (json.loads((folder / "hyper-p.json").read_text(encoding="utf-8")),
+            json.loads((folder / "config.json").read_text(encoding="utf-8")))
+
+
+def _entries(migration, status: str) -> dict[str, str]:
+    return {f"{e.file}: {e.key}": e.detail for e in migration.by_status(status)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_cat_experiments_build_cats_models(name):
+    hyper, cat_config = _load(name)
+    migration = migrate(hyper, cat_config, f"exp/{name}")
+    assert migration.num_classes == VOCAB[name]
+    parameters = count_model_parameters(migration.config, migration.num_classes)
+    assert abs(parameters / 1e6 - PUBLISHED[name]) / PUBLISHED[name] < 0.005, parameters
+
+
+@pytest.mark.parametrize(("exp", "name"), [
+    ("aishell/exp/ctc-v1", "aishell-ctc-v1"), ("aishell/exp/rnnt-v1", "aishell-rnnt-v1"),
+    ("wenetspeech/exp/train_l/rnnt-v1", "wenetspeech-train_l-rnnt-v1"),
+    ("wenetspeech/exp/train_m/ctc-v1", "wenetspeech-train_m-ctc-v1"),
+])
+def test_shipped_experiments_are_cats_models(exp, name):
+    shipped = config_module.load_config(RECIPES / exp / "config.json")
+    parameters = count_model_parameters(shipped, VOCAB[name])
+    assert abs(parameters / 1e6 - PUBLISHED[name]) / PUBLISHED[name] < 0.005, parameters
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_migrated_experiment_loads_and_names_every_key(name, tmp_path):
+    hyper, cat_config = _load(name)
+    new_exp = tmp_path / "exp" / name
+    assert main([str(CAT_EXPS / name), str(new_exp), "--no-count"]) == 0
+    experiment = config_module.load_experiment(new_exp)
+    # CAT's train_m/ctc-v1 names cat.rnnt.train for its CTC model; the model decides.
+    assert experiment.train_bin == ("cat.rnnt.train" if "joiner" in cat_config
+                                    else "cat.ctc.train")
+    report = (new_exp / "migration.txt").read_text(encoding="utf-8")
+    # Every CAT train.option key appears in the report as CAT's file spells it.
+    for key in hyper["train"]["option"]:
+        assert f"hyper-p.json: train.option.{key}: " in report, key
+    for key in cat_config["encoder"]["kwargs"]:
+        assert f"encoder.kwargs.{key}" in report, key
+    with pytest.raises(FileExistsError, match="exists"):
+        main([str(CAT_EXPS / name), str(new_exp), "--no-count"])
+
+
+def test_tokenizer_and_batching_keys_are_mapped_or_reported():
+    hyper, cat_config = _load("aishell-ctc-v1")
+    migration = migrate(hyper, cat_config, "exp/ctc-v1")
+    assert migration.hyper["tokenizer"] == {
+        "type": "sentencepiece", "file": "exp/ctc-v1/tokenizer.tknz",
+        "option-train": {"model_type": "char", "vocab_size": 0, "add_dummy_prefix": False}}
+    mapped = _entries(migration, "mapped")
+    assert mapped["hyper-p.json: tokenizer.type"] == "'SentencePieceTokenizer' -> 'sentencepiece'"
+    assert "vocab_size 0" in mapped["hyper-p.json: tokenizer.option-train.use_all_vocab"]
+    assert "hyper-p.json: tokenizer.option-train.add_dummy_prefix" in mapped
+    assert "max_frames 0" in mapped["hyper-p.json: train.option.dynamic_batch_mode"]
+    assert migration.hyper["train"]["option"]["max_frames"] == 0
+    dropped = _entries(migration, "dropped")
+    assert "tokenizer.file" in dropped["hyper-p.json: tokenizer.option-train.model_prefix"]
+    assert migration.hyper["data"] == {"train": ["data/fbank/train_sp"], "dev": "data/fbank/dev",
+                                       "test": ["data/fbank/dev", "data/fbank/test"],
+                                       "filter": "10:2001"}
+    encoder = migration.config["encoder"]["kwargs"]
+    assert (encoder["subsampling"], "ctc" in migration.config) == ("vgg2l", True)
+    assert migration.config["scheduler"]["kwargs"] == {
+        "peak_lr": pytest.approx(1 / (512 * 25000) ** 0.5, rel=1e-5),
+        "warmup_steps": 25000, "stop_step": 500000}
+    assert migration.config["specaug"]["max_time_warp"] == 0
+    assert "config.json: trainer.decoder" in _entries(migration, "not mapped")
+
+
+def test_unknown_keys_are_named_in_both_files():
+    hyper, cat_config = _load("aishell-rnnt-v1")
+    hyper["train"]["option"]["dynamic-batch-modes"] = 1
+    hyper["tokenizer"]["option-train"]["split_digits"] = True
+    cat_config["encoder"]["kwargs"]["hidden_dim"] = 3
+    cat_config["decoder"]["kwargs"]["variational_noise"] = [0.0, 0.1]
+    migration = migrate(hyper, cat_config, "exp/x")
+    unmapped = _entries(migration, "not mapped")
+    assert "no such training option" in unmapped["hyper-p.json: train.option.dynamic-batch-modes"]
+    assert "hyper-p.json: tokenizer.option-train.split_digits" in unmapped
+    assert "config.json: encoder.kwargs.hidden_dim" in unmapped
+    assert "config.json: decoder.kwargs.variational_noise" in unmapped
+    report = migration.report()
+    assert "not mapped  hyper-p.json: train.option.dynamic-batch-modes: 1: no such training" \
+        in report
+    # The worst comes first: every 'not mapped' line precedes every 'mapped' line.
+    statuses = [line.split("  ")[0].strip() for line in report.splitlines()[2:]]
+    assert statuses == sorted(statuses, key=migrate_module.STATUS_ORDER.index)
+
+
+def test_ctc_crf_keys_are_pending_until_the_schema_has_them(monkeypatch):
+    hyper, cat_config = _load("aishell-ctc-v1")
+    cat_config["trainer"] = {"use_crf": True, "lamb": 0.01, "den_lm": "exp/den_lm.fst"}
+    migration = migrate(hyper, copy.deepcopy(cat_config), "exp/crf")
+    pending = _entries(migration, "pending")
+    assert set(pending) == {f"config.json: trainer.{k}" for k in ("use_crf", "lamb", "den_lm")}
+    assert "trainer" not in migration.config
+    schema = config_module.load_config_schema()
+    schema["$defs"]["trainer"]["properties"].update(
+        use_crf={"type": "boolean"}, lamb={"type": "number"}, den_lm={"type": "string"})
+    monkeypatch.setattr(config_module, "load_config_schema", lambda: schema)
+    monkeypatch.setattr(migrate_module, "load_config_schema", lambda: schema)
+    migration = migrate(hyper, copy.deepcopy(cat_config), "exp/crf")
+    assert not migration.by_status("pending")
+    assert migration.config["trainer"] == cat_config["trainer"]
+
+
+def test_data_names_by_metainfo_or_by_rule(tmp_path):
+    metainfo = {"train-3sp": {"scp": "/data/src/train-3sp/feats.scp",
+                              "trans": "/data/src/train-3sp/text"}}
+    assert data_dir("train-3sp", metainfo) == ("/data/src/train-3sp", "data/metainfo.json")
+    assert data_dir("train-3sp", None)[0] == "data/fbank/train_sp"
+    assert data_dir("train-sp0.9", None)[0] == "data/fbank/train_sp"
+    assert data_dir("thaudio-test", None)[0] == "data/fbank/test"
+    assert data_dir("test_net", None)[0] == "data/fbank/test_net"
+    # main finds <recipe>/data/metainfo.json next to the experiment's exp folder.
+    recipe = tmp_path / "aishell"
+    old = recipe / "exp" / "ctc-v1"
+    old.mkdir(parents=True)
+    for name in ("hyper-p.json", "config.json"):
+        (old / name).write_bytes((CAT_EXPS / "aishell-ctc-v1" / name).read_bytes())
+    (recipe / "data").mkdir()
+    (recipe / "data" / "metainfo.json").write_text(json.dumps(metainfo), encoding="utf-8")
+    main([str(old), str(tmp_path / "new"), "--no-count"])
+    hyper = json.loads((tmp_path / "new" / "hyper-p.json").read_text(encoding="utf-8"))
+    assert hyper["data"]["train"] == ["/data/src/train-3sp"]
+
+
+def test_large_dataset_gets_shards_and_a_trset():
+    hyper, cat_config = _load("wenetspeech-train_l-rnnt-v1")
+    migration = migrate(hyper, cat_config, "exp/train_l/rnnt-v1")
+    assert migration.hyper["data"]["shards"] == {"dir": "data/wds/train_l",
+                                                 "filter_group": ["10:1001"]}
+    option = migration.hyper["train"]["option"]
+    assert (option["large_dataset"], option["trset"], option["grad_accum"]) == \
+        (True, "data/wds/train_l/10_1001/data-*.tar", 6)
+
+
+def test_unsupported_scheduler_is_an_error():
+    hyper, cat_config = _load("aishell-ctc-v1")
+    cat_config["scheduler"]["type"] = "SchedulerCosineAnnealing"
+    with pytest.raises(ConfigError, match=r"scheduler\.type: 'SchedulerCosineAnnealing'"):
+        migrate(hyper, cat_config, "exp/x")
