@@ -3,8 +3,9 @@
 A `data.list` names data one entry per line, in one of two modes (the first non-empty
 line decides; mixing them is an error):
 
-* shard mode: a tar shard per line, a path (relative paths are relative to the list's
-  folder), an `http(s)://` or `s3://` URL, or a `pipe:` command;
+* shard mode: a tar shard (`.tar`, or gzip-compressed `.tar.gz`/`.tgz`) per line, a
+  path (relative paths are relative to the list's folder), an `http(s)://` URL, a store
+  URL (`s3://`, `gs://`, ...: `cat.storage.stores`), or a `pipe:` command;
 * raw mode: a JSON object per line, `{"key": ..., "wav": <audio path>, "txt": ...}`,
   optionally with `"start"` and `"end"` in seconds (a piece of the file; end -1: the
   file's end). A relative `wav` is relative to the list's folder. `txt` is what training
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cat.core.io import PathLike
+from cat.storage.stores import is_store_url
 
 #: Locations that are not paths on this machine.
 URL_PREFIXES = ("http://", "https://", "s3://", "pipe:")
@@ -91,7 +93,7 @@ def check_key(key: Any, where: str) -> str:
 
 def resolve(location: str, folder: str) -> str:
     """A list's location: URLs and absolute paths as they are, others under `folder`."""
-    if location.startswith(URL_PREFIXES) or os.path.isabs(location):
+    if location.startswith(URL_PREFIXES) or is_store_url(location) or os.path.isabs(location):
         return location
     return os.path.join(folder, location)
 

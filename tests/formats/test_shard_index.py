@@ -47,6 +47,16 @@ def test_index_of_uio_shards_has_exact_counts(tmp_path, gzip, num_jobs):
     counts = shard_format.read_index_counts(str(folder / shard_format.INDEX_NAME))
     assert counts.shards[corpus.shards[1].name][:2] == (2, frames[keys[2]] + frames[keys[3]])
     assert shard_check.validate(folder) == []
+    if gzip:  # damaged compressed data: named, never a crash
+        data = bytearray(corpus.shards[1].read_bytes())
+        data[40:200] = bytes(160)
+        corpus.shards[1].write_bytes(bytes(data))
+        corpus.shards[2].write_bytes(corpus.shards[2].read_bytes()[:300])
+        problems = shard_check.validate(folder)
+        for shard in corpus.shards[1:]:
+            assert f"{shard}: crc32 differs from the index" in problems
+            assert any(p.startswith(f"{shard}: unreadable tar after") for p in problems), \
+                problems
 
 
 def test_reindexing_keeps_an_up_to_date_index_and_redoes_a_changed_one(tmp_path, monkeypatch):

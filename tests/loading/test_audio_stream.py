@@ -355,8 +355,10 @@ def test_raw_list_pieces_are_cut_from_their_file(corpus, tokenizer, tmp_path):
     assert "outside" not in found
 
 
-def test_compressed_shards_are_refused_by_name(tmp_path):
-    corpus = make_uio_corpus(tmp_path, {"a": "今天", "b": "天气"}, gzip=True)
-    with pytest.raises(ValueError, match=r"shards_000000000\.tar\.gz \(from .*\) is "
-                                         r"compressed; the loader reads plain tar shards"):
-        load_shard_list(str(corpus.shard_list), 1)
+def test_shards_compressed_other_than_with_gzip_are_refused_by_name(tmp_path):
+    corpus = make_uio_corpus(tmp_path, {"a": "今天", "b": "天气"})
+    xz = corpus.shards[0].with_name("shards_000000000.tar.xz")
+    xz.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"shards_000000000\.tar\.xz \(from .*\) is not "
+                                         r"gzip-compressed but compressed otherwise"):
+        load_shard_list(str(xz), 1)
