@@ -16,6 +16,9 @@ not an object, a missing or non-string `key`/`wav`, a key that is empty or holds
 whitespace (a `<key> <text>` line cannot hold it), a non-numeric `start`/`end`, a key
 given twice, an empty list.
 
+`write_shard_list` writes a shard-mode list (stage 2 writes one, `data.list`, next to
+each audio-shard folder's `index.jsonl`, for WeNet to read the shards with).
+
 `iter_raw_entries` yields each raw entry with its byte offset, so a reader can come back
 to a line later (`read_raw_entries`) without holding the list in memory.
 
@@ -34,9 +37,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from cat.core.io import PathLike
+from cat.core.io import PathLike, atomic_write
 from cat.storage.stores import is_store_url
 
+#: The file name of the list stage 2 writes next to each audio-shard folder's index.
+DATA_LIST_NAME = "data.list"
 #: Locations that are not paths on this machine.
 URL_PREFIXES = ("http://", "https://", "s3://", "pipe:")
 
@@ -199,3 +204,10 @@ def read_raw_entries(path: PathLike, offset: int, count: int) -> list[RawEntry]:
             if line.strip():
                 entries.append(parse_raw_entry(line, f"{path} at byte {start}", folder, start))
     return entries
+
+
+def write_shard_list(path: PathLike, shards: list[PathLike]) -> None:
+    """A shard-mode `data.list` at `path` (written atomically): one absolute shard path
+    per line, as WeNet reads them from any working directory."""
+    with atomic_write(path) as f:
+        f.writelines(f"{os.path.abspath(shard)}\n" for shard in shards)

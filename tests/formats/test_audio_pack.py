@@ -149,6 +149,9 @@ def test_length_groups_by_duration_and_recordings_in_time_order(corpus, tmp_path
         sizes = [r["num_utts"] for r in index.shards]
         assert max(sizes) <= 3 and max(sizes) - min(sizes) <= 1
         assert shard_check.validate(out / name) == []
+        # WeNet's data.list next to the index: the folder's shards, absolute, in order.
+        assert (out / name / "data.list").read_text().splitlines() == \
+            [str((out / name / r["shard"]).resolve()) for r in index.shards]
     other = tmp_path / "other"
     audio_pack.pack_audio(corpus, other, "flac", filter_group=groups, utts_per_file=3, seed=6)
     order = [k for r in shard_format.read_index(out / "0_90").shards for k in r["keys"]]

@@ -321,6 +321,10 @@ def test_packed_audio_shards_stream_with_exact_counts_and_their_decoded_audio(pa
     summary = progress.summary()
     assert summary["trained"] == summary["expected"] == len(text)
     assert summary["not_trained"] == 0
+    # Stage 2's data.list (WeNet shard mode) names the same shards, with their index.
+    listed = _stream(str(folder / "data.list"), tokenizer)
+    assert listed.shards.urls == stream.shards.urls and not listed.shards.estimated.any()
+    assert _keys(_run_epoch(listed, 1)[0]) == _keys(batches)
 
 
 def test_audio_settings_must_match_what_the_index_says_the_shards_hold(packed, tmp_path):
