@@ -3,13 +3,17 @@ fly, online speed perturbation, exact resume, and shards on an S3 object store."
 
 from __future__ import annotations
 
+import errno
 import json
 import tarfile
 import time
+import uuid
 
+import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from cat.audio.codec import decode, to_float32, to_int16
 from cat.audio.speed import choose_factor, speed_perturb
@@ -281,6 +285,81 @@ def test_s3_shards_stream_like_local_ones_and_a_dead_store_stops_the_epoch(corpu
     assert "storage: s3://speech at http://127.0.0.1:" in message
     assert "s3://speech/uio/train/shards_" in message and "unavailable" in message
     assert seconds < 60, f"took {seconds:.1f} s to give up"
+
+
+# ------------------------------------------------------- stores fsspec reaches (memory://)
+
+
+class _FailingMemory(MemoryFileSystem):
+    """fsspec's memory store as `failmem://`, whose reads fail once `broken` is set (a
+    store going down: every read is a reset connection)."""
+
+    protocol = "failmem"
+    broken = False
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.replace("failmem://", "memory://", 1))
+
+    def _open(self, path, mode="rb", **kwargs):
+        if type(self).broken:
+            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+        file = super()._open(path, mode, **kwargs)
+        real = file.read
+
+        def read(*arguments):
+            if type(self).broken:
+                raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+            return real(*arguments)
+
+        file.read = read
+        return file
+
+
+@pytest.fixture
+def memory_corpus(corpus):
+    fs = fsspec.filesystem("memory")
+    folder = f"/speech-{uuid.uuid4().hex[:8]}/uio/train"
+    for shard in corpus.shards:
+        fs.pipe_file(f"{folder}/{shard.name}", shard.read_bytes())
+    fsspec.register_implementation("failmem", _FailingMemory, clobber=True)
+    yield folder
+    _FailingMemory.broken = False
+    fs.rm(folder.split("/uio")[0], recursive=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_memory_store_shards_train_like_local_ones(corpus, tokenizer, memory_corpus, workers,
+                                                   tmp_path):
+    local = _run_epoch(_stream([str(s) for s in corpus.shards], tokenizer), 3)[0]
+    urls = [f"memory://{memory_corpus}/{s.name}" for s in corpus.shards]
+    listing = write_shard_list(tmp_path / "memory.list", urls)
+    for patterns in (f"memory://{memory_corpus}/shards_*.tar", str(listing)):
+        stream = _stream(patterns, tokenizer, workers)
+        assert [u.rpartition("/")[2] for u in stream.shards.urls] == \
+            [s.name for s in corpus.shards]
+        batches, progress = _run_epoch(stream, 3, workers)
+        assert sorted(_keys(batches)) == sorted(TEXTS)
+        if workers == 0:
+            assert _keys(batches) == _keys(local)
+        assert progress.summary()["trained"] == len(TEXTS)
+
+
+def test_a_store_failing_mid_epoch_stops_it_with_data_unavailable(corpus, tokenizer,
+                                                                  memory_corpus):
+    stream = _stream(f"failmem://{memory_corpus}/shards_*.tar", tokenizer, batch_size=1,
+                     shuffle_buffer=0, sort_buffer=1, read_ahead_mb=0, read_retries=1,
+                     timeout=5)
+
+    def fail(batches):
+        if batches == 1:
+            _FailingMemory.broken = True
+
+    with pytest.raises(DataUnavailableError) as raised:
+        _run_epoch(stream, 3, on_batch=fail)
+    message = str(raised.value)
+    assert "storage: failmem://speech-" in message and "unavailable after 2 attempts" in message
+    assert "ConnectionResetError" in message and "failmem:///speech-" in message
 
 
 # ------------------------------------------------------------ shards of our own packer
