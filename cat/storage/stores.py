@@ -4,8 +4,9 @@ A store URL is `<scheme>://<location>` with a scheme other than `http`/`https` (
 `pipe:` commands and local paths are read by `cat.loading.sources` directly). `store_for`
 gives the `Store` that reads it:
 
-* `s3://`: `cat.storage.s3.S3Store` (boto3; measured faster than fsspec's s3fs where
-  both install, see bench/README.md);
+* `s3://`: `cat.storage.s3.S3Store` (boto3, with its retries and timeouts; fsspec's
+  s3fs cannot be installed beside the pinned botocore: its aiobotocore pins older
+  botocore releases);
 * every other scheme fsspec knows (`gs://`, `gcs://`, `az://`, `abfs://`, `hf://`,
   `memory://`, `file://`, `sftp://`, ...): `cat.storage.fsspec_store.FsspecStore`.
 
