@@ -7,6 +7,7 @@ URL needs them."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import pickle
 import subprocess
@@ -204,6 +205,10 @@ def test_unknown_schemes_and_missing_backends_are_named(monkeypatch):
                                           r"cat_fake_backend_package, which is not installed: "
                                           r"pip install cat_fake_backend_package"):
         store_for("fakestore://bucket/data-00000.tar")
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(ImportError, match=r"gs:// URLs need the package gcsfs, which is "
+                                              r"not installed: pip install gcsfs"):
+            store_for("gs://bucket/wds/data-00000.tar")
     assert backend_package("gs") == "gcsfs" and backend_package("hf") == "huggingface_hub"
     assert backend_package("memory") is None
 
