@@ -2,11 +2,14 @@
 
 Shard list (`load_shard_list`): every `trset` pattern is brace-expanded, then globbed and
 sorted (`data/wds/train/{10_1000,1000_2000}/data-*.tar`, `.../data-0000{0..9}.tar`);
-`http://`, `https://` and `pipe:` URLs are brace-expanded only. A pattern that matches
-nothing is an error naming it. Counts come from the `index.jsonl` of each shard's folder
-(`cat.formats.prep_wds`): next to a local shard; at the same base URL for http(s) shards,
-with the shard URL's query string (presigned or token URLs); and for `pipe:` commands
-next to the command's last `.tar` argument when that is a local file or an http(s) URL.
+`http://`, `https://` and `pipe:` URLs are brace-expanded only; store URLs (`s3://`,
+`gs://`, `memory://`...) are brace-expanded and globbed by their store
+(`cat.storage.stores`). Shards may be gzip-compressed (`.tar.gz`, `.tgz`:
+`cat.loading.gunzip`). A pattern that matches nothing is an error naming it. Counts come
+from the `index.jsonl` of each shard's folder (`cat.formats.prep_wds`): next to a local
+shard or a store object; at the same base URL for http(s) shards, with the shard URL's
+query string (presigned or token URLs); and for `pipe:` commands next to the command's
+last `.tar` (`.tar.gz`, `.tgz`) argument when that is a local file or an http(s) URL.
 Shards without an index are an error unless `utts_per_shard_estimate` is set.
 
 Only what the loader needs is kept, in numpy arrays (one entry per shard): utterance and

@@ -1,4 +1,5 @@
-"""Where shards come from: local files, http(s) URLs, `pipe:` commands; storage errors.
+"""Where shards come from: local files, http(s) URLs, stores (`s3://`, `gs://`, ...:
+`cat.storage.stores`), `pipe:` commands; storage errors.
 
 `open_shard` opens a shard as a binary stream; `read_shard` streams its members. An
 HTTP body that ends early raises `StorageError` instead of looking like a truncated tar.

@@ -8,7 +8,9 @@ import gzip
 import io
 import os
 import tarfile
+import uuid
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -123,6 +125,22 @@ def test_resume_rereads_the_compressed_shard_from_its_start_and_counts_it(corpus
     # The shard being read and those of the buffered samples are decompressed again.
     assert 1 <= summary["resume_reread_shards"] <= 3
     assert resumed.state()["resume_reread_shards"] == summary["resume_reread_shards"]
+
+
+def test_gzip_shards_on_a_store_stream_through_the_read_ahead_thread(corpus, tokenizer):
+    fs = fsspec.filesystem("memory")
+    folder = f"/gzip-{uuid.uuid4().hex[:8]}/shards"
+    for path in [*corpus.shards, corpus.shards[0].parent / "index.jsonl"]:
+        fs.pipe_file(f"{folder}/{path.name}", path.read_bytes())
+    try:
+        stream = _stream(f"memory://{folder}/shards_*.tar.gz", tokenizer, read_ahead_mb=1)
+        assert not stream.shards.estimated.any()
+        batches, progress = _run_epoch(stream, 1)
+        assert sorted(_by_key(batches)) == sorted(TEXTS)
+        summary = progress.summary()
+        assert summary["not_trained"] == 0 and not summary["corrupt_shards"]
+    finally:
+        fs.rm(folder.rsplit("/", 1)[0], recursive=True)
 
 
 def test_a_truncated_gzip_shard_is_corrupt_and_the_others_train(corpus, tokenizer, tmp_path):
