@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,12 +31,12 @@ STORE_CLIENTS = ("boto3", "botocore", "fsspec", "s3fs")
 _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 
-def import_report(tree: Path, module: str) -> tuple[float, float]:
-    """(total seconds, seconds of the store clients) of importing `module` from `tree`."""
+def import_report(tree: Path, module: str) -> tuple[float, float, float]:
+    """(total, store clients, torch) seconds of importing `module` from `tree`."""
     environment = {**os.environ, "PYTHONPATH": str(tree)}
     run = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"],
                          cwd=tree, env=environment, capture_output=True, text=True, check=True)
-    total = clients = 0
+    total = clients = torch = 0
     for line in run.stderr.splitlines():
         match = _LINE.match(line)
         if match is None:
@@ -43,9 +44,11 @@ def import_report(tree: Path, module: str) -> tuple[float, float]:
         cumulative, indent, name = int(match[2]), len(match[3]), match[4]
         if indent == 1:  # a top-level import of `-c`
             total += cumulative
-        if name.split(".")[0] in STORE_CLIENTS and "." not in name:
+        if name in STORE_CLIENTS:
             clients += cumulative
-    return total / 1e6, clients / 1e6
+        if name == "torch":
+            torch += cumulative
+    return total / 1e6, clients / 1e6, torch / 1e6
 
 
 def extract(revision: str, destination: Path) -> Path:
@@ -68,17 +71,21 @@ def main() -> None:
         trees = {f"baseline {args.baseline}": extract(args.baseline, Path(folder)),
                  "this tree": ROOT}
         import_report(ROOT, args.module)  # warm the page cache
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in trees}
         for _ in range(args.repeats):
             for name, tree in trees.items():
                 results[name].append(import_report(tree, args.module))
-    best = {name: min(runs) for name, runs in results.items()}
-    print(f"import {args.module}, fastest of {args.repeats} runs each:")
-    for name, (total, clients) in best.items():
-        print(f"  {name:20s} {total:6.2f} s, of which store clients "
-              f"({', '.join(STORE_CLIENTS)}) {clients:5.2f} s")
-    (base_total, _), (total, _) = best.values()
-    print(f"  ratio this tree / baseline: {total / base_total:.2f}")
+    print(f"import {args.module}, {args.repeats} runs each (fastest; median):")
+    best = {}
+    for name, runs in results.items():
+        totals, clients, torch = (sorted(column) for column in zip(*runs, strict=True))
+        best[name] = totals[0]
+        print(f"  {name:20s} total {totals[0]:5.2f} s; {statistics.median(totals):5.2f} s"
+              f"   store clients ({', '.join(STORE_CLIENTS)}) {clients[0]:5.2f} s; "
+              f"{statistics.median(clients):5.2f} s   torch {torch[0]:5.2f} s; "
+              f"{statistics.median(torch):5.2f} s")
+    base_total, total = best.values()
+    print(f"  ratio of the fastest totals, this tree / baseline: {total / base_total:.2f}")
 
 
 if __name__ == "__main__":
