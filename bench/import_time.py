@@ -1,8 +1,9 @@
 """Benchmark: how long importing the streaming loader takes, against a baseline revision.
 
 Each run starts a fresh interpreter (`python -X importtime -c "import <module>"`) and
-reads the total and the share of the store clients (`boto3`, `botocore`, `fsspec`,
-`s3fs`) from its report. The baseline is the package `cat/` of another git revision,
+reads the total, the share of the store clients (`boto3`, `botocore`, `fsspec`,
+`s3fs`), that of torch, and the total without torch (what this project's own imports
+decide) from its report. The baseline is the package `cat/` of another git revision,
 extracted with `git archive` into a temporary folder and imported from there, the two
 trees taking turns so that the machine's load affects both alike. The fastest of
 `--repeats` runs of each is printed, with the ratio.
@@ -78,12 +79,14 @@ def main() -> None:
     print(f"import {args.module}, {args.repeats} runs each (fastest; median):")
     best = {}
     for name, runs in results.items():
+        rest = sorted(total - torch for total, _, torch in runs)
         totals, clients, torch = (sorted(column) for column in zip(*runs, strict=True))
         best[name] = totals[0]
         print(f"  {name:20s} total {totals[0]:5.2f} s; {statistics.median(totals):5.2f} s"
               f"   store clients ({', '.join(STORE_CLIENTS)}) {clients[0]:5.2f} s; "
               f"{statistics.median(clients):5.2f} s   torch {torch[0]:5.2f} s; "
-              f"{statistics.median(torch):5.2f} s")
+              f"{statistics.median(torch):5.2f} s   all but torch {rest[0]:5.2f} s; "
+              f"{statistics.median(rest):5.2f} s")
     base_total, total = best.values()
     print(f"  ratio of the fastest totals, this tree / baseline: {total / base_total:.2f}")
 

@@ -68,7 +68,10 @@ def _texts(data_dirs: list[Path]) -> dict[str, str]:
 
 
 def _files(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
+    """Every file's bytes; in `data.list` (absolute shard paths) the folder reads `<out>`."""
+    return {str(p.relative_to(directory)):
+            p.read_bytes().replace(str(directory.resolve()).encode(), b"<out>")
+            if p.name == "data.list" else p.read_bytes()
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
