@@ -10,14 +10,16 @@ count of its 16 kHz audio (`cat.features.fbank.num_frames`), so length groups an
 balancing of ranks work by duration as for feature shards.
 
 As for feature shards (`cat.formats.prep_wds.pack_data`), length groups (`filter_group`,
-in frames) go to subfolders `lo_hi`, shard contents are decided up front and seeded
-(the same output for any `num_jobs`), each tar is written under a temporary name and
-renamed when complete, a re-run keeps the finished shards whose inputs (entries,
-options, the audio files' sizes and mtimes) are unchanged, each folder's `index.jsonl`
-is written last, and `d_out/dropped.txt` lists every utterance left out, with its
-reason (`no_label`, `no_audio`, `empty_label`, `bad_audio`, `bad_segment`, `too_short`,
-`out_of_range`). The index header says `"content": "audio"`, `"audio_format"`,
-`"bitrate"` (Opus only, else null), `"sample_rate": 16000` and `"feat_dim": null`.
+in frames) go to subfolders `lo_hi`, shard contents are decided up front and seeded (the
+same output for any `num_jobs`), each tar is written under a temporary name and renamed
+when complete, a re-run keeps the finished shards whose inputs (entries, options, the
+audio files' sizes and mtimes) are unchanged, each folder's `index.jsonl` is written
+last, a WeNet shard-mode `data.list` (one absolute shard path per line,
+`cat.formats.data_list`) just before it, and `d_out/dropped.txt` lists every utterance
+left out, with its reason (`no_label`, `no_audio`, `empty_label`, `bad_audio`,
+`bad_segment`, `too_short`, `out_of_range`). The index header says `"content": "audio"`,
+`"audio_format"`, `"bitrate"` (Opus only, else null), `"sample_rate": 16000` and
+`"feat_dim": null`.
 
 Shard contents: within each length group the recordings are shuffled (seeded) and
 each recording's utterances follow in time order, so that a job decodes each of its
@@ -50,6 +52,7 @@ from cat.core.io import PathLike, iter_table
 from cat.features.plan import DEFAULT_MAX_OVERSHOOT
 from cat.formats.audio_tables import SAMPLE_RATE, AudioTable, load_audio_utterances
 from cat.formats.audio_writer import AudioShardJob, write_audio_shard
+from cat.formats.data_list import DATA_LIST_NAME, write_shard_list
 from cat.formats.shard_format import CONTENT_AUDIO, DROPPED_NAME, INDEX_VERSION, shard_name_regex
 from cat.formats.shard_pack import (
     DEFAULT_FMT,
@@ -155,6 +158,15 @@ def _record_of(job: AudioShardJob, result: dict[str, Any]) -> dict[str, Any]:
             "conversions": result["conversions"]}
 
 
+def _write_data_list(folder: Folder) -> None:
+    """The folder's shards as a WeNet shard-mode `data.list` (none for an empty folder)."""
+    path = folder.path / DATA_LIST_NAME
+    if folder.jobs:
+        write_shard_list(path, [job.path for job in folder.jobs])
+    else:
+        path.unlink(missing_ok=True)
+
+
 def check_audio_options(audio_format: str, opus_bitrate: int | None) -> int | None:
     """The Opus bitrate to use (None for `wav`/`flac`); bad values are errors."""
     if audio_format not in codec.FORMATS:
@@ -218,6 +230,7 @@ def pack_audio(
                 drops.add(utt, reason)
     drops.write(d_out / DROPPED_NAME)
     for folder in folders:
+        _write_data_list(folder)
         write_index(folder, records, {
             "fmt": fmt, "content": CONTENT_AUDIO, "audio_format": audio_format,
             "bitrate": bitrate, "sample_rate": SAMPLE_RATE, "feat_dim": None},

@@ -3,8 +3,9 @@
 A `data.list` names data one entry per line, in one of two modes (the first non-empty
 line decides; mixing them is an error):
 
-* shard mode: a tar shard per line, a path (relative paths are relative to the list's
-  folder), an `http(s)://` or `s3://` URL, or a `pipe:` command;
+* shard mode: a tar shard (`.tar`, or gzip-compressed `.tar.gz`/`.tgz`) per line, a
+  path (relative paths are relative to the list's folder), an `http(s)://` URL, a store
+  URL (`s3://`, `gs://`, ...: `cat.storage.stores`), or a `pipe:` command;
 * raw mode: a JSON object per line, `{"key": ..., "wav": <audio path>, "txt": ...}`,
   optionally with `"start"` and `"end"` in seconds (a piece of the file; end -1: the
   file's end). A relative `wav` is relative to the list's folder. `txt` is what training
@@ -14,6 +15,9 @@ Every error names the list and line: text that is not UTF-8, a line that is not 
 not an object, a missing or non-string `key`/`wav`, a key that is empty or holds
 whitespace (a `<key> <text>` line cannot hold it), a non-numeric `start`/`end`, a key
 given twice, an empty list.
+
+`write_shard_list` writes a shard-mode list (stage 2 writes one, `data.list`, next to
+each audio-shard folder's `index.jsonl`, for WeNet to read the shards with).
 
 `iter_raw_entries` yields each raw entry with its byte offset, so a reader can come back
 to a line later (`read_raw_entries`) without holding the list in memory.
@@ -33,8 +37,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from cat.core.io import PathLike
+from cat.core.io import PathLike, atomic_write
+from cat.storage.stores import is_store_url
 
+#: The file name of the list stage 2 writes next to each audio-shard folder's index.
+DATA_LIST_NAME = "data.list"
 #: Locations that are not paths on this machine.
 URL_PREFIXES = ("http://", "https://", "s3://", "pipe:")
 
@@ -91,7 +98,7 @@ def check_key(key: Any, where: str) -> str:
 
 def resolve(location: str, folder: str) -> str:
     """A list's location: URLs and absolute paths as they are, others under `folder`."""
-    if location.startswith(URL_PREFIXES) or os.path.isabs(location):
+    if location.startswith(URL_PREFIXES) or is_store_url(location) or os.path.isabs(location):
         return location
     return os.path.join(folder, location)
 
@@ -197,3 +204,10 @@ def read_raw_entries(path: PathLike, offset: int, count: int) -> list[RawEntry]:
             if line.strip():
                 entries.append(parse_raw_entry(line, f"{path} at byte {start}", folder, start))
     return entries
+
+
+def write_shard_list(path: PathLike, shards: list[PathLike]) -> None:
+    """A shard-mode `data.list` at `path` (written atomically): one absolute shard path
+    per line, as WeNet reads them from any working directory."""
+    with atomic_write(path) as f:
+        f.writelines(f"{os.path.abspath(shard)}\n" for shard in shards)

@@ -1,11 +1,12 @@
 """Checking shards against their `index.jsonl`: `python -m cat.formats.prep_wds validate`.
 
-`validate(directory)` reads every shard of a folder in full and compares it with its
-index record: size, CRC-32, member names and order, each transcript's encoding, and
-each utterance's data: a feature matrix's shape and dtype, or an audio member decoded
-(`cat.audio.codec.decode`) with the frame count the index lists (fbank frames of the
-audio at 16 kHz) and the folder's sample rate. It also reports shards the index does
-not list and temporary files left by an interrupted packing.
+`validate(directory)` reads every shard of a folder in full (gzip-compressed ones,
+`.tar.gz`/`.tgz`, decompressed; their size and CRC-32 are those of the compressed file)
+and compares it with its index record: size, CRC-32, member names and order, each
+transcript's encoding, and each utterance's data: a feature matrix's shape and dtype, or
+an audio member decoded (`cat.audio.codec.decode`) with the frame count the index lists
+(fbank frames of the audio at 16 kHz) and the folder's sample rate. It also reports
+shards the index does not list and temporary files left by an interrupted packing.
 
 Usage:
     problems = validate("data/wds/train/10_1000", num_jobs=2)
@@ -145,7 +146,7 @@ def _check_members(path: Path, record: dict[str, Any], kind: FolderKind) -> list
                 position += 1
                 if len(problems) >= _MAX_PROBLEMS_PER_SHARD:
                     return problems
-    except (tarfile.TarError, OSError, EOFError) as error:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
         problems.append(f"{path}: unreadable tar after {position} members: {error}")
         return problems
     if position < num_members and not problems:

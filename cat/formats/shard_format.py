@@ -46,7 +46,7 @@ from typing import Any
 
 from cat.audio.codec import FORMATS as AUDIO_FORMATS
 from cat.core.io import PathLike
-from cat.storage.s3 import default_store, is_s3_url
+from cat.storage.stores import is_store_url, store_for
 
 logger = logging.getLogger(__name__)
 INDEX_NAME = "index.jsonl"
@@ -212,9 +212,10 @@ LISTS_MARK = b', "keys": '
 
 
 def open_index_lines(location: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[bytes]:
-    """The lines (bytes) of an index: a local file, an http(s) URL or an `s3://` object."""
-    if is_s3_url(location):
-        with io.BufferedReader(default_store(timeout).open(location), 1 << 20) as reader:
+    """The lines (bytes) of an index: a local file, an http(s) URL or a store object
+    (`s3://`, `gs://`, ...: `cat.storage.stores`)."""
+    if is_store_url(location):
+        with io.BufferedReader(store_for(location, timeout).open(location), 1 << 20) as reader:
             yield from reader
         return
     if location.startswith(HTTP_PREFIXES):

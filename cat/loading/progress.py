@@ -9,6 +9,9 @@ these it keeps:
   shards their storage did not deliver (`unavailable_missing`);
 * the position of each worker after its last batch, which is exactly what a checkpoint
   needs to resume the epoch (`state` / `restore`);
+* `resume_reread_shards`: the gzip-compressed shards a resume read again from their
+  start (a compressed stream cannot seek to the utterance a position names, nor to the
+  buffered samples: `cat.loading.gunzip`), summed over the resumes of the epoch;
 * at the end of the epoch, the utterances nobody trained (`not_trained` = expected -
   trained - dropped - lost): what the first rank out of data cut. `cut_ids` lists them
   (the ids still buffered in each worker, the rest of the shard being read, the unread
@@ -35,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from cat.loading.batch import Batch
+from cat.loading.gunzip import is_gzip_shard
 from cat.loading.samples import ORDINAL_BITS, WorkerPosition, split_ids
 from cat.loading.shardlist import ShardList
 
@@ -61,6 +65,7 @@ class StreamProgress:
         self.corrupt_missing = 0
         self.unavailable_missing = 0
         self.retrained = 0
+        self.resume_reread_shards = 0
         self.untrained: list[np.ndarray] = []
         self.drop_lines: list[str] = []
 
@@ -100,7 +105,8 @@ class StreamProgress:
                 "corrupt": [[s, m] for s, m in self.corrupt],
                 "unavailable": [[s, m] for s, m in self.unavailable],
                 "corrupt_missing": self.corrupt_missing,
-                "unavailable_missing": self.unavailable_missing, "retrained": self.retrained}
+                "unavailable_missing": self.unavailable_missing, "retrained": self.retrained,
+                "resume_reread_shards": self.resume_reread_shards}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after `state()`: the workers resume at these positions."""
@@ -113,6 +119,19 @@ class StreamProgress:
         self.corrupt_missing = int(state["corrupt_missing"])
         self.unavailable_missing = int(state.get("unavailable_missing", 0))
         self.retrained = int(state.get("retrained", 0))
+        self.resume_reread_shards = (int(state.get("resume_reread_shards", 0))
+                                     + self._rereads(positions))
+
+    def _rereads(self, positions: Sequence[WorkerPosition]) -> int:
+        """Compressed shards that resuming at `positions` reads from their start."""
+        shards = set()
+        for position in positions:
+            own = self.worker_shards[position.worker] \
+                if position.worker < len(self.worker_shards) else []
+            if position.ordinal and position.shard < len(own):
+                shards.add(own[position.shard])
+            shards.update(int(s) for s in np.unique(split_ids(position.buffered())[0]))
+        return sum(is_gzip_shard(self.shards.urls[s]) for s in shards)
 
     def expected(self) -> int | None:
         """Utterances in this rank's shards (None when some counts are estimates)."""
@@ -133,7 +152,8 @@ class StreamProgress:
                 "corrupt_shards": [self.shards.urls[s] for s, _ in self.corrupt],
                 "unavailable_shards": [self.shards.urls[s] for s, _ in self.unavailable],
                 "shards": len(self.rank_shards), "not_trained": not_trained,
-                "retrained": self.retrained}
+                "retrained": self.retrained,
+                "resume_reread_shards": self.resume_reread_shards}
 
     def cut_ids(self) -> np.ndarray | None:
         """Ids of the utterances neither trained, dropped nor lost (once the epoch ended:

@@ -27,6 +27,7 @@ from typing import BinaryIO
 from zlib_ng.zlib_ng import crc32
 
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
+from cat.loading.gunzip import tar_stream
 from cat.loading.shardlist import is_url
 from cat.loading.sources import CORRUPT, ChecksumReader, classify, describe, open_shard
 from cat.loading.tar import TAR_BLOCK, BufferPool, CorruptShardError, MemberFilter, iter_tar_members
@@ -296,7 +297,8 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
             try:
                 with open_shard(url, timeout) as raw:
                     stream = ChecksumReader(raw)
-                    for name, data in iter_tar_members(stream, url, pool, keep.get(shard)):
+                    for name, data in iter_tar_members(tar_stream(stream, url), url, pool,
+                                                       keep.get(shard)):
                         yield ("member", shard, name, data)
                     checksum = stream.finish()
             except (OSError, http.client.HTTPException, CorruptShardError) as error:
@@ -332,7 +334,8 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
         for shard, url in shards:
             stream = _ChunkStream(chunks, shard)
             try:
-                for name, data in iter_tar_members(stream, url, pool, keep.get(shard)):
+                for name, data in iter_tar_members(tar_stream(stream, url), url, pool,
+                                                   keep.get(shard)):
                     yield ("member", shard, name, data)
             except CorruptShardError as error:
                 stream.skip_rest()

@@ -46,7 +46,7 @@ from cat.loading.samples import (
 from cat.loading.shardlist import RAW_LIST, ShardList, raw_list_part
 from cat.loading.sources import CORRUPT, TRANSIENT, UNAVAILABLE, read_shard
 from cat.loading.tar import BufferPool, CorruptShardError
-from cat.storage.s3 import S3Options, is_s3_url, split_s3_url
+from cat.storage.stores import is_store_url, store_place
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class DataUnavailableError(RuntimeError):
 
 
 def storage_of(urls: Iterable[str]) -> str:
-    """Where shards live, in words: `http://host:port`, the `pipe:` command, the S3 bucket
-    and endpoint, the raw data.list, or folders."""
+    """Where shards live, in words: `http://host:port`, the `pipe:` command, the store's
+    bucket (for S3 with its endpoint), the raw data.list, or folders."""
     places = []
     for url in urls:
         if url.startswith(("http://", "https://")):
@@ -85,9 +85,8 @@ def storage_of(urls: Iterable[str]) -> str:
             place = f"{parts.scheme}://{parts.netloc}"
         elif url.startswith("pipe:"):
             place = "pipe: " + (url[len("pipe:"):].split() or [""])[0]
-        elif is_s3_url(url):
-            endpoint = S3Options().endpoint()
-            place = f"s3://{split_s3_url(url)[0]}" + (f" at {endpoint}" if endpoint else "")
+        elif is_store_url(url):
+            place = store_place(url)
         elif url.startswith(RAW_LIST):
             place = raw_list_part(url)[2]
         else:

@@ -2,11 +2,14 @@
 
 Shard list (`load_shard_list`): every `trset` pattern is brace-expanded, then globbed and
 sorted (`data/wds/train/{10_1000,1000_2000}/data-*.tar`, `.../data-0000{0..9}.tar`);
-`http://`, `https://` and `pipe:` URLs are brace-expanded only. A pattern that matches
-nothing is an error naming it. Counts come from the `index.jsonl` of each shard's folder
-(`cat.formats.prep_wds`): next to a local shard; at the same base URL for http(s) shards,
-with the shard URL's query string (presigned or token URLs); and for `pipe:` commands
-next to the command's last `.tar` argument when that is a local file or an http(s) URL.
+`http://`, `https://` and `pipe:` URLs are brace-expanded only; store URLs (`s3://`,
+`gs://`, `memory://`...) are brace-expanded and globbed by their store
+(`cat.storage.stores`). Shards may be gzip-compressed (`.tar.gz`, `.tgz`:
+`cat.loading.gunzip`). A pattern that matches nothing is an error naming it. Counts come
+from the `index.jsonl` of each shard's folder (`cat.formats.prep_wds`): next to a local
+shard or a store object; at the same base URL for http(s) shards, with the shard URL's
+query string (presigned or token URLs); and for `pipe:` commands next to the command's
+last `.tar` (`.tar.gz`, `.tgz`) argument when that is a local file or an http(s) URL.
 Shards without an index are an error unless `utts_per_shard_estimate` is set.
 
 Only what the loader needs is kept, in numpy arrays (one entry per shard): utterance and
@@ -61,21 +64,24 @@ from cat.formats.shard_format import (
     open_index_lines,
     read_index_counts,
 )
-from cat.storage.s3 import S3_SCHEME, default_store, index_url, is_s3_url, split_s3_url
+from cat.storage.stores import index_url, is_store_url, object_name, store_for
 
 logger = logging.getLogger(__name__)
 
 RAW_LIST = "rawlist:"
-#: Shard names the loader refuses: compressed tars (WeNet's tools can write them).
-COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".tar.zst")
-URL_PREFIXES = (*HTTP_PREFIXES, "pipe:", S3_SCHEME, RAW_LIST)
+#: Gzip-compressed shards, read with decompression (`cat.loading.gunzip`).
+GZIP_SUFFIXES = (".tar.gz", ".tgz")
+#: Shard names the loader refuses: tars compressed other than with gzip.
+COMPRESSED_SUFFIXES = (".tar.bz2", ".tar.xz", ".tar.zst", ".tbz2", ".txz", ".tzst")
+URL_PREFIXES = (*HTTP_PREFIXES, "pipe:", RAW_LIST)
 #: Entries of a raw-mode `data.list` read as one (virtual) shard.
 RAW_SHARD_UTTS = 100
 
 
 def is_url(location: str) -> bool:
-    """True for `http(s)://`, `s3://`, `pipe:` and raw-list locations (not local files)."""
-    return location.startswith(URL_PREFIXES)
+    """True for `http(s)://`, store (`s3://`, `gs://`, ...), `pipe:` and raw-list
+    locations (not local files)."""
+    return location.startswith(URL_PREFIXES) or is_store_url(location)
 
 
 def expand_shard_patterns(patterns: Sequence[str] | str,
@@ -89,9 +95,10 @@ def expand_shard_patterns(patterns: Sequence[str] | str,
     for pattern in patterns:
         for shard in _expand_one(pattern, timeout):
             if _url_path(shard).endswith(COMPRESSED_SUFFIXES):
-                raise ValueError(f"shard {shard} (from {pattern!r}) is compressed; the loader "
-                                 "reads plain tar shards (audio members are compressed "
-                                 "already): decompress it, e.g. gunzip, and index the folder")
+                raise ValueError(f"shard {shard} (from {pattern!r}) is not gzip-compressed "
+                                 "but compressed otherwise; the loader reads plain and "
+                                 "gzip-compressed (.tar.gz, .tgz) tar shards: decompress it "
+                                 "(or recompress it with gzip) and index the folder")
             if shard in origin:
                 raise ValueError(f"shard {shard} is listed twice (patterns "
                                  f"{origin[shard]!r} and {pattern!r})")
@@ -101,8 +108,8 @@ def expand_shard_patterns(patterns: Sequence[str] | str,
 
 
 def _expand_one(pattern: str, timeout: float) -> list[str]:
-    if is_s3_url(pattern):
-        return default_store(timeout).expand(pattern)
+    if is_store_url(pattern):
+        return store_for(pattern, timeout).expand(pattern)
     found: list[str] = []
     for expanded in braceexpand(pattern):
         if is_url(expanded):
@@ -143,12 +150,12 @@ def raw_list_part(url: str) -> tuple[int, int, str]:
 
 
 def _pipe_tar_word(url: str) -> str | None:
-    """The last argument of a `pipe:` command naming a .tar file or URL."""
+    """The last argument of a `pipe:` command naming a .tar (.tar.gz, .tgz) file or URL."""
     try:
         words = shlex.split(url[len("pipe:"):])
     except ValueError:
         return None
-    tars = [w for w in words if _url_path(w).endswith(".tar")]
+    tars = [w for w in words if _url_path(w).endswith((".tar", *GZIP_SUFFIXES))]
     return tars[-1] if tars else None
 
 
@@ -162,8 +169,8 @@ def shard_name(url: str) -> str:
     """The file name a shard has in its index (`data-00003.tar`), "" when unknown."""
     if url.startswith(RAW_LIST):
         return ""
-    if is_s3_url(url):
-        return posixpath.basename(split_s3_url(url)[1])
+    if is_store_url(url):
+        return object_name(url)
     if url.startswith("pipe:"):
         word = _pipe_tar_word(url)
         return shard_name(word) if word else ""
@@ -175,7 +182,7 @@ def index_location(shard: str) -> str | None:
     """Where the `index.jsonl` describing `shard` lives, or None when it cannot be told."""
     if shard.startswith(RAW_LIST):
         return None
-    if is_s3_url(shard):
+    if is_store_url(shard):
         return index_url(shard)
     if shard.startswith(HTTP_PREFIXES):
         parts = urllib.parse.urlsplit(shard)
@@ -251,8 +258,8 @@ class ShardList:
         location = index_location(self.urls[shard])
         if offset < 0 or location is None:
             return None
-        if is_s3_url(location):
-            line = default_store(self.timeout).read_range(location, offset, length)
+        if is_store_url(location):
+            line = store_for(location, self.timeout).read_range(location, offset, length)
         elif location.startswith(HTTP_PREFIXES):
             request = urllib.request.Request(
                 location, headers={"Range": f"bytes={offset}-{offset + length - 1}"})

@@ -1,4 +1,5 @@
-"""Where shards come from: local files, http(s) URLs, `pipe:` commands; storage errors.
+"""Where shards come from: local files, http(s) URLs, stores (`s3://`, `gs://`, ...:
+`cat.storage.stores`), `pipe:` commands; storage errors.
 
 `open_shard` opens a shard as a binary stream; `read_shard` streams its members. An
 HTTP body that ends early raises `StorageError` instead of looking like a truncated tar.
@@ -33,9 +34,10 @@ from cat.features.extract import segment_span
 from cat.features.plan import DEFAULT_MAX_OVERSHOOT
 from cat.formats.data_list import DataListError, RawEntry, read_raw_entries
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS, encode_key
+from cat.loading.gunzip import tar_stream
 from cat.loading.shardlist import RAW_LIST, raw_list_part
 from cat.loading.tar import BufferPool, CorruptShardError, MemberFilter, iter_tar_members
-from cat.storage.s3 import S3Error, default_store, is_s3_url
+from cat.storage.stores import StoreError, is_store_url, store_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ def classify(error: BaseException) -> str:
     """`TRANSIENT`, `UNAVAILABLE` or `CORRUPT` (see the module docstring)."""
     if isinstance(error, CorruptShardError):
         return CORRUPT
-    if isinstance(error, (StorageError, S3Error)):
+    if isinstance(error, (StorageError, StoreError)):
         return TRANSIENT if error.transient else UNAVAILABLE
     if isinstance(error, urllib.error.HTTPError):
         return TRANSIENT if error.code >= 500 or error.code == 429 else UNAVAILABLE
@@ -80,13 +82,15 @@ def describe(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[BinaryIO]:
-    """A binary stream of a local file, an http(s) URL, an `s3://` object, a `pipe:`
-    command's stdout, or the entries of a raw `data.list` as a tar (`raw_list_tar`).
+    """A binary stream of a local file, an http(s) URL, a store object (`s3://`, `gs://`,
+    `memory://`...: `cat.storage.stores`), a `pipe:` command's stdout, or the entries of
+    a raw `data.list` as a tar (`raw_list_tar`). Compressed shards come as they are
+    stored (`read_shard` decompresses them).
 
     A `pipe:` command that exits with an error after its output was read raises OSError.
     """
-    if is_s3_url(url):
-        with io.BufferedReader(default_store(timeout).open(url), 1 << 20) as stream:
+    if is_store_url(url):
+        with io.BufferedReader(store_for(url, timeout).open(url), 1 << 20) as stream:
             yield stream
         return
     if url.startswith(RAW_LIST):
@@ -171,9 +175,9 @@ def read_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool
                keep: MemberFilter | None = None
                ) -> Iterator[tuple[str, bytes | memoryview | None]]:
     """Members of one shard, streamed (errors name the shard; `pool`, `keep`: see
-    iter_tar_members)."""
+    iter_tar_members); gzip-compressed shards decompressed (`cat.loading.gunzip`)."""
     with open_shard(url, timeout) as stream:
-        yield from iter_tar_members(stream, url, pool, keep)
+        yield from iter_tar_members(tar_stream(stream, url), url, pool, keep)
         if not isinstance(stream, (io.BufferedReader, io.FileIO)):
             # Let pipe commands and servers finish writing the archive's trailing blocks.
             while stream.read(1 << 16):

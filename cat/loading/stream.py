@@ -32,9 +32,11 @@ position of the last batch it took from each worker; a checkpoint stores them, a
 `set_epoch(epoch, positions)` rebuilds each worker's stages exactly there: the buffered
 samples are read again from their shards (`fetch_samples`, only those members), the
 shard being read continues after its taken samples (passed over with a seek on local
-files). The epoch then trains the same utterances, each once, and with up to one worker
-per rank the same batches in the same order, as an uninterrupted run. The work is
-proportional to the shards the buffers hold, not to the corpus.
+files; a gzip-compressed shard is decompressed again from its start, and counted:
+`StreamProgress.resume_reread_shards`). The epoch then trains the same utterances, each
+once, and with up to one worker per rank the same batches in the same order, as an
+uninterrupted run. The work is proportional to the shards the buffers hold, not to the
+corpus.
 
 Nothing is dropped silently: every utterance left out is reported as a
 `StreamEvents.dropped` entry (reasons `empty_label`, `no_tokens`, `all_unk`,

@@ -88,6 +88,8 @@ import botocore.exceptions
 from botocore import UNSIGNED
 from braceexpand import braceexpand
 
+from cat.storage.stores import StoreError
+
 logger = logging.getLogger(__name__)
 
 S3_SCHEME = "s3://"
@@ -112,7 +114,7 @@ _DENIED_CODES = frozenset({
 _MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
 
 
-class S3Error(OSError):
+class S3Error(StoreError):
     """An object could not be listed or read; `url` names it, `transient` says whether a
     retry may help. The message starts with the URL and the endpoint."""
 

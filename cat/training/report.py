@@ -2,7 +2,8 @@
 
 `epoch_record` sums the ranks' summaries of an epoch (`log/epoch-<EEE>.json`);
 `write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained, dropped per
-reason, lost, cut by the epoch's end and its lengths, retrained); `check_epoch` stops
+reason, lost, cut by the epoch's end and its lengths, retrained, compressed shards a
+resume read again from their start); `check_epoch` stops
 training when an epoch trained nothing or more of its shards failed than
 `bad_shard_limit` allows.
 
@@ -58,6 +59,7 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
             "not_trained": cut,
             "cut_fraction": cut / total if cut is not None and total else None,
             "retrained": retrained + sum(s.get("retrained", 0) for s in summaries),
+            "resume_reread_shards": sum(s.get("resume_reread_shards", 0) for s in summaries),
             "cut_lengths": cut_lengths,
             "corrupt_shards": [url for s in summaries for url in s.get("corrupt_shards", [])],
             "unavailable_shards": [url for s in summaries

@@ -111,3 +111,34 @@ def test_training_from_s3_trains_everything_and_a_dead_store_stops_it(tmp_path):
     assert seconds < 60, seconds
     print(f"S3 store killed: training stopped {seconds:.1f} s later: "
           f"{errors.strip().splitlines()[-1][:200]}")
+
+
+def test_training_from_an_fsspec_store_trains_everything_and_a_lost_store_stops_it(tmp_path):
+    """The tiny experiment trains from `file://` shards read through fsspec (every
+    utterance once per epoch); when the store's folder goes away mid-epoch, training
+    stops with the DataUnavailableError naming the store and the shards that S3 and HTTP
+    stores give."""
+    complete = write_tiny_experiment(tmp_path / "complete", options={"epochs": 2})
+    broken = write_tiny_experiment(tmp_path / "broken", options={
+        "epochs": 3, "check_freq": 1, "shuffle_buffer": 4, "sort_buffer": 4})
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    store = tmp_path / "complete/data/wds/train"
+    complete.use_shards(trset=f"file://{store}/data-0000{{0..7}}.tar", read_timeout=2)
+    run = subprocess.run([sys.executable, "-m", "cat.ctc.train", NAME], cwd=complete.root,
+                         env=environment, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    coverage = [json.loads(line) for line in
+                (complete.exp_dir / "log/coverage.jsonl").read_text().splitlines()]
+    assert [c["trained"] for c in coverage] == [len(complete.train.keys)] * 2
+    assert all(c["unavailable_shards"] == [] for c in coverage)
+
+    shards = tmp_path / "broken/data/wds/train"
+    broken.use_shards(trset=f"file://{shards}/data-*.tar", read_ahead_mb=0, read_timeout=2)
+    returncode, errors, seconds = _break_storage_during_training(
+        broken.root, broken.exp_dir, environment, lambda: shards.rename(shards.with_name("gone")))
+    assert returncode != 0
+    assert "DataUnavailableError" in errors and f"storage: file://{str(shards).split('/')[1]}" \
+        in errors and f"file://{shards}/data-0000" in errors, errors[-3000:]
+    assert seconds < 60, seconds
+    print(f"fsspec store lost: training stopped {seconds:.1f} s later: "
+          f"{errors.strip().splitlines()[-1][:200]}")

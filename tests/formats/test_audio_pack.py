@@ -68,7 +68,10 @@ def _texts(data_dirs: list[Path]) -> dict[str, str]:
 
 
 def _files(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
+    """Every file's bytes; in `data.list` (absolute shard paths) the folder reads `<out>`."""
+    return {str(p.relative_to(directory)):
+            p.read_bytes().replace(str(directory.resolve()).encode(), b"<out>")
+            if p.name == "data.list" else p.read_bytes()
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
@@ -149,6 +152,9 @@ def test_length_groups_by_duration_and_recordings_in_time_order(corpus, tmp_path
         sizes = [r["num_utts"] for r in index.shards]
         assert max(sizes) <= 3 and max(sizes) - min(sizes) <= 1
         assert shard_check.validate(out / name) == []
+        # WeNet's data.list next to the index: the folder's shards, absolute, in order.
+        assert (out / name / "data.list").read_text().splitlines() == \
+            [str((out / name / r["shard"]).resolve()) for r in index.shards]
     other = tmp_path / "other"
     audio_pack.pack_audio(corpus, other, "flac", filter_group=groups, utts_per_file=3, seed=6)
     order = [k for r in shard_format.read_index(out / "0_90").shards for k in r["keys"]]

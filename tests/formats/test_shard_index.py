@@ -50,6 +50,21 @@ def test_index_of_uio_shards_has_exact_counts(tmp_path, gzip, num_jobs):
     assert shard_check.validate(folder) == []
 
 
+def test_validate_names_damaged_gzip_data_instead_of_crashing(tmp_path):
+    corpus = make_uio_corpus(tmp_path / "uio", {f"u{i}": "好" for i in range(6)},
+                             utts_per_shard=3, gzip=True)
+    folder = corpus.shards[0].parent
+    shard_index.index_folder(folder)
+    data = bytearray(corpus.shards[1].read_bytes())
+    for position in range(len(data) // 3, len(data) // 3 + 2000):
+        data[position] ^= 0x5A  # deflate data that does not decode (zlib.error)
+    corpus.shards[1].write_bytes(bytes(data))
+    problems = shard_check.validate(folder)
+    assert problems[0] == f"{corpus.shards[1]}: crc32 differs from the index"
+    assert problems[1].startswith(f"{corpus.shards[1]}: unreadable tar after 1 members: "
+                                  "Error -3 while decompressing data"), problems
+
+
 def test_reindexing_keeps_an_up_to_date_index_and_redoes_a_changed_one(tmp_path, monkeypatch):
     corpus = make_uio_corpus(tmp_path / "uio", TEXTS, utts_per_shard=2)
     folder = corpus.shards[0].parent

@@ -3,13 +3,17 @@ fly, online speed perturbation, exact resume, and shards on an S3 object store."
 
 from __future__ import annotations
 
+import errno
 import json
 import tarfile
 import time
+import uuid
 
+import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from cat.audio.codec import decode, to_float32, to_int16
 from cat.audio.speed import choose_factor, speed_perturb
@@ -283,6 +287,81 @@ def test_s3_shards_stream_like_local_ones_and_a_dead_store_stops_the_epoch(corpu
     assert seconds < 60, f"took {seconds:.1f} s to give up"
 
 
+# ------------------------------------------------------- stores fsspec reaches (memory://)
+
+
+class _FailingMemory(MemoryFileSystem):
+    """fsspec's memory store as `failmem://`, whose reads fail once `broken` is set (a
+    store going down: every read is a reset connection)."""
+
+    protocol = "failmem"
+    broken = False
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.replace("failmem://", "memory://", 1))
+
+    def _open(self, path, mode="rb", **kwargs):
+        if type(self).broken:
+            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+        file = super()._open(path, mode, **kwargs)
+        real = file.read
+
+        def read(*arguments):
+            if type(self).broken:
+                raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+            return real(*arguments)
+
+        file.read = read
+        return file
+
+
+@pytest.fixture
+def memory_corpus(corpus):
+    fs = fsspec.filesystem("memory")
+    folder = f"/speech-{uuid.uuid4().hex[:8]}/uio/train"
+    for shard in corpus.shards:
+        fs.pipe_file(f"{folder}/{shard.name}", shard.read_bytes())
+    fsspec.register_implementation("failmem", _FailingMemory, clobber=True)
+    yield folder
+    _FailingMemory.broken = False
+    fs.rm(folder.split("/uio")[0], recursive=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_memory_store_shards_train_like_local_ones(corpus, tokenizer, memory_corpus, workers,
+                                                   tmp_path):
+    local = _run_epoch(_stream([str(s) for s in corpus.shards], tokenizer), 3)[0]
+    urls = [f"memory://{memory_corpus}/{s.name}" for s in corpus.shards]
+    listing = write_shard_list(tmp_path / "memory.list", urls)
+    for patterns in (f"memory://{memory_corpus}/shards_*.tar", str(listing)):
+        stream = _stream(patterns, tokenizer, workers)
+        assert [u.rpartition("/")[2] for u in stream.shards.urls] == \
+            [s.name for s in corpus.shards]
+        batches, progress = _run_epoch(stream, 3, workers)
+        assert sorted(_keys(batches)) == sorted(TEXTS)
+        if workers == 0:
+            assert _keys(batches) == _keys(local)
+        assert progress.summary()["trained"] == len(TEXTS)
+
+
+def test_a_store_failing_mid_epoch_stops_it_with_data_unavailable(corpus, tokenizer,
+                                                                  memory_corpus):
+    stream = _stream(f"failmem://{memory_corpus}/shards_*.tar", tokenizer, batch_size=1,
+                     shuffle_buffer=0, sort_buffer=1, read_ahead_mb=0, read_retries=1,
+                     timeout=5)
+
+    def fail(batches):
+        if batches == 1:
+            _FailingMemory.broken = True
+
+    with pytest.raises(DataUnavailableError) as raised:
+        _run_epoch(stream, 3, on_batch=fail)
+    message = str(raised.value)
+    assert "storage: failmem://speech-" in message and "unavailable after 2 attempts" in message
+    assert "ConnectionResetError" in message and "failmem:///speech-" in message
+
+
 # ------------------------------------------------------------ shards of our own packer
 
 
@@ -321,6 +400,10 @@ def test_packed_audio_shards_stream_with_exact_counts_and_their_decoded_audio(pa
     summary = progress.summary()
     assert summary["trained"] == summary["expected"] == len(text)
     assert summary["not_trained"] == 0
+    # Stage 2's data.list (WeNet shard mode) names the same shards, with their index.
+    listed = _stream(str(folder / "data.list"), tokenizer)
+    assert listed.shards.urls == stream.shards.urls and not listed.shards.estimated.any()
+    assert _keys(_run_epoch(listed, 1)[0]) == _keys(batches)
 
 
 def test_audio_settings_must_match_what_the_index_says_the_shards_hold(packed, tmp_path):
@@ -355,8 +438,10 @@ def test_raw_list_pieces_are_cut_from_their_file(corpus, tokenizer, tmp_path):
     assert "outside" not in found
 
 
-def test_compressed_shards_are_refused_by_name(tmp_path):
-    corpus = make_uio_corpus(tmp_path, {"a": "今天", "b": "天气"}, gzip=True)
-    with pytest.raises(ValueError, match=r"shards_000000000\.tar\.gz \(from .*\) is "
-                                         r"compressed; the loader reads plain tar shards"):
-        load_shard_list(str(corpus.shard_list), 1)
+def test_shards_compressed_other_than_with_gzip_are_refused_by_name(tmp_path):
+    corpus = make_uio_corpus(tmp_path, {"a": "今天", "b": "天气"})
+    xz = corpus.shards[0].with_name("shards_000000000.tar.xz")
+    xz.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"shards_000000000\.tar\.xz \(from .*\) is not "
+                                         r"gzip-compressed but compressed otherwise"):
+        load_shard_list(str(xz), 1)
