@@ -29,7 +29,14 @@ from zlib_ng.zlib_ng import crc32
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
 from cat.loading.shardlist import is_url
 from cat.loading.sources import CORRUPT, ChecksumReader, classify, describe, open_shard
-from cat.loading.tar import TAR_BLOCK, BufferPool, CorruptShardError, MemberFilter, iter_tar_members
+from cat.loading.tar import (
+    TAR_BLOCK,
+    UNINDEXED_MEMBER_LIMIT,
+    BufferPool,
+    CorruptShardError,
+    MemberFilter,
+    iter_tar_members,
+)
 
 
 class _Abandoned(Exception):
@@ -282,7 +289,8 @@ class _Prefetcher:
 
 def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
                        timeout: float, pool: BufferPool | None,
-                       keep: Mapping[int, MemberFilter]) -> Iterator[tuple]:
+                       keep: Mapping[int, MemberFilter], limits: Mapping[int, int]
+                       ) -> Iterator[tuple]:
     # The disk reads the next shard (the first one: alongside) while this one is decoded.
     prefetcher = _Prefetcher(read_ahead_bytes) if read_ahead_bytes > 0 else None
     try:
@@ -296,7 +304,9 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
             try:
                 with open_shard(url, timeout) as raw:
                     stream = ChecksumReader(raw)
-                    for name, data in iter_tar_members(stream, url, pool, keep.get(shard)):
+                    for name, data in iter_tar_members(
+                            stream, url, pool, keep.get(shard),
+                            limits.get(shard, UNINDEXED_MEMBER_LIMIT)):
                         yield ("member", shard, name, data)
                     checksum = stream.finish()
             except (OSError, http.client.HTTPException, CorruptShardError) as error:
@@ -310,7 +320,8 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
 
 def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 0,
                      timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None,
-                     keep: Mapping[int, MemberFilter] | None = None) -> Iterator[tuple]:
+                     keep: Mapping[int, MemberFilter] | None = None,
+                     limits: Mapping[int, int] | None = None) -> Iterator[tuple]:
     """`("member", shard, name, data)` of each shard in order, then `("end", shard,
     crc32)` (None when members were passed over by seeking), or `("error", shard,
     message, cause)` (`classify`) when a shard breaks off (its members so far are kept).
@@ -321,18 +332,21 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
     URL, a `ReadAhead` thread streams the bytes. Measured in page cache: a reading thread
     costs one extra copy per byte (~1.4x slower), so it is kept for remote streams, where
     waiting dominates. `pool`, and `keep` (a member filter per shard): see
-    `iter_tar_members`.
+    `iter_tar_members`; `limits`: the most bytes a member of each shard may claim (its
+    size from the index; `UNINDEXED_MEMBER_LIMIT` for shards not given).
     """
     keep = keep or {}
+    limits = limits or {}
     if read_ahead_bytes <= 0 or not any(is_url(url) for _, url in shards):
-        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool, keep)
+        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool, keep, limits)
         return
     chunks = iter(ReadAhead(shards, read_ahead_bytes, timeout))
     try:
         for shard, url in shards:
             stream = _ChunkStream(chunks, shard)
             try:
-                for name, data in iter_tar_members(stream, url, pool, keep.get(shard)):
+                for name, data in iter_tar_members(stream, url, pool, keep.get(shard),
+                                                   limits.get(shard, UNINDEXED_MEMBER_LIMIT)):
                     yield ("member", shard, name, data)
             except CorruptShardError as error:
                 stream.skip_rest()

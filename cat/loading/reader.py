@@ -184,8 +184,9 @@ class ShardReader:
         urls = self.shard_list.urls
         todo = [(shard, urls[shard]) for shard in self.shards[first:]]
         gates = {todo[0][0]: _OrdinalGate(skip.__le__)} if skip else {}
+        limits = {shard: self.shard_list.member_limit(shard) for shard, _ in todo}
         items = iter_shard_items(todo, self.config.read_ahead_mb << 20, self.config.timeout,
-                                 self.pool, gates)
+                                 self.pool, gates, limits)
         places = {shard: first + offset for offset, (shard, _) in enumerate(todo)}
         current: dict[str, Any] = {}
         ordinals: collections.Counter = collections.Counter()

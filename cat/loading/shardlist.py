@@ -61,6 +61,7 @@ from cat.formats.shard_format import (
     open_index_lines,
     read_index_counts,
 )
+from cat.loading.tar import UNINDEXED_MEMBER_LIMIT
 from cat.storage.s3 import S3_SCHEME, default_store, index_url, is_s3_url, split_s3_url
 
 logger = logging.getLogger(__name__)
@@ -223,9 +224,17 @@ class ShardList:
         default_factory=lambda: np.zeros((0, 2), np.int64))
     # What the indexed shards hold ("features" or "audio") -> the first index saying so.
     contents: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Bytes of each shard according to its index (0: unknown); bounds a member's size.
+    num_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __len__(self) -> int:
         return len(self.urls)
+
+    def member_limit(self, shard: int) -> int:
+        """The most bytes a member of `shard` may claim: the shard's size from its index,
+        or `UNINDEXED_MEMBER_LIMIT`."""
+        size = int(self.num_bytes[shard]) if len(self.num_bytes) else 0
+        return size if size > 0 else UNINDEXED_MEMBER_LIMIT
 
     def names(self) -> list[str]:
         """Shard file names as their indexes list them."""
@@ -312,6 +321,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
     estimated = np.zeros(len(urls), bool)
     crc32 = [""] * len(urls)
     spans = np.full((len(urls), 2), -1, np.int64)
+    num_bytes = np.zeros(len(urls), np.int64)
     feat_dims: dict[int, str] = {}
     contents: dict[str, str] = {}
     longest = 0
@@ -326,7 +336,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
         name = shard_name(url)
         if index is not None and name in index.shards:
             num_utts[position], num_frames[position], shard_longest, crc32[position], \
-                *spans[position] = index.shards[name]
+                spans[position, 0], spans[position, 1], num_bytes[position] = index.shards[name]
             longest = max(longest, shard_longest)
             if index.header.get("feat_dim") is not None:
                 feat_dims.setdefault(int(index.header["feat_dim"]), location)
@@ -353,7 +363,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
                        int(estimated.sum()), len(urls), utts_per_shard_estimate)
     return ShardList(urls, num_utts, num_frames, estimated,
                      next(iter(feat_dims)) if feat_dims else None, longest, crc32, timeout,
-                     spans, contents)
+                     spans, contents, num_bytes)
 
 
 def assign_shards(weights: np.ndarray, seed: int, epoch: int, world_size: int,

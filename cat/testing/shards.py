@@ -2,6 +2,7 @@
 
 `write_uneven_shards` packs a feature corpus into one folder per shard (each with its own
 `index.jsonl`), so shards can have any sizes; `truncate_file` cuts a file short;
+`claim_member_size` rewrites a tar header's size field (bit rot the checksum passes);
 `serve_directory` serves a folder over HTTP on 127.0.0.1 for `http://` shard tests (in a
 thread, with injected faults); `serve_directory_process` does it from a process of its
 own (`python -m http.server`), which a test can kill or stop, or a benchmark time apart.
@@ -111,6 +112,25 @@ def truncate_file(path: PathLike, keep_fraction: float) -> int:
     with open(path, "r+b") as f:
         f.truncate(size)
     return size
+
+
+def claim_member_size(path: PathLike, size: int, member: int = 0) -> str:
+    """Rewrite the size field of the `member`-th tar header of `path` to `size` (GNU
+    base-256 when it does not fit in octal), with a valid checksum: bit rot in a header
+    that the checksum cannot catch. Returns the member's name."""
+    path = Path(path)
+    with tarfile.open(path) as tar:
+        info = tar.getmembers()[member]
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        header = bytearray(f.read(512))
+        header[124:136] = f"{size:011o}\0".encode() if size < 8 ** 11 else \
+            b"\x80" + size.to_bytes(11, "big")
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(info.offset)
+        f.write(header)
+    return info.name
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

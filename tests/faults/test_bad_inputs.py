@@ -34,7 +34,12 @@ from cat.testing.audio import (
 )
 from cat.testing.features import write_feature_corpus
 from cat.testing.release import make_aishell_release
-from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
+from cat.testing.shards import (
+    claim_member_size,
+    serve_directory,
+    truncate_file,
+    write_raw_shard,
+)
 from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import UioUtterance, synth_wav, write_uio_shard
 from cat.text import tokenizer as tk
@@ -493,6 +498,28 @@ def test_shard_bytes_changed(experiment):
                                                 r"index \(crc32 [0-9a-f]{8}, index "
                                                 r"[0-9a-f]{8}; its 5 utterances were read\)"):
         train(NAME, "cat.ctc.train")
+
+
+def _peak_rss_kib(reset: bool = False) -> int:
+    """This process's peak resident memory (VmHWM), after resetting it when asked."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0])
+
+
+def test_tar_header_claiming_a_huge_member(experiment, caplog):
+    name = claim_member_size(experiment.train_shards[3], 1 << 40, member=4)
+    experiment.use_shards(bad_shard_limit=0.5)
+    before = _peak_rss_kib(reset=True)
+    train(NAME, "cat.ctc.train")
+    assert _peak_rss_kib() - before < 1 << 20  # KiB: less than 1 GiB more
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["corrupt_shards"] == ["data/wds/train/data-00003.tar"]
+    assert "skipping the rest of shard data/wds/train/data-00003.tar: CorruptShardError: " \
+           f"data/wds/train/" \
+           f"data-00003.tar: member {name!r}: its tar header claims 1099511627776 bytes, " \
+           "more than the whole shard (its index)" in caplog.text
 
 
 def test_undecodable_member_with_strict_shards(experiment, tmp_path):
