@@ -233,6 +233,20 @@ def test_scp_points_at_a_missing_ark(corpus, tmp_path):
         prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
 
 
+def test_scp_offset_past_the_end_of_its_ark(corpus, tmp_path):
+    lines = corpus.feats_scp.read_text(encoding="utf-8").splitlines()
+    key, location = lines[1].split(" ", 1)
+    ark = location.rsplit(":", 1)[0]
+    lines[1] = f"{key} {ark}:{os.path.getsize(ark) + 100}"
+    scp = tmp_path / "feats.scp"
+    scp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(TableError, match=rf"feats\.scp:2: utterance '{key}': offset \d+ is "
+                                         r"past the end of ark .*feats\.\d\.ark \(\d+ bytes; "
+                                         r"truncated, or rewritten after the scp\?\)"):
+        prep_wds.pack_data(scp, corpus.text, tmp_path / "wds")
+    assert not (tmp_path / "wds").exists()
+
+
 def _dropped(path: Path) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in path.read_text(encoding="utf-8").splitlines())
 
