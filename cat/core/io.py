@@ -9,8 +9,10 @@ writers never leave a partial file under the final name.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -23,9 +25,62 @@ class TableError(ValueError):
     """A Kaldi table is malformed; the message names the file and line."""
 
 
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp\.(?P<pid>\d+)")
+
+
+def _writer_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _locked(path: Path) -> bool:
+    """Whether a writer holds `path` open (locked; see atomic_write), e.g. on another
+    machine sharing the folder, where its process id means nothing."""
+    try:
+        with open(path, "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def remove_stale_temporaries(directory: PathLike, name: str | None = None) -> list[Path]:
+    """Remove the temporary files `.<name>.tmp.<pid>` that `atomic_write` left in
+    `directory` when its process was killed (SIGKILL, OOM): those whose process is no
+    longer alive and which no writer holds locked. Only those of final name `name` when
+    given. Returns the paths removed (each logged)."""
+    directory = Path(directory)
+    pattern = f".{name}.tmp.*" if name is not None else ".*.tmp.*"
+    removed = []
+    for path in directory.glob(pattern):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or _writer_alive(int(match["pid"])) or _locked(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+            logging.getLogger(__name__).warning(
+                "removed %s, left by a writer (process %s) that was killed", path,
+                match["pid"])
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_write(path: PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
-    """Open `path.tmp` for writing and rename it to `path` only if the block succeeds.
+    """Open `.path.tmp.<pid>` for writing and rename it to `path` only if the block
+    succeeds.
+
+    The temporary file is locked while written, and those of earlier writers of `path`
+    that were killed are removed first (`remove_stale_temporaries`).
 
     Usage::
 
@@ -34,15 +89,17 @@ def atomic_write(path: PathLike, mode: str = "w", encoding: str | None = "utf-8"
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent, path.name)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     if "b" in mode:
         encoding = None
     try:
         with open(tmp, mode, encoding=encoding) as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # while still locked
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

@@ -64,6 +64,7 @@ from cat.core.io import (
     atomic_write,
     iter_table,
     read_table,
+    remove_stale_temporaries,
     setup_logging,
     write_table,
 )
@@ -470,6 +471,9 @@ def extract(
 
     plan = plan_jobs(data_dir, feat_dir, nj, factors)
     remove_stale_outputs(feat_dir, plan.num_jobs, plan.split_dir)
+    for directory in (feat_dir, feat_dir / "arks"):
+        if directory.is_dir():
+            remove_stale_temporaries(directory)  # of jobs killed by an earlier run
     jobs, reused = _pending_jobs(feat_dir, plan, options, factors, compress, max_overshoot,
                                  progress)
     if reused:

@@ -10,6 +10,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from cat.training.cli import train
 from cat.training.report import DataChangedError
 
 NAME = "exp/tiny"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GBK_LINE = "BAC009S0002W0003 今天天气很好".encode("gbk")
 TEXT_NOT_UTF8 = r"text:3: not valid UTF-8 \(invalid start byte at byte 18 of the line\); " \
                 r"it may be GBK/GB18030, which reads 'BAC009S0002W0003 今天天气很好'"
@@ -136,6 +139,59 @@ def test_stereo_audio(extracted):
     assert summary.conversions == {"2 channels, channel 0 used": 1,
                                    "resampled from 8000 Hz to 16000 Hz": 1}
     assert frames["stereo"] == "98"
+
+
+_WRITER = """
+import sys, time
+from cat.core.io import atomic_write
+with atomic_write(sys.argv[1], "wb") as f:
+    f.write(bytes(4096))
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+"""
+
+
+def _writer(path: Path) -> subprocess.Popen:
+    """A process inside `atomic_write(path)`, having written 4 KiB of it."""
+    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)],
+                               stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert process.stdout.readline() == "writing\n"
+    return process
+
+
+def test_temporaries_of_writers_killed_with_sigkill(tmp_path, caplog):
+    """kill -9 while saving a checkpoint (and its list) or a job's feats.N.scp: the next
+    checkpoint manager / stage 1 run removes the temporaries; a live writer's stays."""
+    data = make_data_dir(tmp_path, durations=(1.0, 1.2))
+    feat_dir, check = tmp_path / "fbank", tmp_path / "check"
+    extract.extract(data, feat_dir, progress=False)
+    killed = [_writer(path) for path in (check / "ckpt-e001-s00000010.pt",
+                                         check / "checkpoints.json",
+                                         feat_dir / "arks/feats.1.scp")]
+    live = _writer(check / "ckpt-e001-s00000020.pt")
+    try:
+        for process in killed:
+            process.kill()
+            process.wait()
+        left = sorted(p.name for p in [*check.iterdir(), *(feat_dir / "arks").iterdir()]
+                      if ".tmp." in p.name)
+        assert left == sorted([f".checkpoints.json.tmp.{killed[1].pid}",
+                               f".ckpt-e001-s00000010.pt.tmp.{killed[0].pid}",
+                               f".ckpt-e001-s00000020.pt.tmp.{live.pid}",
+                               f".feats.1.scp.tmp.{killed[2].pid}"])
+        CheckpointManager(check)
+        assert sorted(p.name for p in check.iterdir()) == \
+            [f".ckpt-e001-s00000020.pt.tmp.{live.pid}"]
+        (feat_dir / "arks/done.1").unlink()  # the job killed while writing feats.1.scp
+        extract.extract(data, feat_dir, progress=False)
+        assert not list((feat_dir / "arks").glob(".*.tmp.*"))
+        assert f"removed {check}/.ckpt-e001-s00000010.pt.tmp.{killed[0].pid}, left by a " \
+               f"writer (process {killed[0].pid}) that was killed" in caplog.text
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_wav_scp_not_utf8(tmp_path):
