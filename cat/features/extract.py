@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cat.audio.codec import resample
+from cat.audio.codec import conversion_notes, resample
 from cat.audio.speed import speed_perturb
 from cat.core.io import (
     PathLike,
@@ -202,10 +202,7 @@ def _recording_features(
                 yield prefix + utt, str(error)
         return
     if conversions is not None:
-        if rate != job.options.sample_rate:
-            conversions[f"resampled from {rate} Hz to {job.options.sample_rate} Hz"] += 1
-        if channels > 1:
-            conversions[f"{channels} channels, channel 0 used"] += 1
+        conversions.update(conversion_notes(rate, channels, job.options.sample_rate))
     yield from utterance_features(waveform, rate, pieces, job.options, job.speed_factors,
                                   job.max_overshoot)
 

@@ -6,7 +6,8 @@ its worker (drops, corrupt shards, finished shards, the worker's `WorkerPosition
 these it keeps:
 
 * totals: trained, dropped per reason, lost in corrupt shards (`corrupt_missing`) and in
-  shards their storage did not deliver (`unavailable_missing`);
+  shards their storage did not deliver (`unavailable_missing`); kept utterances per note
+  (`noted`: audio resampled or down-mixed, transcripts with `<unk>` tokens);
 * the position of each worker after its last batch, which is exactly what a checkpoint
   needs to resume the epoch (`state` / `restore`);
 * at the end of the epoch, the utterances nobody trained (`not_trained` = expected -
@@ -63,6 +64,7 @@ class StreamProgress:
         self.retrained = 0
         self.untrained: list[np.ndarray] = []
         self.drop_lines: list[str] = []
+        self.noted: collections.Counter = collections.Counter()
 
     def update(self, batch: Batch, trained: bool) -> None:
         """Account for a batch: its utterances (trained or not), its events always.
@@ -82,6 +84,7 @@ class StreamProgress:
             self.drop_lines.append(f"{key} {reason}")
         self.corrupt += events.corrupt
         self.unavailable += events.unavailable
+        self.noted.update(events.noted)
         unavailable = {shard for shard, _ in events.unavailable}
         for shard, count in events.finished:
             if not self.shards.estimated[shard]:
@@ -100,7 +103,8 @@ class StreamProgress:
                 "corrupt": [[s, m] for s, m in self.corrupt],
                 "unavailable": [[s, m] for s, m in self.unavailable],
                 "corrupt_missing": self.corrupt_missing,
-                "unavailable_missing": self.unavailable_missing, "retrained": self.retrained}
+                "unavailable_missing": self.unavailable_missing, "retrained": self.retrained,
+                "noted": dict(self.noted)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after `state()`: the workers resume at these positions."""
@@ -113,6 +117,7 @@ class StreamProgress:
         self.corrupt_missing = int(state["corrupt_missing"])
         self.unavailable_missing = int(state.get("unavailable_missing", 0))
         self.retrained = int(state.get("retrained", 0))
+        self.noted = collections.Counter(state.get("noted", {}))
 
     def expected(self) -> int | None:
         """Utterances in this rank's shards (None when some counts are estimates)."""
@@ -133,7 +138,7 @@ class StreamProgress:
                 "corrupt_shards": [self.shards.urls[s] for s, _ in self.corrupt],
                 "unavailable_shards": [self.shards.urls[s] for s, _ in self.unavailable],
                 "shards": len(self.rank_shards), "not_trained": not_trained,
-                "retrained": self.retrained}
+                "retrained": self.retrained, "noted": dict(self.noted)}
 
     def cut_ids(self) -> np.ndarray | None:
         """Ids of the utterances neither trained, dropped nor lost (once the epoch ended:
