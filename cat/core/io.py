@@ -21,6 +21,9 @@ from typing import IO
 PathLike = str | os.PathLike
 
 
+BYTE_ORDER_MARK = "\ufeff"
+
+
 class TableError(ValueError):
     """A Kaldi table is malformed; the message names the file and line."""
 
@@ -113,12 +116,17 @@ def iter_table(path: PathLike, allow_empty_value: bool = False) -> Iterator[tupl
     the line (stripped). Blank lines are errors, as in Kaldi. An empty value is
     an error unless `allow_empty_value` (e.g. `text` with empty transcripts,
     which the caller then reports). Bytes that are not UTF-8 are an error naming
-    the line.
+    the line. A UTF-8 byte-order mark at the start of the file (Windows editors write
+    one) is left out, with a warning: it would otherwise be part of the first key.
     """
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
+                if lineno == 1 and line.startswith(BYTE_ORDER_MARK):
+                    logging.getLogger(__name__).warning(
+                        "%s: starts with a UTF-8 byte-order mark (BOM); it is ignored", path)
+                    line = line[len(BYTE_ORDER_MARK):]
                 parts = line.split(maxsplit=1)
                 if not parts:
                     raise TableError(f"{path}:{lineno}: empty line")
