@@ -6,6 +6,7 @@ and listed with their reason.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 
 from cat.core import config as config_module
 from cat.core.config import ConfigError
@@ -32,6 +34,7 @@ from cat.testing.audio import (
     make_audio_file,
     make_corrupt_file,
     make_data_dir,
+    synth_waveform,
     write_kaldi_data_dir,
 )
 from cat.testing.features import write_feature_corpus
@@ -316,6 +319,14 @@ def test_ids_of_scp_and_text_differ(corpus, tmp_path):
     assert summary.dropped == {"no_label": 1, "no_features": 1}
     dropped = _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME)
     assert dropped == {corpus.keys[0]: "no_label", "orphan": "no_features"}
+
+
+def test_text_starting_with_a_byte_order_mark(corpus, tmp_path, caplog):
+    corpus.text.write_bytes(b"\xef\xbb\xbf" + corpus.text.read_bytes())
+    summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
+    assert summary.dropped == {}
+    assert f"{corpus.text}: starts with a UTF-8 byte-order mark (BOM); it is ignored" \
+        in caplog.text
 
 
 def test_empty_transcript(corpus, tmp_path):
@@ -647,6 +658,35 @@ def test_undecodable_audio_member_in_training(audio_experiment):
     drops = (experiment.exp_dir / "log/drops/epoch-001.rank-0.txt").read_text()
     assert f"{utterances[2].key} bad_audio cannot decode audio " in drops
     assert "uio/shards_000000000.tar:" in drops
+
+
+def _wav(duration: float, rate: int, channels: int = 1, seed: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, synth_waveform(duration, rate, seed, channels), rate,
+                    format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def test_audio_converted_and_unknown_characters_in_training(audio_experiment):
+    """Streaming audio of 8 and 44.1 kHz (resampled), stereo (channel 0), a transcript
+    with a character the tokenizer does not know: trained, and counted per epoch."""
+    experiment = audio_experiment
+    utterances = _uio_utterances(experiment, 6)
+    utterances[0] = dataclasses.replace(utterances[0], audio=_wav(0.8, 8000))
+    utterances[1] = dataclasses.replace(utterances[1], audio=_wav(0.8, 44100))
+    utterances[2] = dataclasses.replace(utterances[2], audio=_wav(0.8, 16000, channels=2))
+    utterances[3] = dataclasses.replace(utterances[3], text=utterances[3].text + "龘")
+    for number in range(2):
+        write_uio_shard(experiment.root / f"uio/shards_{number:09d}.tar",
+                        utterances[3 * number:3 * number + 3])
+    _audio_shards(experiment, "uio/shards_*.tar", utts_per_shard_estimate=3)
+    train(NAME, "cat.ctc.train")
+    noted = {"resampled from 8000 Hz to 16000 Hz": 1, "resampled from 44100 Hz to 16000 Hz": 1,
+             "2 channels, channel 0 used": 1, "transcript with <unk> tokens": 1}
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == 6 and summary["noted"] == noted
+    coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text())
+    assert coverage["noted"] == noted
 
 
 def test_malformed_raw_data_list(audio_experiment):
