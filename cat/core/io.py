@@ -14,9 +14,10 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 PathLike = str | os.PathLike
 
@@ -194,16 +195,41 @@ def write_table(path: PathLike, items: Iterable[tuple[str, object]], sort: bool 
     return len(rows)
 
 
+# The query string of an http(s) URL: presigned URLs carry their signature and
+# credentials there (`?X-Amz-Signature=...`, `?sig=...`, tokens).
+# (Up to a character that cannot be part of it unencoded, as `: ` after a URL in a log.)
+_URL_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]+)\?[^\s'\"#)\]},;:]*")
+REDACTED = "<redacted>"
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the query string of every http(s) URL in it replaced by `<redacted>`:
+    logs and errors are shared, the signatures of presigned URLs must not be."""
+    return _URL_QUERY.sub(rf"\g<url>?{REDACTED}", text)
+
+
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_urls(super().format(record))
+
+
+def _redacting_excepthook(kind: type[BaseException], error: BaseException,
+                          trace: Any) -> None:
+    sys.stderr.write(redact_urls("".join(traceback.format_exception(kind, error, trace))))
+
+
 def setup_logging(verbose: bool = False) -> None:
-    """Log to stderr with a timestamp and the module name (idempotent)."""
+    """Log to stderr with a timestamp and the module name (idempotent). URL query strings
+    are redacted in every line logged, and in the traceback of an uncaught error."""
     root = logging.getLogger()
+    sys.excepthook = _redacting_excepthook
     if root.handlers:
         root.setLevel(logging.DEBUG if verbose else logging.INFO)
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter("%(asctime)s (%(module)s:%(lineno)d) %(levelname)s: %(message)s",
-                          "%Y-%m-%d %H:%M:%S")
+        _RedactingFormatter("%(asctime)s (%(module)s:%(lineno)d) %(levelname)s: %(message)s",
+                            "%Y-%m-%d %H:%M:%S")
     )
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from cat.core.io import redact_urls
 from cat.loading.batch import Batch
 from cat.loading.samples import ORDINAL_BITS, WorkerPosition, split_ids
 from cat.loading.shardlist import ShardList
@@ -81,7 +82,7 @@ class StreamProgress:
             return
         for key, reason, _ in events.dropped:
             self.dropped[reason.split(" ", 1)[0]] += 1
-            self.drop_lines.append(f"{key} {reason}")
+            self.drop_lines.append(redact_urls(f"{key} {reason}"))
         self.corrupt += events.corrupt
         self.unavailable += events.unavailable
         self.noted.update(events.noted)
@@ -135,8 +136,9 @@ class StreamProgress:
         return {"expected": expected, "trained": self.trained, "dropped": dict(self.dropped),
                 "corrupt_missing": self.corrupt_missing,
                 "unavailable_missing": self.unavailable_missing,
-                "corrupt_shards": [self.shards.urls[s] for s, _ in self.corrupt],
-                "unavailable_shards": [self.shards.urls[s] for s, _ in self.unavailable],
+                "corrupt_shards": [redact_urls(self.shards.urls[s]) for s, _ in self.corrupt],
+                "unavailable_shards": [redact_urls(self.shards.urls[s])
+                                       for s, _ in self.unavailable],
                 "shards": len(self.rank_shards), "not_trained": not_trained,
                 "retrained": self.retrained, "noted": dict(self.noted)}
 

@@ -731,6 +731,37 @@ def test_shard_server_dropping_connections(experiment):
             train(NAME, "cat.ctc.train")
 
 
+@pytest.mark.slow
+def test_presigned_url_signatures_in_logs_and_errors(experiment):
+    """Presigned shard URLs: the query strings (signature, credential) are redacted in the
+    log, the error and the epoch records, while the reads use them."""
+    secret = "X-Amz-Credential=AKIDEXAMPLE&X-Amz-Signature=5ec7e75ec7e7"
+    runs = []
+    for limit in (0.5, 0.1):  # the shard counted; then an error
+        drops = {"data-00003.tar": ["drop"] * 4}
+        with serve_directory(experiment.root / "data/wds/train", drops) as url:
+            experiment.use_shards(trset=f"{url}/data-0000{{0..7}}.tar?{secret}",
+                                  read_ahead_mb=0, bad_shard_limit=limit)
+            shutil.rmtree(experiment.exp_dir / "check", ignore_errors=True)
+            runs.append(subprocess.run([sys.executable, "-m", "cat.ctc.train", NAME],
+                                       cwd=experiment.root, capture_output=True, text=True,
+                                       timeout=240,
+                                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}))
+        if limit == 0.5:
+            assert runs[0].returncode == 0, runs[0].stderr[-3000:]
+            assert f"skipping the rest of shard {url}/data-00003.tar?<redacted>: " \
+                   "unavailable" in runs[0].stderr, runs[0].stderr[-3000:]
+            summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+            assert summary["unavailable_shards"] == [f"{url}/data-00003.tar?<redacted>"]
+    failed = runs[1]
+    assert failed.returncode != 0 and "DataUnavailableError" in failed.stderr
+    assert f"last failures: {url}/data-00003.tar?<redacted> (unavailable" in failed.stderr
+    logs = [run.stderr for run in runs] + [
+        p.read_bytes().decode("utf-8", "replace")
+        for p in (experiment.exp_dir / "log").rglob("*") if p.is_file()]
+    assert not [log for log in logs if "5ec7e75ec7e7" in log or "AKIDEXAMPLE" in log]
+
+
 def test_epoch_that_trains_nothing(experiment):
     for shard in experiment.train_shards:  # listed, but nothing can be read from them
         shard.unlink()
