@@ -60,6 +60,25 @@ class _OpenedShard:
         self.stack.__exit__(_Abandoned, _Abandoned(), None)
 
 
+def _open_in_background(url: str, timeout: float) -> concurrent.futures.Future:
+    """`_OpenedShard(url, timeout)`, made in a daemon thread of its own.
+
+    Not in a thread pool: the interpreter joins pool threads at exit, and an open blocked
+    on a hung store (botocore retrying, a socket waiting for its timeout) would hold the
+    process that long after its error was reported.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(_OpenedShard(url, timeout))
+        except BaseException as error:  # handed to the reader, which re-raises it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="shard-open", daemon=True).start()
+    return future
+
+
 class ReadAhead:
     """Reads the raw bytes of a list of shards in a background thread, `max_bytes` ahead.
 
@@ -115,16 +134,14 @@ class ReadAhead:
 
     def _run(self) -> None:
         pending: concurrent.futures.Future | None = None
-        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-open")
         try:
             if self.shards:
-                pending = opener.submit(_OpenedShard, self.shards[0][1], self.timeout)
+                pending = _open_in_background(self.shards[0][1], self.timeout)
             for position, (shard, _) in enumerate(self.shards):
                 opened = pending.result()
                 pending = None
                 if position + 1 < len(self.shards):
-                    pending = opener.submit(_OpenedShard, self.shards[position + 1][1],
-                                            self.timeout)
+                    pending = _open_in_background(self.shards[position + 1][1], self.timeout)
                 if not self._read(shard, opened):
                     return
         except BaseException as error:  # handed to the consumer, which re-raises it
@@ -132,7 +149,6 @@ class ReadAhead:
         finally:
             if pending is not None:
                 pending.add_done_callback(lambda future: future.result().abandon())
-            opener.shutdown(wait=False)
             with self._condition:
                 self._done = True
                 self._condition.notify_all()

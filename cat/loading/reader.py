@@ -21,6 +21,7 @@ Usage:
 from __future__ import annotations
 
 import collections
+import http.client
 import logging
 import os
 import time
@@ -44,7 +45,14 @@ from cat.loading.samples import (
     split_ids,
 )
 from cat.loading.shardlist import RAW_LIST, ShardList, raw_list_part
-from cat.loading.sources import CORRUPT, TRANSIENT, UNAVAILABLE, read_shard
+from cat.loading.sources import (
+    CORRUPT,
+    TRANSIENT,
+    UNAVAILABLE,
+    classify,
+    describe,
+    read_shard,
+)
 from cat.loading.tar import BufferPool, CorruptShardError
 from cat.storage.s3 import S3Options, is_s3_url, split_s3_url
 
@@ -146,6 +154,17 @@ class _SkipShard(Exception):
     """The rest of the shard being read is left out (it does not match its index)."""
 
 
+class _IndexUnreadable(Exception):
+    """The index entry of a shard could not be read from its storage: a storage error of
+    the shard (retried, then unavailable), as when its bytes cannot be read."""
+
+    def __init__(self, shard: int, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.message = message
+        self.cause = cause
+
+
 class ShardReader:
     """Stage 1: `{"key", "name", "shard", "id", "npy", "txt"}` samples of the shards
     `shards` (indices into `shard_list`), read in order from `position`.
@@ -213,6 +232,12 @@ class ShardReader:
                 self.position = (places[shard] + 1, 0)
         except _SkipShard:
             return True
+        except _IndexUnreadable as error:
+            if error.cause == TRANSIENT and self._retry(error.shard, error.message):
+                return True
+            self._fail(error.shard, self.position[1], error.message, UNAVAILABLE)
+            self.position = (places[error.shard] + 1, 0)
+            return True
         finally:
             items.close()
         return False
@@ -235,9 +260,15 @@ class ShardReader:
             if not self.shard_list.estimated[shard]:
                 try:
                     entry = self.shard_list.index_entry(shard)
-                except (OSError, ValueError) as error:
+                except ValueError as error:
                     logger.warning("shard %s: its keys cannot be checked: %s",
                                    self.shard_list.urls[shard], error)
+                except (OSError, http.client.HTTPException) as error:
+                    # A hung or failing store: training on unchecked keys would only
+                    # postpone its error by a timeout per shard.
+                    raise _IndexUnreadable(shard, f"cannot read its index entry: "
+                                                  f"{describe(error)}", classify(error)
+                                           ) from None
             self._keys = (shard, entry.get("keys") if entry else None)
         return self._keys[1]
 

@@ -253,7 +253,8 @@ class ShardList:
     def index_entry(self, shard: int) -> dict[str, Any] | None:
         """The whole index record of one shard (keys, frames...), None without an index.
 
-        Reads only that line: a seek in a local index, a Range request over http(s) or S3.
+        Reads only that line: a seek in a local index, a Range request over http(s) or S3
+        (one attempt: the shard reader retries).
         """
         offset, length = (int(v) for v in self.index_spans[shard]) \
             if len(self.index_spans) else (-1, 0)
@@ -261,7 +262,7 @@ class ShardList:
         if offset < 0 or location is None:
             return None
         if is_s3_url(location):
-            line = default_store(self.timeout).read_range(location, offset, length)
+            line = default_store(self.timeout, 1).read_range(location, offset, length)
         elif location.startswith(HTTP_PREFIXES):
             request = urllib.request.Request(
                 location, headers={"Range": f"bytes={offset}-{offset + length - 1}"})

@@ -86,7 +86,8 @@ def open_shard(url: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> Iterator[Bina
     A `pipe:` command that exits with an error after its output was read raises OSError.
     """
     if is_s3_url(url):
-        with io.BufferedReader(default_store(timeout).open(url), 1 << 20) as stream:
+        # One attempt: the reader retries (cat.loading.reader), botocore must not as well.
+        with io.BufferedReader(default_store(timeout, 1).open(url), 1 << 20) as stream:
             yield stream
         return
     if url.startswith(RAW_LIST):
