@@ -172,7 +172,9 @@ class ShardReader:
     `position` is `(list index, ordinal)`: the next sample to take; it advances as
     samples are taken. Each sample's key is checked against the shard's index entry, and
     a shard read to its end against the index's utterance count and CRC-32; a shard that
-    disagrees is corrupt. A transient storage error is retried (`config.read_retries`
+    disagrees is corrupt. A key of a shard without an index entry that an earlier such
+    shard of this reader held is dropped (`duplicate_key`: it would be trained twice).
+    A transient storage error is retried (`config.read_retries`
     times, waiting `retry_seconds` x 1, 2, 4...), the read continuing where it stopped; a
     shard still unreadable is unavailable. Corrupt and unavailable shards are skipped and
     reported (counted by `budget`), or raise with `config.strict_shards`.
@@ -190,6 +192,9 @@ class ShardReader:
         self.position = (0, 0)
         self.attempts: collections.Counter = collections.Counter()
         self._keys: tuple[int, list[str] | None] = (-1, None)
+        # Keys taken from shards without an index entry -> their shard: an indexed
+        # shard's keys are checked by `prep_wds index`, these only here (per worker).
+        self._unindexed_keys: dict[str, int] = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while self.position[0] < len(self.shards):
@@ -301,6 +306,12 @@ class ShardReader:
             self._drop(sample["name"], "bad_key", shard)
             return
         sample["key"] = key
+        if keys is None and self.shard_list.estimated[shard]:
+            first = self._unindexed_keys.setdefault(key, shard)
+            if first != shard:
+                self._drop(key, f"duplicate_key also in shard {self.shard_list.urls[first]}",
+                           shard)
+                return
         missing = missing_members(sample)
         if missing:
             self._drop(key, f"incomplete_sample missing {','.join(missing)}", shard)

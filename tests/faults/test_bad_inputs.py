@@ -26,7 +26,14 @@ from cat.core.io import TableError, write_table
 from cat.data import aishell
 from cat.decoding.inference import DecodeOptions, decode_set
 from cat.features import extract
-from cat.formats import audio_pack, mappack, prep_wds, shard_check, shard_format
+from cat.formats import (
+    audio_pack,
+    mappack,
+    prep_wds,
+    shard_check,
+    shard_format,
+    shard_index,
+)
 from cat.formats.data_list import DataListError
 from cat.loading.reader import DataUnavailableError
 from cat.loading.tar import CorruptShardError
@@ -687,6 +694,36 @@ def test_audio_converted_and_unknown_characters_in_training(audio_experiment):
     assert summary["trained"] == 6 and summary["noted"] == noted
     coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text())
     assert coverage["noted"] == noted
+
+
+def _uio_shards_sharing_a_key(experiment) -> str:
+    """Two shards of 3 utterances, the second holding the first's second utterance too."""
+    utterances = _uio_utterances(experiment, 5)
+    write_uio_shard(experiment.root / "uio/shards_000000000.tar", utterances[:3])
+    write_uio_shard(experiment.root / "uio/shards_000000001.tar",
+                    [utterances[3], utterances[1], utterances[4]])
+    return utterances[1].key
+
+
+def test_same_key_in_two_shards_of_other_tools_indexed(audio_experiment):
+    key = _uio_shards_sharing_a_key(audio_experiment)
+    with pytest.raises(ValueError, match=rf"uio: key '{key}' is in shards "
+                                         r"shards_000000000\.tar and shards_000000001\.tar: an "
+                                         r"utterance must be in one shard \(it would be "
+                                         r"trained twice per epoch\)"):
+        shard_index.index_folder(audio_experiment.root / "uio")
+    assert not (audio_experiment.root / "uio/index.jsonl").exists()
+
+
+def test_same_key_in_two_shards_of_other_tools_streamed(audio_experiment):
+    experiment = audio_experiment
+    key = _uio_shards_sharing_a_key(experiment)
+    _audio_shards(experiment, "uio/shards_*.tar", utts_per_shard_estimate=3)
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == 5 and summary["dropped"] == {"duplicate_key": 1}
+    drops = (experiment.exp_dir / "log/drops/epoch-001.rank-0.txt").read_text()
+    assert f"{key} duplicate_key also in shard uio/shards_000000000.tar" in drops
 
 
 def test_malformed_raw_data_list(audio_experiment):
