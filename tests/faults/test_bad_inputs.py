@@ -26,6 +26,7 @@ from cat.core.io import TableError, write_table
 from cat.data import aishell
 from cat.decoding.inference import DecodeOptions, decode_set
 from cat.features import extract
+from cat.features.fbank import read_audio_with_channels
 from cat.formats import (
     audio_pack,
     mappack,
@@ -36,6 +37,7 @@ from cat.formats import (
 )
 from cat.formats.data_list import DataListError
 from cat.loading.reader import DataUnavailableError
+from cat.loading.sources import read_shard
 from cat.loading.tar import CorruptShardError
 from cat.testing.audio import (
     make_audio_file,
@@ -202,6 +204,18 @@ def test_temporaries_of_writers_killed_with_sigkill(tmp_path, caplog):
     finally:
         live.kill()
         live.wait()
+
+
+def test_commands_in_wav_scp_and_trset_run_in_a_shell(tmp_path):
+    """Documented, not refused: a `wav.scp` command and a `trset` `pipe:` entry are shell
+    command lines (`;` and the rest work), so they must come from a trusted source."""
+    good = make_audio_file(tmp_path / "good.wav", 0.5)
+    waveform, rate, _ = read_audio_with_channels(f"cat {good}; touch {tmp_path}/wav-scp |")
+    assert rate == 16000 and len(waveform) == 8000 and (tmp_path / "wav-scp").exists()
+    experiment = write_tiny_experiment(tmp_path / "recipe", num_train=5)
+    shard = experiment.train_shards[0]
+    names = [name for name, _ in read_shard(f"pipe:cat {shard}; touch {tmp_path}/trset")]
+    assert len(names) == 10 and (tmp_path / "trset").exists()
 
 
 def test_wav_scp_not_utf8(tmp_path):
