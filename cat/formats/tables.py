@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -249,9 +250,11 @@ def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
                 ark_id = ark_ids.setdefault(ark, len(ark_ids))
                 raw_ark_ids[match["ark"]] = ark_id
                 if ark_id == len(ark_sizes):
-                    ark_sizes.append(os.path.getsize(ark))
+                    info = os.stat(ark)
+                    # Unknown (-1) for a named pipe or device, which has no size.
+                    ark_sizes.append(info.st_size if stat.S_ISREG(info.st_mode) else -1)
             offset = int(match["offset"])
-            if offset >= ark_sizes[ark_id]:
+            if 0 <= ark_sizes[ark_id] <= offset:
                 raise TableError(f"{scp}:{lineno}: utterance {key!r}: offset {offset} is past "
                                  f"the end of ark {list(ark_ids)[ark_id]} "
                                  f"({ark_sizes[ark_id]} bytes; truncated, or rewritten after "
