@@ -133,13 +133,16 @@ def encode(waveform: np.ndarray, sample_rate: int, audio_format: str,
 
 
 def decode(data: bytes | bytearray | memoryview, name: str,
-           sample_rate: int | None = None) -> tuple[np.ndarray, int]:
+           sample_rate: int | None = None, source: dict[str, int] | None = None
+           ) -> tuple[np.ndarray, int]:
     """Decode WAV, FLAC or Ogg Opus bytes -> `(float32 mono samples in [-1, 1), rate)`.
 
     `name` says where the bytes came from (`shard.tar:key.opus`, an S3 URL, a file) and
     is part of every error message. With `sample_rate`, the samples are resampled to it
-    and that rate is returned. Raises `AudioDecodeError` for empty, undecodable or
-    truncated data (a WAV whose data chunk is shorter than its header declares).
+    and that rate is returned. Channel 0 of multi-channel audio is used; `source`, when
+    given, receives the data's own `rate` and `channels` (see `conversion_notes`).
+    Raises `AudioDecodeError` for empty, undecodable or truncated data (a WAV whose data
+    chunk is shorter than its header declares).
     """
     if len(data) == 0:
         raise AudioDecodeError(f"cannot decode audio {name}: no bytes")
@@ -151,9 +154,22 @@ def decode(data: bytes | bytearray | memoryview, name: str,
     except (soundfile.LibsndfileError, RuntimeError, EOFError) as error:
         raise AudioDecodeError(f"cannot decode audio {name}: {error}") from None
     waveform = np.ascontiguousarray(samples[:, 0])
+    if source is not None:
+        source.update(rate=rate, channels=samples.shape[1])
     if sample_rate is not None and sample_rate != rate:
         return resample(waveform, rate, sample_rate), sample_rate
     return waveform, rate
+
+
+def conversion_notes(rate: int, channels: int, sample_rate: int) -> list[str]:
+    """What was done to audio of `rate` Hz and `channels` to make it `sample_rate` Hz mono,
+    in the words stage 1 and the streaming loader count it with."""
+    notes = []
+    if rate != sample_rate:
+        notes.append(f"resampled from {rate} Hz to {sample_rate} Hz")
+    if channels > 1:
+        notes.append(f"{channels} channels, channel 0 used")
+    return notes
 
 
 def _check_not_truncated(audio: soundfile.SoundFile, name: str) -> None:

@@ -9,23 +9,82 @@ writers never leave a partial file under the final name.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import re
 import sys
+import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 PathLike = str | os.PathLike
+
+
+BYTE_ORDER_MARK = "\ufeff"
 
 
 class TableError(ValueError):
     """A Kaldi table is malformed; the message names the file and line."""
 
 
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp\.(?P<pid>\d+)")
+
+
+def _writer_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _locked(path: Path) -> bool:
+    """Whether a writer holds `path` open (locked; see atomic_write), e.g. on another
+    machine sharing the folder, where its process id means nothing."""
+    try:
+        with open(path, "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def remove_stale_temporaries(directory: PathLike, name: str | None = None) -> list[Path]:
+    """Remove the temporary files `.<name>.tmp.<pid>` that `atomic_write` left in
+    `directory` when its process was killed (SIGKILL, OOM): those whose process is no
+    longer alive and which no writer holds locked. Only those of final name `name` when
+    given. Returns the paths removed (each logged)."""
+    directory = Path(directory)
+    pattern = f".{name}.tmp.*" if name is not None else ".*.tmp.*"
+    removed = []
+    for path in directory.glob(pattern):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match is None or _writer_alive(int(match["pid"])) or _locked(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+            logging.getLogger(__name__).warning(
+                "removed %s, left by a writer (process %s) that was killed", path,
+                match["pid"])
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_write(path: PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
-    """Open `path.tmp` for writing and rename it to `path` only if the block succeeds.
+    """Open `.path.tmp.<pid>` for writing and rename it to `path` only if the block
+    succeeds.
+
+    The temporary file is locked while written, and those of earlier writers of `path`
+    that were killed are removed first (`remove_stale_temporaries`).
 
     Usage::
 
@@ -34,15 +93,17 @@ def atomic_write(path: PathLike, mode: str = "w", encoding: str | None = "utf-8"
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent, path.name)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     if "b" in mode:
         encoding = None
     try:
         with open(tmp, mode, encoding=encoding) as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)  # while still locked
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -56,12 +117,17 @@ def iter_table(path: PathLike, allow_empty_value: bool = False) -> Iterator[tupl
     the line (stripped). Blank lines are errors, as in Kaldi. An empty value is
     an error unless `allow_empty_value` (e.g. `text` with empty transcripts,
     which the caller then reports). Bytes that are not UTF-8 are an error naming
-    the line.
+    the line. A UTF-8 byte-order mark at the start of the file (Windows editors write
+    one) is left out, with a warning: it would otherwise be part of the first key.
     """
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 line = line.rstrip("\r\n")
+                if lineno == 1 and line.startswith(BYTE_ORDER_MARK):
+                    logging.getLogger(__name__).warning(
+                        "%s: starts with a UTF-8 byte-order mark (BOM); it is ignored", path)
+                    line = line[len(BYTE_ORDER_MARK):]
                 parts = line.split(maxsplit=1)
                 if not parts:
                     raise TableError(f"{path}:{lineno}: empty line")
@@ -129,16 +195,41 @@ def write_table(path: PathLike, items: Iterable[tuple[str, object]], sort: bool 
     return len(rows)
 
 
+# The query string of an http(s) URL: presigned URLs carry their signature and
+# credentials there (`?X-Amz-Signature=...`, `?sig=...`, tokens).
+# (Up to a character that cannot be part of it unencoded, as `: ` after a URL in a log.)
+_URL_QUERY = re.compile(r"(?P<url>https?://[^\s?#'\"]+)\?[^\s'\"#)\]},;:]*")
+REDACTED = "<redacted>"
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the query string of every http(s) URL in it replaced by `<redacted>`:
+    logs and errors are shared, the signatures of presigned URLs must not be."""
+    return _URL_QUERY.sub(rf"\g<url>?{REDACTED}", text)
+
+
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_urls(super().format(record))
+
+
+def _redacting_excepthook(kind: type[BaseException], error: BaseException,
+                          trace: Any) -> None:
+    sys.stderr.write(redact_urls("".join(traceback.format_exception(kind, error, trace))))
+
+
 def setup_logging(verbose: bool = False) -> None:
-    """Log to stderr with a timestamp and the module name (idempotent)."""
+    """Log to stderr with a timestamp and the module name (idempotent). URL query strings
+    are redacted in every line logged, and in the traceback of an uncaught error."""
     root = logging.getLogger()
+    sys.excepthook = _redacting_excepthook
     if root.handlers:
         root.setLevel(logging.DEBUG if verbose else logging.INFO)
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        logging.Formatter("%(asctime)s (%(module)s:%(lineno)d) %(levelname)s: %(message)s",
-                          "%Y-%m-%d %H:%M:%S")
+        _RedactingFormatter("%(asctime)s (%(module)s:%(lineno)d) %(levelname)s: %(message)s",
+                            "%Y-%m-%d %H:%M:%S")
     )
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)

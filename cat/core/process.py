@@ -12,6 +12,10 @@ first thing in the child, ends the child within about a second of its parent's d
 * everywhere, a daemon thread checks every `poll_seconds` that the parent is still
   `parent_pid` (`os.getppid()` changes when the child is orphaned) and exits otherwise.
 
+A spawned pool worker arms the signal (and checks its parent) before it imports its
+parent's main module, so a parent killed while its pool starts leaves no worker behind
+(`_ArmedName`).
+
 `process_pool(num_workers)` is the spawn-context `ProcessPoolExecutor` every stage uses;
 `loader_worker_init(parent_pid)` is the `worker_init_fn` of torch DataLoaders.
 
@@ -30,6 +34,8 @@ import ctypes
 import ctypes.util
 import functools
 import multiprocessing
+import multiprocessing.context
+import operator
 import os
 import signal
 import sys
@@ -85,16 +91,75 @@ def _pool_worker_init(parent_pid: int, initializer: Callable[..., Any] | None,
         initializer(*initargs)
 
 
+# Run by a spawned child while it unpickles its process name, before anything else (see
+# _ArmedName). Only the standard library: the child cannot import `cat` yet.
+_ARM_IN_CHILD = """
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent_pid:
+    os._exit(exit_status)
+"""
+
+
+class _ArmChild:
+    """Pickles as a call of `exec(_ARM_IN_CHILD)` in the unpickling process."""
+
+    def __init__(self, parent_pid: int) -> None:
+        self.parent_pid = parent_pid
+
+    def __reduce__(self) -> tuple:
+        return (exec, (_ARM_IN_CHILD, {"parent_pid": self.parent_pid,
+                                       "exit_status": ORPHAN_EXIT_STATUS}))
+
+
+class _ArmedName(str):
+    """The name of a spawned pool process, whose unpickling arms the parent-death signal.
+
+    A spawned child first unpickles its preparation data (with this name), then imports
+    its parent's main module (with torch: seconds), and only then runs the worker
+    initializer (`die_with_parent`): a parent killed meanwhile left its workers alive
+    for as long as that import took. Unpickling this name arms the signal, and ends a
+    child whose parent is already gone, before that import. It unpickles as a plain str.
+    """
+
+    parent_pid: int
+
+    def __new__(cls, name: str, parent_pid: int) -> _ArmedName:
+        armed = super().__new__(cls, name)
+        armed.parent_pid = parent_pid
+        return armed
+
+    def __reduce__(self) -> tuple:
+        return (operator.getitem, ((_ArmChild(self.parent_pid), str(self)), 1))
+
+
+class _SpawnProcess(multiprocessing.context.SpawnProcess):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._name = _ArmedName(self._name, os.getpid())
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    """The spawn context, whose processes end with their parent from their first moment."""
+
+    Process = _SpawnProcess
+
+
 def process_pool(num_workers: int, initializer: Callable[..., Any] | None = None,
                  initargs: tuple = ()) -> concurrent.futures.ProcessPoolExecutor:
-    """A `ProcessPoolExecutor` of `num_workers` spawned processes that die with this one.
+    """A `ProcessPoolExecutor` of `num_workers` spawned processes that die with this one,
+    also when it dies while they start (`_ArmedName`).
 
     Spawned, not forked: workers start clean (no inherited locks, file handles or torch
     state) on every platform. Unlike `multiprocessing.Pool`, the executor reports a worker
     that was killed (e.g. out of memory) instead of waiting for it forever.
     """
     return concurrent.futures.ProcessPoolExecutor(
-        num_workers, mp_context=multiprocessing.get_context("spawn"),
+        num_workers, mp_context=_SpawnContext(),
         initializer=_pool_worker_init, initargs=(os.getpid(), initializer, initargs))
 
 

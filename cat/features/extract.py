@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cat.audio.codec import resample
+from cat.audio.codec import conversion_notes, resample
 from cat.audio.speed import speed_perturb
 from cat.core.io import (
     PathLike,
@@ -64,6 +64,7 @@ from cat.core.io import (
     atomic_write,
     iter_table,
     read_table,
+    remove_stale_temporaries,
     setup_logging,
     write_table,
 )
@@ -201,10 +202,7 @@ def _recording_features(
                 yield prefix + utt, str(error)
         return
     if conversions is not None:
-        if rate != job.options.sample_rate:
-            conversions[f"resampled from {rate} Hz to {job.options.sample_rate} Hz"] += 1
-        if channels > 1:
-            conversions[f"{channels} channels, channel 0 used"] += 1
+        conversions.update(conversion_notes(rate, channels, job.options.sample_rate))
     yield from utterance_features(waveform, rate, pieces, job.options, job.speed_factors,
                                   job.max_overshoot)
 
@@ -470,6 +468,9 @@ def extract(
 
     plan = plan_jobs(data_dir, feat_dir, nj, factors)
     remove_stale_outputs(feat_dir, plan.num_jobs, plan.split_dir)
+    for directory in (feat_dir, feat_dir / "arks"):
+        if directory.is_dir():
+            remove_stale_temporaries(directory)  # of jobs killed by an earlier run
     jobs, reused = _pending_jobs(feat_dir, plan, options, factors, compress, max_overshoot,
                                  progress)
     if reused:

@@ -231,8 +231,9 @@ class IndexCounts:
     """What one `index.jsonl` says about its shards (counts only, no keys)."""
 
     header: dict[str, Any]
-    # name -> (utts, frames, longest, crc32, byte offset of its line, length of the line)
-    shards: dict[str, tuple[int, int, int, str, int, int]]
+    # name -> (utts, frames, longest, crc32, byte offset of its line, length of the line,
+    # bytes of the shard: 0 where the index does not say)
+    shards: dict[str, tuple[int, int, int, str, int, int, int]]
 
 
 _COUNT_FIELDS = ("shard", "num_utts", "num_frames", "longest", "crc32")
@@ -251,7 +252,7 @@ def _shard_record(line: bytes) -> dict[str, Any]:
 def read_index_counts(location: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> IndexCounts:
     """The header and per-shard counts of one `index.jsonl` (errors name file and line)."""
     header: dict[str, Any] | None = None
-    shards: dict[str, tuple[int, int, int, str, int, int]] = {}
+    shards: dict[str, tuple[int, int, int, str, int, int, int]] = {}
     offset = 0
     for lineno, line in enumerate(open_index_lines(location, timeout), 1):
         start, offset = offset, offset + len(line)
@@ -264,7 +265,7 @@ def read_index_counts(location: str, timeout: float = HTTP_TIMEOUT_SECONDS) -> I
             record = _shard_record(line)
             shards[record["shard"]] = (int(record["num_utts"]), int(record["num_frames"]),
                                        int(record["longest"]), str(record["crc32"]), start,
-                                       len(line))
+                                       len(line), int(record.get("num_bytes") or 0))
         except json.JSONDecodeError as error:
             raise ValueError(f"{location}:{lineno}: not JSON: {error}") from None
         except (KeyError, TypeError) as error:

@@ -211,11 +211,24 @@ def index_folder(directory: PathLike, num_jobs: int = 1) -> ShardIndex:
     else:
         with process_pool(min(num_jobs, len(shards))) as pool:
             records = list(pool.map(index_shard, shards))
+    _check_keys_unique(directory, records)
     header = _header(directory, shards, records)
     write_index_lines(directory, header, records)
     logger.info("%s: %d shards, %d utterances, %.2f h", directory / INDEX_NAME, len(records),
                 header["num_utts"], hours(header["num_frames"]))
     return read_index(directory)
+
+
+def _check_keys_unique(directory: Path, records: list[dict[str, Any]]) -> None:
+    """Refuse a key in two shards: the loader would train that utterance twice an epoch."""
+    first: dict[str, str] = {}
+    for record in records:
+        for key in record["keys"]:
+            shard = first.setdefault(key, record["shard"])
+            if shard != record["shard"]:
+                raise ValueError(f"{directory}: key {key!r} is in shards {shard} and "
+                                 f"{record['shard']}: an utterance must be in one shard "
+                                 "(it would be trained twice per epoch); remove one")
 
 
 def _previous_index(directory: Path) -> ShardIndex | None:

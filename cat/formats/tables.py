@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -223,6 +224,7 @@ def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
     origin: dict[str, Path] = {}
     ark_ids: dict[str, int] = {}
     raw_ark_ids: dict[str, int] = {}  # as written in the scp; saves an abspath per line
+    ark_sizes: list[int] = []  # bytes of each ark, by ark id
     frames: dict[str, int] = {}
     for scp in as_path_list(f_scps):
         scp_keys = []
@@ -247,7 +249,17 @@ def read_feature_index(f_scps: PathLike | Sequence[PathLike]) -> UtteranceTable:
                                      "exist")
                 ark_id = ark_ids.setdefault(ark, len(ark_ids))
                 raw_ark_ids[match["ark"]] = ark_id
-            entries[key] = (ark_id, int(match["offset"]))
+                if ark_id == len(ark_sizes):
+                    info = os.stat(ark)
+                    # Unknown (-1) for a named pipe or device, which has no size.
+                    ark_sizes.append(info.st_size if stat.S_ISREG(info.st_mode) else -1)
+            offset = int(match["offset"])
+            if 0 <= ark_sizes[ark_id] <= offset:
+                raise TableError(f"{scp}:{lineno}: utterance {key!r}: offset {offset} is past "
+                                 f"the end of ark {list(ark_ids)[ark_id]} "
+                                 f"({ark_sizes[ark_id]} bytes; truncated, or rewritten after "
+                                 "the scp?)")
+            entries[key] = (ark_id, offset)
             origin[key] = scp
             scp_keys.append(key)
         frames.update(_frames_from_table(scp, scp_keys))
@@ -302,7 +314,7 @@ def _frames_from_headers(keys: list[str], entries: dict[str, tuple[int, int]],
                 offset = entries[key][1]
                 try:
                     frames[key] = int(read_matrix_shape(fd, offset)[0])
-                except (ValueError, struct.error, TypeError) as error:
+                except (ValueError, struct.error, TypeError, AssertionError) as error:
                     raise ValueError(f"{path}:{offset}: cannot read the matrix header of "
                                      f"utterance {key!r}: {error}") from None
     return frames

@@ -63,7 +63,8 @@ class StreamEvents:
     `corrupt`: `(shard, message)` for a shard whose data is corrupt or does not match its
     index; `unavailable`: `(shard, message)` for a shard its storage did not deliver;
     `position`: where the worker's stream stands after this batch
-    (`cat.loading.stream.WorkerPosition`).
+    (`cat.loading.stream.WorkerPosition`); `noted`: how many kept utterances had each
+    note (audio converted: resampled or down-mixed; a transcript with `<unk>` tokens).
     """
 
     dropped: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
@@ -71,16 +72,19 @@ class StreamEvents:
     corrupt: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     unavailable: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     position: Any = None
+    noted: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.dropped or self.finished or self.corrupt or self.unavailable)
+        return bool(self.dropped or self.finished or self.corrupt or self.unavailable
+                    or self.noted)
 
     def drain(self) -> StreamEvents:
         """Move everything recorded so far into a new object and return it."""
         moved = StreamEvents(self.dropped, self.finished, self.corrupt, self.unavailable,
-                             self.position)
+                             self.position, self.noted)
         self.dropped, self.finished, self.corrupt, self.unavailable = [], [], [], []
         self.position = None
+        self.noted = {}
         return moved
 
 

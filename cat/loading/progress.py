@@ -6,7 +6,8 @@ its worker (drops, corrupt shards, finished shards, the worker's `WorkerPosition
 these it keeps:
 
 * totals: trained, dropped per reason, lost in corrupt shards (`corrupt_missing`) and in
-  shards their storage did not deliver (`unavailable_missing`);
+  shards their storage did not deliver (`unavailable_missing`); kept utterances per note
+  (`noted`: audio resampled or down-mixed, transcripts with `<unk>` tokens);
 * the position of each worker after its last batch, which is exactly what a checkpoint
   needs to resume the epoch (`state` / `restore`);
 * `resume_reread_shards`: the gzip-compressed shards a resume read again from their
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from cat.core.io import redact_urls
 from cat.loading.batch import Batch
 from cat.loading.gunzip import is_gzip_shard
 from cat.loading.samples import ORDINAL_BITS, WorkerPosition, split_ids
@@ -68,6 +70,7 @@ class StreamProgress:
         self.resume_reread_shards = 0
         self.untrained: list[np.ndarray] = []
         self.drop_lines: list[str] = []
+        self.noted: collections.Counter = collections.Counter()
 
     def update(self, batch: Batch, trained: bool) -> None:
         """Account for a batch: its utterances (trained or not), its events always.
@@ -84,9 +87,10 @@ class StreamProgress:
             return
         for key, reason, _ in events.dropped:
             self.dropped[reason.split(" ", 1)[0]] += 1
-            self.drop_lines.append(f"{key} {reason}")
+            self.drop_lines.append(redact_urls(f"{key} {reason}"))
         self.corrupt += events.corrupt
         self.unavailable += events.unavailable
+        self.noted.update(events.noted)
         unavailable = {shard for shard, _ in events.unavailable}
         for shard, count in events.finished:
             if not self.shards.estimated[shard]:
@@ -106,7 +110,8 @@ class StreamProgress:
                 "unavailable": [[s, m] for s, m in self.unavailable],
                 "corrupt_missing": self.corrupt_missing,
                 "unavailable_missing": self.unavailable_missing, "retrained": self.retrained,
-                "resume_reread_shards": self.resume_reread_shards}
+                "resume_reread_shards": self.resume_reread_shards,
+                "noted": dict(self.noted)}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after `state()`: the workers resume at these positions."""
@@ -119,6 +124,7 @@ class StreamProgress:
         self.corrupt_missing = int(state["corrupt_missing"])
         self.unavailable_missing = int(state.get("unavailable_missing", 0))
         self.retrained = int(state.get("retrained", 0))
+        self.noted = collections.Counter(state.get("noted", {}))
         self.resume_reread_shards = (int(state.get("resume_reread_shards", 0))
                                      + self._rereads(positions))
 
@@ -149,11 +155,12 @@ class StreamProgress:
         return {"expected": expected, "trained": self.trained, "dropped": dict(self.dropped),
                 "corrupt_missing": self.corrupt_missing,
                 "unavailable_missing": self.unavailable_missing,
-                "corrupt_shards": [self.shards.urls[s] for s, _ in self.corrupt],
-                "unavailable_shards": [self.shards.urls[s] for s, _ in self.unavailable],
+                "corrupt_shards": [redact_urls(self.shards.urls[s]) for s, _ in self.corrupt],
+                "unavailable_shards": [redact_urls(self.shards.urls[s])
+                                       for s, _ in self.unavailable],
                 "shards": len(self.rank_shards), "not_trained": not_trained,
                 "retrained": self.retrained,
-                "resume_reread_shards": self.resume_reread_shards}
+                "resume_reread_shards": self.resume_reread_shards, "noted": dict(self.noted)}
 
     def cut_ids(self) -> np.ndarray | None:
         """Ids of the utterances neither trained, dropped nor lost (once the epoch ended:

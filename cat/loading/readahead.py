@@ -30,7 +30,14 @@ from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
 from cat.loading.gunzip import tar_stream
 from cat.loading.shardlist import is_url
 from cat.loading.sources import CORRUPT, ChecksumReader, classify, describe, open_shard
-from cat.loading.tar import TAR_BLOCK, BufferPool, CorruptShardError, MemberFilter, iter_tar_members
+from cat.loading.tar import (
+    TAR_BLOCK,
+    UNINDEXED_MEMBER_LIMIT,
+    BufferPool,
+    CorruptShardError,
+    MemberFilter,
+    iter_tar_members,
+)
 
 
 class _Abandoned(Exception):
@@ -52,6 +59,25 @@ class _OpenedShard:
     def abandon(self) -> None:
         """Close the stream without reading it."""
         self.stack.__exit__(_Abandoned, _Abandoned(), None)
+
+
+def _open_in_background(url: str, timeout: float) -> concurrent.futures.Future:
+    """`_OpenedShard(url, timeout)`, made in a daemon thread of its own.
+
+    Not in a thread pool: the interpreter joins pool threads at exit, and an open blocked
+    on a hung store (botocore retrying, a socket waiting for its timeout) would hold the
+    process that long after its error was reported.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(_OpenedShard(url, timeout))
+        except BaseException as error:  # handed to the reader, which re-raises it
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="shard-open", daemon=True).start()
+    return future
 
 
 class ReadAhead:
@@ -109,16 +135,14 @@ class ReadAhead:
 
     def _run(self) -> None:
         pending: concurrent.futures.Future | None = None
-        opener = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-open")
         try:
             if self.shards:
-                pending = opener.submit(_OpenedShard, self.shards[0][1], self.timeout)
+                pending = _open_in_background(self.shards[0][1], self.timeout)
             for position, (shard, _) in enumerate(self.shards):
                 opened = pending.result()
                 pending = None
                 if position + 1 < len(self.shards):
-                    pending = opener.submit(_OpenedShard, self.shards[position + 1][1],
-                                            self.timeout)
+                    pending = _open_in_background(self.shards[position + 1][1], self.timeout)
                 if not self._read(shard, opened):
                     return
         except BaseException as error:  # handed to the consumer, which re-raises it
@@ -126,7 +150,6 @@ class ReadAhead:
         finally:
             if pending is not None:
                 pending.add_done_callback(lambda future: future.result().abandon())
-            opener.shutdown(wait=False)
             with self._condition:
                 self._done = True
                 self._condition.notify_all()
@@ -283,7 +306,8 @@ class _Prefetcher:
 
 def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
                        timeout: float, pool: BufferPool | None,
-                       keep: Mapping[int, MemberFilter]) -> Iterator[tuple]:
+                       keep: Mapping[int, MemberFilter], limits: Mapping[int, int]
+                       ) -> Iterator[tuple]:
     # The disk reads the next shard (the first one: alongside) while this one is decoded.
     prefetcher = _Prefetcher(read_ahead_bytes) if read_ahead_bytes > 0 else None
     try:
@@ -297,8 +321,9 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
             try:
                 with open_shard(url, timeout) as raw:
                     stream = ChecksumReader(raw)
-                    for name, data in iter_tar_members(tar_stream(stream, url), url, pool,
-                                                       keep.get(shard)):
+                    for name, data in iter_tar_members(
+                            tar_stream(stream, url), url, pool, keep.get(shard),
+                            limits.get(shard, UNINDEXED_MEMBER_LIMIT)):
                         yield ("member", shard, name, data)
                     checksum = stream.finish()
             except (OSError, http.client.HTTPException, CorruptShardError) as error:
@@ -312,7 +337,8 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
 
 def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 0,
                      timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None,
-                     keep: Mapping[int, MemberFilter] | None = None) -> Iterator[tuple]:
+                     keep: Mapping[int, MemberFilter] | None = None,
+                     limits: Mapping[int, int] | None = None) -> Iterator[tuple]:
     """`("member", shard, name, data)` of each shard in order, then `("end", shard,
     crc32)` (None when members were passed over by seeking), or `("error", shard,
     message, cause)` (`classify`) when a shard breaks off (its members so far are kept).
@@ -323,11 +349,13 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
     URL, a `ReadAhead` thread streams the bytes. Measured in page cache: a reading thread
     costs one extra copy per byte (~1.4x slower), so it is kept for remote streams, where
     waiting dominates. `pool`, and `keep` (a member filter per shard): see
-    `iter_tar_members`.
+    `iter_tar_members`; `limits`: the most bytes a member of each shard may claim (its
+    size from the index; `UNINDEXED_MEMBER_LIMIT` for shards not given).
     """
     keep = keep or {}
+    limits = limits or {}
     if read_ahead_bytes <= 0 or not any(is_url(url) for _, url in shards):
-        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool, keep)
+        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool, keep, limits)
         return
     chunks = iter(ReadAhead(shards, read_ahead_bytes, timeout))
     try:
@@ -335,7 +363,8 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
             stream = _ChunkStream(chunks, shard)
             try:
                 for name, data in iter_tar_members(tar_stream(stream, url), url, pool,
-                                                   keep.get(shard)):
+                                                   keep.get(shard),
+                                                   limits.get(shard, UNINDEXED_MEMBER_LIMIT)):
                     yield ("member", shard, name, data)
             except CorruptShardError as error:
                 stream.skip_rest()

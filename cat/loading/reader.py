@@ -21,6 +21,7 @@ Usage:
 from __future__ import annotations
 
 import collections
+import http.client
 import logging
 import os
 import time
@@ -44,7 +45,14 @@ from cat.loading.samples import (
     split_ids,
 )
 from cat.loading.shardlist import RAW_LIST, ShardList, raw_list_part
-from cat.loading.sources import CORRUPT, TRANSIENT, UNAVAILABLE, read_shard
+from cat.loading.sources import (
+    CORRUPT,
+    TRANSIENT,
+    UNAVAILABLE,
+    classify,
+    describe,
+    read_shard,
+)
 from cat.loading.tar import BufferPool, CorruptShardError
 from cat.storage.stores import is_store_url, store_place
 
@@ -145,6 +153,17 @@ class _SkipShard(Exception):
     """The rest of the shard being read is left out (it does not match its index)."""
 
 
+class _IndexUnreadable(Exception):
+    """The index entry of a shard could not be read from its storage: a storage error of
+    the shard (retried, then unavailable), as when its bytes cannot be read."""
+
+    def __init__(self, shard: int, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.message = message
+        self.cause = cause
+
+
 class ShardReader:
     """Stage 1: `{"key", "name", "shard", "id", "npy", "txt"}` samples of the shards
     `shards` (indices into `shard_list`), read in order from `position`.
@@ -152,7 +171,9 @@ class ShardReader:
     `position` is `(list index, ordinal)`: the next sample to take; it advances as
     samples are taken. Each sample's key is checked against the shard's index entry, and
     a shard read to its end against the index's utterance count and CRC-32; a shard that
-    disagrees is corrupt. A transient storage error is retried (`config.read_retries`
+    disagrees is corrupt. A key of a shard without an index entry that an earlier such
+    shard of this reader held is dropped (`duplicate_key`: it would be trained twice).
+    A transient storage error is retried (`config.read_retries`
     times, waiting `retry_seconds` x 1, 2, 4...), the read continuing where it stopped; a
     shard still unreadable is unavailable. Corrupt and unavailable shards are skipped and
     reported (counted by `budget`), or raise with `config.strict_shards`.
@@ -170,6 +191,9 @@ class ShardReader:
         self.position = (0, 0)
         self.attempts: collections.Counter = collections.Counter()
         self._keys: tuple[int, list[str] | None] = (-1, None)
+        # Keys taken from shards without an index entry -> their shard: an indexed
+        # shard's keys are checked by `prep_wds index`, these only here (per worker).
+        self._unindexed_keys: dict[str, int] = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while self.position[0] < len(self.shards):
@@ -183,8 +207,9 @@ class ShardReader:
         urls = self.shard_list.urls
         todo = [(shard, urls[shard]) for shard in self.shards[first:]]
         gates = {todo[0][0]: _OrdinalGate(skip.__le__)} if skip else {}
+        limits = {shard: self.shard_list.member_limit(shard) for shard, _ in todo}
         items = iter_shard_items(todo, self.config.read_ahead_mb << 20, self.config.timeout,
-                                 self.pool, gates)
+                                 self.pool, gates, limits)
         places = {shard: first + offset for offset, (shard, _) in enumerate(todo)}
         current: dict[str, Any] = {}
         ordinals: collections.Counter = collections.Counter()
@@ -211,6 +236,12 @@ class ShardReader:
                 self.position = (places[shard] + 1, 0)
         except _SkipShard:
             return True
+        except _IndexUnreadable as error:
+            if error.cause == TRANSIENT and self._retry(error.shard, error.message):
+                return True
+            self._fail(error.shard, self.position[1], error.message, UNAVAILABLE)
+            self.position = (places[error.shard] + 1, 0)
+            return True
         finally:
             items.close()
         return False
@@ -233,9 +264,15 @@ class ShardReader:
             if not self.shard_list.estimated[shard]:
                 try:
                     entry = self.shard_list.index_entry(shard)
-                except (OSError, ValueError) as error:
+                except ValueError as error:
                     logger.warning("shard %s: its keys cannot be checked: %s",
                                    self.shard_list.urls[shard], error)
+                except (OSError, http.client.HTTPException) as error:
+                    # A hung or failing store: training on unchecked keys would only
+                    # postpone its error by a timeout per shard.
+                    raise _IndexUnreadable(shard, f"cannot read its index entry: "
+                                                  f"{describe(error)}", classify(error)
+                                           ) from None
             self._keys = (shard, entry.get("keys") if entry else None)
         return self._keys[1]
 
@@ -268,6 +305,12 @@ class ShardReader:
             self._drop(sample["name"], "bad_key", shard)
             return
         sample["key"] = key
+        if keys is None and self.shard_list.estimated[shard]:
+            first = self._unindexed_keys.setdefault(key, shard)
+            if first != shard:
+                self._drop(key, f"duplicate_key also in shard {self.shard_list.urls[first]}",
+                           shard)
+                return
         missing = missing_members(sample)
         if missing:
             self._drop(key, f"incomplete_sample missing {','.join(missing)}", shard)

@@ -64,6 +64,7 @@ from cat.formats.shard_format import (
     open_index_lines,
     read_index_counts,
 )
+from cat.loading.tar import UNINDEXED_MEMBER_LIMIT
 from cat.storage.stores import index_url, is_store_url, object_name, store_for
 
 logger = logging.getLogger(__name__)
@@ -230,9 +231,20 @@ class ShardList:
         default_factory=lambda: np.zeros((0, 2), np.int64))
     # What the indexed shards hold ("features" or "audio") -> the first index saying so.
     contents: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Bytes of each shard according to its index (0: unknown); bounds a member's size.
+    num_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __len__(self) -> int:
         return len(self.urls)
+
+    def member_limit(self, shard: int) -> int:
+        """The most bytes a member of `shard` may claim: the shard's size from its index,
+        or `UNINDEXED_MEMBER_LIMIT` (also for a gzip-compressed shard, whose index gives
+        its compressed size, which its members may exceed)."""
+        if shard_name(self.urls[shard]).lower().endswith(GZIP_SUFFIXES):
+            return UNINDEXED_MEMBER_LIMIT
+        size = int(self.num_bytes[shard]) if len(self.num_bytes) else 0
+        return size if size > 0 else UNINDEXED_MEMBER_LIMIT
 
     def names(self) -> list[str]:
         """Shard file names as their indexes list them."""
@@ -251,7 +263,8 @@ class ShardList:
     def index_entry(self, shard: int) -> dict[str, Any] | None:
         """The whole index record of one shard (keys, frames...), None without an index.
 
-        Reads only that line: a seek in a local index, a Range request over http(s) or S3.
+        Reads only that line: a seek in a local index, a Range request over http(s) or S3
+        (one attempt: the shard reader retries).
         """
         offset, length = (int(v) for v in self.index_spans[shard]) \
             if len(self.index_spans) else (-1, 0)
@@ -259,7 +272,7 @@ class ShardList:
         if offset < 0 or location is None:
             return None
         if is_store_url(location):
-            line = store_for(location, self.timeout).read_range(location, offset, length)
+            line = store_for(location, self.timeout, 1).read_range(location, offset, length)
         elif location.startswith(HTTP_PREFIXES):
             request = urllib.request.Request(
                 location, headers={"Range": f"bytes={offset}-{offset + length - 1}"})
@@ -319,6 +332,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
     estimated = np.zeros(len(urls), bool)
     crc32 = [""] * len(urls)
     spans = np.full((len(urls), 2), -1, np.int64)
+    num_bytes = np.zeros(len(urls), np.int64)
     feat_dims: dict[int, str] = {}
     contents: dict[str, str] = {}
     longest = 0
@@ -333,7 +347,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
         name = shard_name(url)
         if index is not None and name in index.shards:
             num_utts[position], num_frames[position], shard_longest, crc32[position], \
-                *spans[position] = index.shards[name]
+                spans[position, 0], spans[position, 1], num_bytes[position] = index.shards[name]
             longest = max(longest, shard_longest)
             if index.header.get("feat_dim") is not None:
                 feat_dims.setdefault(int(index.header["feat_dim"]), location)
@@ -360,7 +374,7 @@ def load_shard_list(patterns: Sequence[str] | str, utts_per_shard_estimate: int 
                        int(estimated.sum()), len(urls), utts_per_shard_estimate)
     return ShardList(urls, num_utts, num_frames, estimated,
                      next(iter(feat_dims)) if feat_dims else None, longest, crc32, timeout,
-                     spans, contents)
+                     spans, contents, num_bytes)
 
 
 def assign_shards(weights: np.ndarray, seed: int, epoch: int, world_size: int,

@@ -25,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from cat.audio.codec import AudioDecodeError, decode, to_float32, to_int16
+from cat.audio.codec import (
+    AudioDecodeError,
+    conversion_notes,
+    decode,
+    to_float32,
+    to_int16,
+)
 from cat.audio.speed import choose_factor, speed_perturb
 from cat.features.fbank import compute_fbank, num_frames
 from cat.formats.tables import transcript_verdict
@@ -45,8 +51,13 @@ from cat.loading.samples import (
     decode_npy,
 )
 from cat.loading.tar import BufferPool
+from cat.text.tokenizer import UNK_ID
 
 logger = logging.getLogger(__name__)
+
+#: The note of a kept utterance whose transcript has `<unk>` tokens (some characters the
+#: tokenizer does not know; one of only `<unk>` is dropped: `transcript_verdict`).
+PARTLY_UNKNOWN = "transcript with <unk> tokens"
 
 
 @dataclasses.dataclass
@@ -97,6 +108,8 @@ class Judge:
         if reason:
             sample["drop"] = reason
             return
+        if UNK_ID in ids:
+            sample.setdefault("notes", []).append(PARTLY_UNKNOWN)
         sample["label"] = label = np.asarray(ids, np.int32)
         if self.length_filter is not None:
             reason = self.length_filter.reason(frames, label)
@@ -130,12 +143,16 @@ class Judge:
             sample["error"] = (f"{where} is {content} audio, but train.option.audio is not "
                                "set (how audio becomes features)")
             return None
+        source: dict[str, int] = {}
         try:
             waveform, _ = decode(data, f"{self.urls[sample['shard']]}:{sample['name']}."
-                                       f"{content}", audio.sample_rate)
+                                       f"{content}", audio.sample_rate, source)
         except AudioDecodeError as error:
             self._undecodable(sample, where, "bad_audio", error)
             return None
+        notes = conversion_notes(source["rate"], source["channels"], audio.sample_rate)
+        if notes:
+            sample.setdefault("notes", []).extend(notes)
         if audio.speed_perturb:
             factor = choose_factor(audio.speed_perturb, self.seed, self.epoch, sample["key"])
             if factor != 1.0:
@@ -204,12 +221,15 @@ def settle_samples(samples: Iterable[dict[str, Any]], events: StreamEvents,
                    ) -> Iterator[dict[str, Any]]:
     """Stage 4: report (`events.dropped`) the samples `prepare_samples` left out and give
     their buffers back to `pool`; raise a sample's error (ValueError naming the shard);
-    `finish` the kept ones (`Judge.finish`: the fbank of audio)."""
+    count the notes of the kept ones (`events.noted`) and `finish` them (`Judge.finish`:
+    the fbank of audio)."""
     for sample in samples:
         if "error" in sample:
             raise ValueError(sample["error"])
         reason = sample.get("drop")
         if reason is None:
+            for note in sample.pop("notes", ()):
+                events.noted[note] = events.noted.get(note, 0) + 1
             if finish is not None:
                 finish(sample)
             yield sample

@@ -2,9 +2,12 @@
 
 `iter_tar_members` yields the regular files of a tar stream in order (ustar, pax and
 GNU long names; header checksums verified; truncation raises `CorruptShardError`), each
-read with one call, into a `BufferPool` buffer when given one. `keep` lets a caller skip
-members without reading their data (a seek on local files), which is how an exact resume
-passes over the utterances of a shard that were already taken.
+read with one call, into a `BufferPool` buffer when given one. A member whose header
+claims more bytes than `limit` (the shard's size from its index, or
+`UNINDEXED_MEMBER_LIMIT`) makes the shard corrupt before anything is allocated: a
+bit-rotten size field must not become a `MemoryError` or gigabytes of zeros. `keep`
+lets a caller skip members without reading their data (a seek on local files), which is
+how an exact resume passes over the utterances of a shard that were already taken.
 
 Usage:
     with open("data/wds/train/data-00000.tar", "rb") as f:
@@ -20,6 +23,9 @@ from typing import BinaryIO
 
 TAR_BLOCK = 512
 _ZERO_BLOCK = bytes(TAR_BLOCK)
+#: The largest member of a shard whose index gives no size: 1 GiB, over two hours of
+#: 16 kHz 16-bit audio, or of 80-dim float32 features, in one utterance.
+UNINDEXED_MEMBER_LIMIT = 1 << 30
 
 
 class CorruptShardError(ValueError):
@@ -137,7 +143,7 @@ def _skip(stream: BinaryIO, size: int, where: str, name: str) -> None:
 
 
 def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = None,
-                     keep: MemberFilter | None = None
+                     keep: MemberFilter | None = None, limit: int = UNINDEXED_MEMBER_LIMIT
                      ) -> Iterator[tuple[str, bytes | memoryview | None]]:
     """Yield `(name, data)` of the regular files of a tar stream, in order.
 
@@ -146,7 +152,9 @@ def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = Non
     Handles ustar, pax and GNU long names; header checksums are verified. Truncation
     raises CorruptShardError. With a `pool`, members of at least `pool.min_bytes` are
     read into its buffers and yielded as memoryviews (`data.obj` is the buffer). A member
-    whose name `keep` rejects is passed over unread and yielded with `data` None.
+    whose name `keep` rejects is passed over unread and yielded with `data` None. A
+    header claiming more than `limit` bytes raises CorruptShardError (nothing is
+    allocated for it).
     """
     long_name: str | None = None
     pax: dict[str, str] = {}
@@ -165,8 +173,16 @@ def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = Non
             name = f"{prefix}/{name}"
         size = _octal(header[124:136], where)
         if "size" in pax:
-            size = int(pax["size"])
+            try:
+                size = int(pax["size"])
+            except ValueError:
+                raise CorruptShardError(f"{where}: bad pax size {pax['size']!r}") from None
         kind = header[156:157]
+        if size > limit:
+            bound = "the limit for a shard without an index" \
+                if limit == UNINDEXED_MEMBER_LIMIT else "the whole shard (its index)"
+            raise CorruptShardError(f"{where}: member {name!r}: its tar header claims {size} "
+                                    f"bytes, more than {bound}: {limit} (a damaged header)")
         padding = -size % TAR_BLOCK
         regular = kind in (b"0", b"\0", b"7")
         if regular:

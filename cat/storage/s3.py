@@ -167,17 +167,24 @@ class S3Options:
                 or os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
-def default_store(read_timeout: float = 60.0) -> S3Store:
+def default_store(read_timeout: float = 60.0, max_attempts: int | None = None) -> S3Store:
     """The `S3Store` of this process for `read_timeout`, configured from the environment:
     one per timeout, endpoint and access key, so a changed environment gets a new one (its
-    client is made again in a forked child, so sharing it across forks is safe)."""
-    return _store(read_timeout, S3Options().endpoint, os.environ.get("AWS_ACCESS_KEY_ID"))
+    client is made again in a forked child, so sharing it across forks is safe).
+
+    `max_attempts` (default `S3Options.max_attempts`): 1 where the caller retries itself
+    (the shard reader), so that botocore's attempts do not multiply its own: on a hung
+    store each attempt waits `read_timeout`."""
+    attempts = S3Options.max_attempts if max_attempts is None else max_attempts
+    return _store(read_timeout, attempts, S3Options().endpoint(),
+                  os.environ.get("AWS_ACCESS_KEY_ID"))
 
 
 @functools.lru_cache(maxsize=8)
-def _store(read_timeout: float, endpoint: str | None, access_key: str | None) -> S3Store:
+def _store(read_timeout: float, max_attempts: int, endpoint: str | None,
+           access_key: str | None) -> S3Store:
     del endpoint, access_key  # cache keys: S3Options reads them from the environment
-    return S3Store(S3Options(read_timeout=read_timeout))
+    return S3Store(S3Options(read_timeout=read_timeout, max_attempts=max_attempts))
 
 
 def is_s3_url(location: str) -> bool:
@@ -285,7 +292,8 @@ class S3Store:
         options = self.options
         config = botocore.config.Config(
             connect_timeout=options.connect_timeout, read_timeout=options.read_timeout,
-            retries={"max_attempts": max(1, options.max_attempts), "mode": "standard"},
+            # botocore's "max_attempts" counts retries; "total_max_attempts" all attempts.
+            retries={"total_max_attempts": max(1, options.max_attempts), "mode": "standard"},
             s3={"addressing_style": options.addressing_style},
             signature_version=UNSIGNED if options.anonymous else None,
         )

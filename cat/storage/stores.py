@@ -130,16 +130,20 @@ def store_place(url: str) -> str:
     return f"{scheme}://{first}"
 
 
-def store_for(url: str, timeout: float = 60.0) -> Store:
-    """The store of `url` in this process, for reads that wait at most `timeout` s."""
+def store_for(url: str, timeout: float = 60.0, max_attempts: int | None = None) -> Store:
+    """The store of `url` in this process, for reads that wait at most `timeout` s.
+
+    `max_attempts` (default: the store's own): 1 where the caller retries itself (the
+    shard reader), so that the store's attempts do not multiply its own: on a hung store
+    each attempt waits `timeout`."""
     scheme = url_scheme(url)
     if scheme is None or scheme in _DIRECT_SCHEMES:
         raise ValueError(f"{url!r} is not a store URL (scheme://...; http(s) is read "
                          "directly)")
     if scheme == "s3":
         from cat.storage.s3 import default_store
-        return default_store(timeout)
-    return _fsspec_store(scheme, float(timeout), _environment_key(scheme))
+        return default_store(timeout, max_attempts)
+    return _fsspec_store(scheme, float(timeout), max_attempts, _environment_key(scheme))
 
 
 def _environment_key(scheme: str) -> tuple[tuple[str, str], ...]:
@@ -149,9 +153,12 @@ def _environment_key(scheme: str) -> tuple[tuple[str, str], ...]:
 
 
 @functools.lru_cache(maxsize=16)
-def _fsspec_store(scheme: str, timeout: float, environment: Any) -> Store:
+def _fsspec_store(scheme: str, timeout: float, max_attempts: int | None,
+                  environment: Any) -> Store:
     del environment  # a cache key
     from cat.storage.fsspec_store import FsspecStore, check_scheme
     check_scheme(scheme)
-    return FsspecStore(scheme, timeout)
+    if max_attempts is None:
+        return FsspecStore(scheme, timeout)
+    return FsspecStore(scheme, timeout, max_attempts=max_attempts)
 

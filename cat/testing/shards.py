@@ -2,6 +2,7 @@
 
 `write_uneven_shards` packs a feature corpus into one folder per shard (each with its own
 `index.jsonl`), so shards can have any sizes; `truncate_file` cuts a file short;
+`claim_member_size` rewrites a tar header's size field (bit rot the checksum passes);
 `serve_directory` serves a folder over HTTP on 127.0.0.1 for `http://` shard tests (in a
 thread, with injected faults); `serve_directory_process` does it from a process of its
 own (`python -m http.server`), which a test can kill or stop, or a benchmark time apart.
@@ -113,6 +114,25 @@ def truncate_file(path: PathLike, keep_fraction: float) -> int:
     return size
 
 
+def claim_member_size(path: PathLike, size: int, member: int = 0) -> str:
+    """Rewrite the size field of the `member`-th tar header of `path` to `size` (GNU
+    base-256 when it does not fit in octal), with a valid checksum: bit rot in a header
+    that the checksum cannot catch. Returns the member's name."""
+    path = Path(path)
+    with tarfile.open(path) as tar:
+        info = tar.getmembers()[member]
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        header = bytearray(f.read(512))
+        header[124:136] = f"{size:011o}\0".encode() if size < 8 ** 11 else \
+            b"\x80" + size.to_bytes(11, "big")
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        f.seek(info.offset)
+        f.write(header)
+    return info.name
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     """Serves files, and `bytes=a-b` ranges of them when `ranges` is set; `faults[name]`
     lists what the next requests of a file get: "503" (an error status), "cut" (the
@@ -121,7 +141,26 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
     faults: ClassVar[dict[str, list[str]]] = {}
     ranges = False
+    bytes_per_second = 0  # > 0: every answer is sent at this rate (a slow, live store)
     lock = threading.Lock()
+
+    def _send_slowly(self, data: bytes) -> None:
+        step = max(1, self.bytes_per_second // 20)
+        for start in range(0, len(data), step):
+            self.wfile.write(data[start:start + step])
+            self.wfile.flush()
+            time.sleep(0.05)
+
+    def _send_file(self, name: str) -> None:
+        try:
+            data = (Path(self.directory) / name).read_bytes()
+        except OSError:
+            self.send_error(404, "no such file")
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self._send_slowly(data)
 
     def log_message(self, format: str, *args: object) -> None:
         pass
@@ -147,7 +186,13 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
                                               f"{len(data)}")
             self.send_header("Content-Length", str(len(part)))
             self.end_headers()
-            self.wfile.write(part)
+            if self.bytes_per_second:
+                self._send_slowly(part)
+            else:
+                self.wfile.write(part)
+            return
+        if self.bytes_per_second and fault == "ok":
+            self._send_file(name)
             return
         if fault == "cut":
             data = (Path(self.directory) / name).read_bytes()
@@ -163,13 +208,15 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve_directory(directory: PathLike, faults: dict[str, list[str]] | None = None,
-                    ranges: bool = False) -> Iterator[str]:
+                    ranges: bool = False, bytes_per_second: int = 0) -> Iterator[str]:
     """Serve `directory` over HTTP on 127.0.0.1 (a free port); yields the base URL.
 
-    `faults` injects failures per file name, `ranges` answers Range requests (see
+    `faults` injects failures per file name, `ranges` answers Range requests,
+    `bytes_per_second` sends every answer at that rate in 20 pieces a second (see
     `_QuietHandler`)."""
     handler_class = type("_Handler", (_QuietHandler,), {"faults": dict(faults or {}),
-                                                        "ranges": ranges})
+                                                        "ranges": ranges,
+                                                        "bytes_per_second": bytes_per_second})
     handler = functools.partial(handler_class, directory=str(directory))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

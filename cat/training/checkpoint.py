@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from cat.core.io import PathLike, atomic_write
+from cat.core.io import PathLike, atomic_write, remove_stale_temporaries
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,10 @@ class CheckpointManager:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
+        # Checkpoints (and the list) of a run killed while saving; the next ones have
+        # other names, so atomic_write alone would never remove them.
+        if self.directory.is_dir():
+            remove_stale_temporaries(self.directory)
         self.records: list[dict[str, Any]] = self._read_list()
 
     def _read_list(self) -> list[dict[str, Any]]:

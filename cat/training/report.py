@@ -3,7 +3,8 @@
 `epoch_record` sums the ranks' summaries of an epoch (`log/epoch-<EEE>.json`);
 `write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained, dropped per
 reason, lost, cut by the epoch's end and its lengths, retrained, compressed shards a
-resume read again from their start); `check_epoch` stops
+resume read again from their start, kept utterances per note: audio resampled or
+down-mixed, transcripts with `<unk>` tokens); `check_epoch` stops
 training when an epoch trained nothing or more of its shards failed than
 `bad_shard_limit` allows.
 
@@ -37,9 +38,12 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
                  retrained: int = 0) -> dict[str, Any]:
     """The epoch's totals over ranks (`log/epoch-<EEE>.json`), per-rank summaries kept."""
     dropped: dict[str, int] = {}
+    noted: dict[str, int] = {}
     for summary in summaries:
         for reason, count in summary["dropped"].items():
             dropped[reason] = dropped.get(reason, 0) + count
+        for note, count in summary.get("noted", {}).items():
+            noted[note] = noted.get(note, 0) + count
     not_trained = [s["not_trained"] for s in summaries]
     cut = None if None in not_trained else int(sum(not_trained))
     expected = [s["expected"] for s in summaries]
@@ -65,6 +69,8 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
             "unavailable_shards": [url for s in summaries
                                    for url in s.get("unavailable_shards", [])],
             "shards": sum(s.get("shards", 0) for s in summaries),
+            # Kept utterances per note: audio resampled or down-mixed, <unk> tokens.
+            "noted": noted,
             "ranks": summaries}
 
 

@@ -6,15 +6,20 @@ and listed with their reason.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
+import re
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 
 from cat.core import config as config_module
 from cat.core.config import ConfigError
@@ -22,19 +27,34 @@ from cat.core.io import TableError, write_table
 from cat.data import aishell
 from cat.decoding.inference import DecodeOptions, decode_set
 from cat.features import extract
-from cat.formats import audio_pack, mappack, prep_wds, shard_check, shard_format
+from cat.features.fbank import read_audio_with_channels
+from cat.formats import (
+    audio_pack,
+    mappack,
+    prep_wds,
+    shard_check,
+    shard_format,
+    shard_index,
+)
 from cat.formats.data_list import DataListError
 from cat.loading.reader import DataUnavailableError
+from cat.loading.sources import read_shard
 from cat.loading.tar import CorruptShardError
 from cat.testing.audio import (
     make_audio_file,
     make_corrupt_file,
     make_data_dir,
+    synth_waveform,
     write_kaldi_data_dir,
 )
 from cat.testing.features import write_feature_corpus
 from cat.testing.release import make_aishell_release
-from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
+from cat.testing.shards import (
+    claim_member_size,
+    serve_directory,
+    truncate_file,
+    write_raw_shard,
+)
 from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import UioUtterance, synth_wav, write_uio_shard
 from cat.text import tokenizer as tk
@@ -43,6 +63,7 @@ from cat.training.cli import train
 from cat.training.report import DataChangedError
 
 NAME = "exp/tiny"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GBK_LINE = "BAC009S0002W0003 今天天气很好".encode("gbk")
 TEXT_NOT_UTF8 = r"text:3: not valid UTF-8 \(invalid start byte at byte 18 of the line\); " \
                 r"it may be GBK/GB18030, which reads 'BAC009S0002W0003 今天天气很好'"
@@ -131,6 +152,71 @@ def test_stereo_audio(extracted):
     assert summary.conversions == {"2 channels, channel 0 used": 1,
                                    "resampled from 8000 Hz to 16000 Hz": 1}
     assert frames["stereo"] == "98"
+
+
+_WRITER = """
+import sys, time
+from cat.core.io import atomic_write
+with atomic_write(sys.argv[1], "wb") as f:
+    f.write(bytes(4096))
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+"""
+
+
+def _writer(path: Path) -> subprocess.Popen:
+    """A process inside `atomic_write(path)`, having written 4 KiB of it."""
+    process = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)],
+                               stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert process.stdout.readline() == "writing\n"
+    return process
+
+
+def test_temporaries_of_writers_killed_with_sigkill(tmp_path, caplog):
+    """kill -9 while saving a checkpoint (and its list) or a job's feats.N.scp: the next
+    checkpoint manager / stage 1 run removes the temporaries; a live writer's stays."""
+    data = make_data_dir(tmp_path, durations=(1.0, 1.2))
+    feat_dir, check = tmp_path / "fbank", tmp_path / "check"
+    extract.extract(data, feat_dir, progress=False)
+    killed = [_writer(path) for path in (check / "ckpt-e001-s00000010.pt",
+                                         check / "checkpoints.json",
+                                         feat_dir / "arks/feats.1.scp")]
+    live = _writer(check / "ckpt-e001-s00000020.pt")
+    try:
+        for process in killed:
+            process.kill()
+            process.wait()
+        left = sorted(p.name for p in [*check.iterdir(), *(feat_dir / "arks").iterdir()]
+                      if ".tmp." in p.name)
+        assert left == sorted([f".checkpoints.json.tmp.{killed[1].pid}",
+                               f".ckpt-e001-s00000010.pt.tmp.{killed[0].pid}",
+                               f".ckpt-e001-s00000020.pt.tmp.{live.pid}",
+                               f".feats.1.scp.tmp.{killed[2].pid}"])
+        CheckpointManager(check)
+        assert sorted(p.name for p in check.iterdir()) == \
+            [f".ckpt-e001-s00000020.pt.tmp.{live.pid}"]
+        (feat_dir / "arks/done.1").unlink()  # the job killed while writing feats.1.scp
+        extract.extract(data, feat_dir, progress=False)
+        assert not list((feat_dir / "arks").glob(".*.tmp.*"))
+        assert f"removed {check}/.ckpt-e001-s00000010.pt.tmp.{killed[0].pid}, left by a " \
+               f"writer (process {killed[0].pid}) that was killed" in caplog.text
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_commands_in_wav_scp_and_trset_run_in_a_shell(tmp_path):
+    """Documented, not refused: a `wav.scp` command and a `trset` `pipe:` entry are shell
+    command lines (`;` and the rest work), so they must come from a trusted source."""
+    good = make_audio_file(tmp_path / "good.wav", 0.5)
+    waveform, rate, _ = read_audio_with_channels(f"cat {good}; touch {tmp_path}/wav-scp |")
+    assert rate == 16000 and len(waveform) == 8000 and (tmp_path / "wav-scp").exists()
+    experiment = write_tiny_experiment(tmp_path / "recipe", num_train=5)
+    shard = experiment.train_shards[0]
+    names = [name for name, _ in read_shard(f"pipe:cat {shard}; touch {tmp_path}/trset")]
+    assert len(names) == 10 and (tmp_path / "trset").exists()
 
 
 def test_wav_scp_not_utf8(tmp_path):
@@ -228,6 +314,20 @@ def test_scp_points_at_a_missing_ark(corpus, tmp_path):
         prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
 
 
+def test_scp_offset_past_the_end_of_its_ark(corpus, tmp_path):
+    lines = corpus.feats_scp.read_text(encoding="utf-8").splitlines()
+    key, location = lines[1].split(" ", 1)
+    ark = location.rsplit(":", 1)[0]
+    lines[1] = f"{key} {ark}:{os.path.getsize(ark) + 100}"
+    scp = tmp_path / "feats.scp"
+    scp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(TableError, match=rf"feats\.scp:2: utterance '{key}': offset \d+ is "
+                                         r"past the end of ark .*feats\.\d\.ark \(\d+ bytes; "
+                                         r"truncated, or rewritten after the scp\?\)"):
+        prep_wds.pack_data(scp, corpus.text, tmp_path / "wds")
+    assert not (tmp_path / "wds").exists()
+
+
 def _dropped(path: Path) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in path.read_text(encoding="utf-8").splitlines())
 
@@ -241,6 +341,14 @@ def test_ids_of_scp_and_text_differ(corpus, tmp_path):
     assert summary.dropped == {"no_label": 1, "no_features": 1}
     dropped = _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME)
     assert dropped == {corpus.keys[0]: "no_label", "orphan": "no_features"}
+
+
+def test_text_starting_with_a_byte_order_mark(corpus, tmp_path, caplog):
+    corpus.text.write_bytes(b"\xef\xbb\xbf" + corpus.text.read_bytes())
+    summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds")
+    assert summary.dropped == {}
+    assert f"{corpus.text}: starts with a UTF-8 byte-order mark (BOM); it is ignored" \
+        in caplog.text
 
 
 def test_empty_transcript(corpus, tmp_path):
@@ -495,6 +603,28 @@ def test_shard_bytes_changed(experiment):
         train(NAME, "cat.ctc.train")
 
 
+def _peak_rss_kib(reset: bool = False) -> int:
+    """This process's peak resident memory (VmHWM), after resetting it when asked."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0])
+
+
+def test_tar_header_claiming_a_huge_member(experiment, caplog):
+    name = claim_member_size(experiment.train_shards[3], 1 << 40, member=4)
+    experiment.use_shards(bad_shard_limit=0.5)
+    before = _peak_rss_kib(reset=True)
+    train(NAME, "cat.ctc.train")
+    assert _peak_rss_kib() - before < 1 << 20  # KiB: less than 1 GiB more
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["corrupt_shards"] == ["data/wds/train/data-00003.tar"]
+    assert "skipping the rest of shard data/wds/train/data-00003.tar: CorruptShardError: " \
+           f"data/wds/train/" \
+           f"data-00003.tar: member {name!r}: its tar header claims 1099511627776 bytes, " \
+           "more than the whole shard (its index)" in caplog.text
+
+
 def test_undecodable_member_with_strict_shards(experiment, tmp_path):
     features = np.zeros((60, 8), np.float32)
     shard = write_raw_shard(tmp_path / "bad/data-0.tar",
@@ -552,6 +682,65 @@ def test_undecodable_audio_member_in_training(audio_experiment):
     assert "uio/shards_000000000.tar:" in drops
 
 
+def _wav(duration: float, rate: int, channels: int = 1, seed: int = 0) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, synth_waveform(duration, rate, seed, channels), rate,
+                    format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def test_audio_converted_and_unknown_characters_in_training(audio_experiment):
+    """Streaming audio of 8 and 44.1 kHz (resampled), stereo (channel 0), a transcript
+    with a character the tokenizer does not know: trained, and counted per epoch."""
+    experiment = audio_experiment
+    utterances = _uio_utterances(experiment, 6)
+    utterances[0] = dataclasses.replace(utterances[0], audio=_wav(0.8, 8000))
+    utterances[1] = dataclasses.replace(utterances[1], audio=_wav(0.8, 44100))
+    utterances[2] = dataclasses.replace(utterances[2], audio=_wav(0.8, 16000, channels=2))
+    utterances[3] = dataclasses.replace(utterances[3], text=utterances[3].text + "龘")
+    for number in range(2):
+        write_uio_shard(experiment.root / f"uio/shards_{number:09d}.tar",
+                        utterances[3 * number:3 * number + 3])
+    _audio_shards(experiment, "uio/shards_*.tar", utts_per_shard_estimate=3)
+    train(NAME, "cat.ctc.train")
+    noted = {"resampled from 8000 Hz to 16000 Hz": 1, "resampled from 44100 Hz to 16000 Hz": 1,
+             "2 channels, channel 0 used": 1, "transcript with <unk> tokens": 1}
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == 6 and summary["noted"] == noted
+    coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text())
+    assert coverage["noted"] == noted
+
+
+def _uio_shards_sharing_a_key(experiment) -> str:
+    """Two shards of 3 utterances, the second holding the first's second utterance too."""
+    utterances = _uio_utterances(experiment, 5)
+    write_uio_shard(experiment.root / "uio/shards_000000000.tar", utterances[:3])
+    write_uio_shard(experiment.root / "uio/shards_000000001.tar",
+                    [utterances[3], utterances[1], utterances[4]])
+    return utterances[1].key
+
+
+def test_same_key_in_two_shards_of_other_tools_indexed(audio_experiment):
+    key = _uio_shards_sharing_a_key(audio_experiment)
+    with pytest.raises(ValueError, match=rf"uio: key '{key}' is in shards "
+                                         r"shards_000000000\.tar and shards_000000001\.tar: an "
+                                         r"utterance must be in one shard \(it would be "
+                                         r"trained twice per epoch\)"):
+        shard_index.index_folder(audio_experiment.root / "uio")
+    assert not (audio_experiment.root / "uio/index.jsonl").exists()
+
+
+def test_same_key_in_two_shards_of_other_tools_streamed(audio_experiment):
+    experiment = audio_experiment
+    key = _uio_shards_sharing_a_key(experiment)
+    _audio_shards(experiment, "uio/shards_*.tar", utts_per_shard_estimate=3)
+    train(NAME, "cat.ctc.train")
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == 5 and summary["dropped"] == {"duplicate_key": 1}
+    drops = (experiment.exp_dir / "log/drops/epoch-001.rank-0.txt").read_text()
+    assert f"{key} duplicate_key also in shard uio/shards_000000000.tar" in drops
+
+
 def test_malformed_raw_data_list(audio_experiment):
     experiment = audio_experiment
     listing = experiment.root / "data.list"
@@ -593,6 +782,37 @@ def test_shard_server_dropping_connections(experiment):
                                                        r"unavailable after 4 attempts: cannot "
                                                        r"fetch it: RemoteDisconnected"):
             train(NAME, "cat.ctc.train")
+
+
+@pytest.mark.slow
+def test_presigned_url_signatures_in_logs_and_errors(experiment):
+    """Presigned shard URLs: the query strings (signature, credential) are redacted in the
+    log, the error and the epoch records, while the reads use them."""
+    secret = "X-Amz-Credential=AKIDEXAMPLE&X-Amz-Signature=5ec7e75ec7e7"
+    runs = []
+    for limit in (0.5, 0.1):  # the shard counted; then an error
+        drops = {"data-00003.tar": ["drop"] * 4}
+        with serve_directory(experiment.root / "data/wds/train", drops) as url:
+            experiment.use_shards(trset=f"{url}/data-0000{{0..7}}.tar?{secret}",
+                                  read_ahead_mb=0, bad_shard_limit=limit)
+            shutil.rmtree(experiment.exp_dir / "check", ignore_errors=True)
+            runs.append(subprocess.run([sys.executable, "-m", "cat.ctc.train", NAME],
+                                       cwd=experiment.root, capture_output=True, text=True,
+                                       timeout=240,
+                                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}))
+        if limit == 0.5:
+            assert runs[0].returncode == 0, runs[0].stderr[-3000:]
+            assert f"skipping the rest of shard {url}/data-00003.tar?<redacted>: " \
+                   "unavailable" in runs[0].stderr, runs[0].stderr[-3000:]
+            summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+            assert summary["unavailable_shards"] == [f"{url}/data-00003.tar?<redacted>"]
+    failed = runs[1]
+    assert failed.returncode != 0 and "DataUnavailableError" in failed.stderr
+    assert f"last failures: {url}/data-00003.tar?<redacted> (unavailable" in failed.stderr
+    logs = [run.stderr for run in runs] + [
+        p.read_bytes().decode("utf-8", "replace")
+        for p in (experiment.exp_dir / "log").rglob("*") if p.is_file()]
+    assert not [log for log in logs if "5ec7e75ec7e7" in log or "AKIDEXAMPLE" in log]
 
 
 def test_epoch_that_trains_nothing(experiment):
@@ -716,12 +936,27 @@ def test_decode_scp_id_with_whitespace(trained_copy):
 # --------------------------------------------------------------------------- the catalogue
 
 
+def _test_functions(root: Path) -> set[str]:
+    """Names of the test functions of every test module under `root`."""
+    import ast
+
+    return {node.name for path in root.rglob("test_*.py")
+            for node in ast.parse(path.read_text(encoding="utf-8")).body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+
 def test_every_row_of_the_catalogue_has_its_test():
-    catalogue = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
+    """Each row names its tests (here, or in the module of the package they test), and
+    every test of this module has its row."""
+    root = Path(__file__).resolve().parents[2]
+    catalogue = root / "docs" / "bad-inputs.md"
     rows = [line for line in catalogue.read_text(encoding="utf-8").splitlines()
             if line.startswith("| ") and not line.startswith("| input")]
-    named = [row.rstrip(" |").rsplit("| ", 1)[1].strip("`") for row in rows]
-    tests = sorted(name for name in globals() if name.startswith("test_")
-                   and name != "test_every_row_of_the_catalogue_has_its_test")
+    named = [re.findall(r"`(test_\w+)`", row.rstrip(" |").rsplit("| ", 1)[1]) for row in rows]
     assert len(rows) >= 20
-    assert sorted(named) == tests
+    assert all(named), [row for row, names in zip(rows, named, strict=True) if not names]
+    everywhere = _test_functions(root / "tests")
+    assert sorted({n for names in named for n in names} - everywhere) == []
+    here = {name for name in globals() if name.startswith("test_")
+            and name != "test_every_row_of_the_catalogue_has_its_test"}
+    assert sorted(here - {n for names in named for n in names}) == []

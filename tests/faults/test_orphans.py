@@ -66,6 +66,29 @@ def test_process_pool_workers_end_with_their_parent(tmp_path):
         _assert_all_end_with_parent(tree)
 
 
+# A parent whose main module takes a minute to import in its workers (as one importing
+# torch takes seconds): they run it before their initializer.
+_SLOW_MAIN = """
+import time
+if __name__ == "__mp_main__":
+    time.sleep(60)
+from cat.core.process import process_pool
+if __name__ == "__main__":
+    pool = process_pool(2)
+    futures = [pool.submit(time.sleep, 600) for _ in range(2)]
+    time.sleep(600)
+"""
+
+
+def test_process_pool_workers_end_with_a_parent_killed_while_they_start(tmp_path):
+    (tmp_path / "slow_main.py").write_text(_SLOW_MAIN, encoding="utf-8")
+    with ProcessTree.start(_python("slow_main.py"), cwd=tmp_path, env=ENVIRONMENT) as tree:
+        tree.wait_for(lambda: len(_spawned_workers(tree)) >= 2, START_SECONDS, "2 workers")
+        survivors = tree.kill_parent_and_wait(GONE_WITHIN_SECONDS)
+    assert not survivors, (f"alive {GONE_WITHIN_SECONDS} s after kill -9 of their parent "
+                           f"while they started: {sorted(survivors.values())}")
+
+
 def test_portable_parent_check_without_prctl(tmp_path):
     child = ("import time\nfrom cat.core.process import die_with_parent\n"
              "die_with_parent({parent}, poll_seconds=0.2, use_prctl=False)\n"

@@ -79,8 +79,9 @@ def test_counts_parse_only_the_prefix_of_each_line_but_old_indexes_still_load(sh
         for r in index.shards}
     lines = (shard_dir / "index.jsonl").read_bytes().splitlines(keepends=True)
     for position, record in enumerate(index.shards, 1):  # where each shard's line is
-        offset, length = counts.shards[record["shard"]][4:]
+        offset, length, size = counts.shards[record["shard"]][4:]
         assert (offset, length) == (sum(map(len, lines[:position])), len(lines[position]))
+        assert size == record["num_bytes"] == (shard_dir / record["shard"]).stat().st_size
     # An index without `longest` and with other field order (an older writer).
     lines = (shard_dir / "index.jsonl").read_text(encoding="utf-8").splitlines()
     old = [lines[0]]

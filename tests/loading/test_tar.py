@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 
+import cat
 from cat.loading.readahead import iter_shard_items
 from cat.loading.tar import CorruptShardError, iter_tar_members
+from cat.testing.shards import claim_member_size
 from cat.testing.training import write_tiny_experiment
+
+REPO_ROOT = Path(cat.__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +89,40 @@ def test_shard_items_pass_the_filter_of_each_shard(shard):
     assert all(read[shard_index, name] == (shard_index == 0 or name.endswith(".txt"))
                for shard_index, name in read)
     assert [i[:2] for i in items if i[0] == "end"] == [("end", 0), ("end", 1)]
+
+
+_READ_UNDER_A_MEMORY_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from cat.loading.tar import BufferPool, CorruptShardError, iter_tar_members
+path, limit = sys.argv[1], int(sys.argv[2])
+with open(path, "rb") as f:
+    try:
+        for _ in iter_tar_members(f, path, BufferPool(), limit=limit) if limit else \\
+                iter_tar_members(f, path, BufferPool()):
+            pass
+    except CorruptShardError as error:
+        print(f"corrupt: {error}")
+# The peak of this program's memory (ru_maxrss would include the forking parent's).
+with open("/proc/self/status") as status:
+    print(next(line for line in status if line.startswith("VmHWM:")))
+"""
+
+
+@pytest.mark.parametrize(("claim", "limit"), [(1 << 40, 0), (700 << 20, -1)])
+def test_a_header_claiming_a_huge_member_is_corrupt_and_allocates_nothing(shard, tmp_path,
+                                                                           claim, limit):
+    """1 TiB in a shard without an index (the sanity bound), 700 MiB in an indexed one
+    (bounded by its size): the shard is corrupt, named, and nothing is allocated for the
+    claim (the reader runs under a 1 GiB address-space limit)."""
+    damaged = tmp_path / "data-00000.tar"
+    damaged.write_bytes(shard.read_bytes())
+    name = claim_member_size(damaged, claim, member=2)
+    limit = damaged.stat().st_size if limit < 0 else limit
+    run = subprocess.run([sys.executable, "-c", _READ_UNDER_A_MEMORY_LIMIT, str(damaged),
+                          str(limit)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"corrupt: {damaged}: member {name!r}: its tar header claims {claim} bytes" \
+        in run.stdout, run.stdout
+    assert int(run.stdout.split("VmHWM:")[1].split()[0]) < 200 << 10  # KiB: under 200 MiB
