@@ -22,8 +22,8 @@ FLOORS = {
     "loading": 6, "models": 6,
     "training": 7,
     "decoding": 8,
-    "ctc": 9, "rnnt": 9, "crf": 9,
-    "shared": 10,
+    "ctc": 9, "rnnt": 9,
+    "shared": 10, "crf": 10,
     "utils": 11,
     "testing": 12,
 }
