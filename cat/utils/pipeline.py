@@ -80,6 +80,10 @@ def prepare_tokenizer(plan: Plan) -> Path:
     logger.info("training a %s tokenizer on %s", kind, ", ".join(map(str, texts)))
     if kind == "sentencepiece":
         tokenizer = tokenizers.train_sentencepiece(texts, **option)
+    elif kind == "lexicon":
+        from cat.text.lexicon import lexicon_tokenizer
+
+        tokenizer = lexicon_tokenizer(option["lexicon"], texts)
     else:
         tokenizer = tokenizers.train_jieba(texts, **option)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +121,26 @@ def prepare(exp_dir: PathLike) -> None:
                      plan.data.get("filter"))
     if not options.dev_large_dataset:
         prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
+    prepare_den_graph(plan, tokenizer)
+
+
+def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
+    """CTC-CRF (`config.json: trainer.use_crf`): the denominator graph `trainer.den_lm`
+    from the training transcripts (skipped when up to date)."""
+    from cat.core.config import load_config
+    from cat.crf.den_graph import build_for_tokenizer
+
+    trainer = load_config(plan.exp_dir / CONFIG_NAME).get("trainer", {})
+    if not trainer.get("use_crf"):
+        return
+    out = Path(trainer["den_lm"])
+    texts = feature_files(plan.section("train"), ["text"])
+    sig = signature("den_lm", 4, files=[*texts, Path(tokenizer)])
+    if is_done(out, sig):
+        logger.info("%s is up to date", out)
+        return
+    build_for_tokenizer(tokenizer, texts, out, order=4)
+    mark_done(out, sig)
 
 
 # ----------------------------------------------------------------------------- stage 3
