@@ -134,7 +134,7 @@ class LexiconTokenizer(Tokenizer):
             logging.getLogger("jieba").setLevel(logging.WARNING)
             segmenter = jieba.Tokenizer()
             segmenter.initialize()
-            words = "".join(f"{w} 10\n" for w in self.lexicon if " " not in w)
+            words = "".join(f"{w}\n" for w in self.lexicon if " " not in w)
             segmenter.load_userdict(io.BytesIO(words.encode("utf-8")))
             self._segmenter = segmenter
         return self._segmenter

@@ -135,11 +135,12 @@ def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
         return
     out = Path(trainer["den_lm"])
     texts = feature_files(plan.section("train"), ["text"])
-    sig = signature("den_lm", 4, files=[*texts, Path(tokenizer)])
+    order = int(trainer.get("den_lm_order", 4))
+    sig = signature("den_lm", order, files=[*texts, Path(tokenizer)])
     if is_done(out, sig):
         logger.info("%s is up to date", out)
         return
-    build_for_tokenizer(tokenizer, texts, out, order=4)
+    build_for_tokenizer(tokenizer, texts, out, order=order)
     mark_done(out, sig)
 
 
