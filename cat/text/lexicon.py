@@ -213,3 +213,57 @@ def lexicon_tokenizer(lexicon_path: PathLike,
                        lexicon_path)
     tokenizer.missing.clear()
     return tokenizer
+
+
+def pinyin_lexicon(text_files: Sequence[PathLike]) -> tuple[list[tuple[str, list[str]]], int]:
+    """A lexicon of the jieba words (default dictionary, HMM off) of Kaldi `text` files,
+    pronounced by pypinyin (phrase readings, tone numbers, neutral tone 5) in AISHELL's
+    phones; words with a character pypinyin cannot read (Latin letters, digits, symbols)
+    are left out and counted (their characters then become `<unk>`). This is how the
+    WenetSpeech recipe, whose release has no lexicon, gets one covering its transcripts."""
+    import jieba
+    from pypinyin import Style, lazy_pinyin
+
+    from cat.text.tokenizer import iter_transcripts
+
+    logging.getLogger("jieba").setLevel(logging.WARNING)
+    segmenter = jieba.Tokenizer()
+    words: set[str] = set()
+    for transcript in iter_transcripts(text_files):
+        words.update(w for w in segmenter.cut(re.sub(r"\s+", "", transcript), HMM=False))
+    entries, unreadable = [], 0
+    for word in sorted(words):
+        readings = lazy_pinyin(word, style=Style.TONE3, neutral_tone_with_five=True,
+                               errors=lambda chars: [None] * len(chars))
+        if len(readings) != len(word) or any(not r or not r[-1].isdigit()
+                                             for r in readings):
+            unreadable += 1
+            continue
+        entries.append((word, [p for r in readings for p in pinyin_phones(r)]))
+    return entries, unreadable
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m cat.text.lexicon pinyin --text data/train_l/text --out data/local/lexicon.txt`:
+    write `pinyin_lexicon` of the transcripts (atomically)."""
+    import argparse
+
+    from cat.core.io import atomic_write, setup_logging
+
+    parser = argparse.ArgumentParser(description="pronunciation lexicons")
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("pinyin", help="lexicon of the transcripts' words, from pypinyin")
+    build.add_argument("--text", nargs="+", required=True, help="Kaldi text files")
+    build.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    setup_logging()
+    entries, unreadable = pinyin_lexicon(args.text)
+    with atomic_write(args.out) as f:
+        f.write(format_lexicon(entries))
+    logger.info("%s: %d words; %d words with characters pypinyin cannot read left out",
+                args.out, len(entries), unreadable)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -129,11 +129,17 @@ class LMRun:
                 mark_done(out / "hyp", sig)
         return outs
 
-    def score(self, data_dir: str, hyps: dict[str, str]) -> Any:
+    def score(self, data_dir: str, hyps: dict[str, str], words: bool = False) -> Any:
+        """Error rate of `hyps`; those of a phone model's searches (not `words`, as WFST
+        decoding gives) against the references in phones."""
         from cat.core.io import read_table
+        from cat.utils.plan import phone_references
         from cat.utils.wer import score
 
         refs = read_table(Path(data_dir) / "text", allow_empty_value=True)
+        phones = None if words else phone_references(self.plan, refs)
+        if phones is not None:
+            return score(phones, hyps, "word")
         return score(refs, hyps, self.unit)
 
 
@@ -347,7 +353,7 @@ def _tune_wfst(run: LMRun, name: str, wfst: dict[str, Any], dev: str) -> dict[st
     best = None
     for weight in _grid(wfst.get("lm_weight"), 1.0):
         hyps, _, _ = _wfst_hyps(run, name, wfst, weight, dev)
-        error = run.score(dev, hyps).error_rate
+        error = run.score(dev, hyps, words=True).error_rate
         report["wfst_grid"].append({"lm_weight": weight, "error_rate": error})
         if best is None or error < best[1]:
             best = (weight, error)
@@ -372,7 +378,7 @@ def _decode_wfst(run: LMRun, name: str, wfst: dict[str, Any], weights: dict[str,
         if (run.plan.exp_dir / "decode" / set_name(test) / "decode.log").is_file() else 0.0
     rtf = seconds / audio if audio else 0.0
     write_hyp(target / "hyp", hyps)
-    result = run.score(test, hyps)
+    result = run.score(test, hyps, words=True)
     with atomic_write(target / "score.txt") as f:
         f.write(format_summary(result) + "\n")
     return result, rtf
@@ -384,6 +390,8 @@ def _lm_table(run: LMRun, dev: str, tests: list[str],
     lines = [f"# Results of {run.plan.exp_dir} with language models", "",
              f"Model: `{run.checkpoint}`; beam {run.options.beam_size}; weights chosen on "
              f"`{dev}` (`{LM_DIR_NAME}/<setting>/weights.json`).", "",
+             *(["A phone model: rows without TLG are its phone error rate (%PER).", ""]
+               if run.plan.hyper.get("tokenizer", {}).get("type") == "lexicon" else []),
              "| setting | weights | " + " | ".join(f"{set_name(t)} %{metric} | RTF"
                                                   for t in tests) + " |",
              "|---|---|" + "---:|---:|" * len(tests)]

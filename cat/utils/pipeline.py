@@ -57,7 +57,7 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.stages import is_done, mark_done, signature
 from cat.utils.lm_stage import decode_lm
-from cat.utils.plan import Plan, feature_files, select_checkpoint, set_name
+from cat.utils.plan import Plan, feature_files, phone_references, select_checkpoint, set_name
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,10 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
         refs = read_table(Path(test) / "text", allow_empty_value=True)
         hyps = read_table(out / "hyp", allow_empty_value=True)
         alignments: dict[str, Any] = {}
-        result = score(refs, hyps, unit, alignments)
+        phones = phone_references(plan, refs)
+        if phones is not None:  # a phone model: phone error rate
+            refs, unit = phones, "phone"
+        result = score(refs, hyps, "word" if unit == "phone" else unit, alignments)
         summary = format_summary(result)
         with atomic_write(out / "score.txt") as f:
             f.write(summary + "\n")
@@ -219,7 +222,7 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
 
 def _results_table(plan: Plan, checkpoint: Path, options: Any, unit: str,
                    rows: list[tuple[str, Any, float]]) -> str:
-    metric = "CER" if unit == "char" else "WER"
+    metric = {"char": "CER", "phone": "PER"}.get(unit, "WER")
     lines = [
         f"# Results of {plan.exp_dir}",
         "",

@@ -63,3 +63,17 @@ def test_pinyin_phones_follow_aishell():
     assert pinyin_phones("yu2") == ["vv", "v2"]
     assert pinyin_phones("wo3") == ["uu", "uo3"]
     assert pinyin_phones("de") == ["d", "e5"]
+
+
+def test_pinyin_lexicon_covers_the_transcripts_and_counts_unreadable_words(tmp_path):
+    from cat.core.io import write_table
+    from cat.text.lexicon import main
+
+    write_table(tmp_path / "text", [("u1", "今天 天气 很好"), ("u2", "银行 OK 了")])
+    main(["pinyin", "--text", str(tmp_path / "text"), "--out", str(tmp_path / "lexicon.txt")])
+    lexicon = read_lexicon(tmp_path / "lexicon.txt")
+    assert lexicon["了"] == ["l", "e5"]
+    assert lexicon["银行"] == ["ii", "in2", "h", "ang2"]  # pypinyin's phrase reading
+    assert "OK" not in lexicon
+    tokenizer = LexiconTokenizer.from_lexicon(lexicon)
+    assert 1 not in tokenizer.encode("今天天气很好")
