@@ -2,7 +2,9 @@
 
 Times forward + backward of a batch (best of --repeats) and the peak memory the call adds:
 on CUDA torch's peak allocation, on CPU the peak resident set of a fresh process per case
-above the same process before the call. The denominator graph is a token 4-gram estimated
+above the same process before the call. `crf` runs the shared denominator in the
+probability semiring with per-frame scales (the default), `log s` the same loss with it in
+the log semiring. The denominator graph is a token 4-gram estimated
 on sentences drawn from a random sparse Markov chain over the tokens, so its size grows
 with the vocabulary as a phone LM's does.
 
@@ -27,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import best_time
 
+from cat.crf import loss as crf_loss
 from cat.crf.loss import CtcCrfLoss
 from cat.graph.denominator import build_den_graph
 
@@ -68,7 +71,8 @@ def case(kind: str, batch: int, frames: int, classes: int, labels_len: int, orde
         torch.nn.functional.ctc_loss(xg.transpose(0, 1), labels, lengths, label_lens,
                                      reduction="sum").backward()
 
-    run = run_crf if kind == "crf" else run_ctc
+    run = run_ctc if kind == "ctc" else run_crf
+    crf_loss.SCALED_DENOMINATOR = kind != "crf-log"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -100,19 +104,20 @@ def main() -> None:
         [(8, 150, 40, 25, 4), (8, 150, 72, 25, 4), (8, 250, 160, 40, 4)]
     repeats = 1 if args.quick else args.repeats
     print(f"{'B':>3} {'T':>4} {'V':>4} {'U':>3} {'den states':>10} {'den arcs':>9} "
-          f"{'crf s':>7} {'ctc s':>7} {'ratio':>6} {'crf MB':>7} {'ctc MB':>7}")
+          f"{'crf s':>7} {'log s':>7} {'ctc s':>7} {'ratio':>6} {'crf MB':>7} {'ctc MB':>7}")
     for batch, frames, classes, labels_len, order in shapes:
         results = {}
-        for kind in ("crf", "ctc"):
+        for kind in ("crf", "crf-log", "ctc"):
             spec = {"kind": kind, "batch": batch, "frames": frames, "classes": classes,
                     "labels_len": labels_len, "order": order}
             out = subprocess.run([sys.executable, __file__, "--device", args.device,
                                   "--repeats", str(repeats), "--case", json.dumps(spec)],
                                  check=True, capture_output=True, text=True).stdout
             results[kind] = json.loads(out.strip().splitlines()[-1])
-        crf, ctc = results["crf"], results["ctc"]
+        crf, log, ctc = results["crf"], results["crf-log"], results["ctc"]
         print(f"{batch:>3} {frames:>4} {classes:>4} {labels_len:>3} {crf['den_states']:>10} "
-              f"{crf['den_arcs']:>9} {crf['seconds']:>7.3f} {ctc['seconds']:>7.4f} "
+              f"{crf['den_arcs']:>9} {crf['seconds']:>7.3f} {log['seconds']:>7.3f} "
+              f"{ctc['seconds']:>7.4f} "
               f"{crf['seconds'] / ctc['seconds']:>6.0f} {crf['peak_mb']:>7.1f} "
               f"{ctc['peak_mb']:>7.1f}")
 

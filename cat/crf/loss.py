@@ -28,6 +28,9 @@ import torch
 from cat.graph.denominator import DenGraph, Fsa
 
 NEG_INF = float("-inf")
+# The shared (denominator) graph in the probability semiring with per-frame scales; False
+# runs it in the log semiring like the CTC graphs (bench/crf_loss.py compares the two).
+SCALED_DENOMINATOR = True
 
 
 def _scatter_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
@@ -129,13 +132,75 @@ def _occupancies(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs, alphas: tor
     return grad
 
 
+def _forward_scaled(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_forward` in the probability semiring with a scale per frame (the graph's forward
+    variables divided by their maximum, the log of the scales kept apart): for a graph
+    shared by the batch, where it saves the per-arc exp / log of the log semiring.
+    Returns (scaled alphas [T+1, B, S], log scales [T+1, B], log Z [B])."""
+    batch, frames, _ = x.shape
+    src, dst, label, _ = arcs.expanded(batch)
+    arc_weight = torch.exp(arcs.weight)
+    alphas = x.new_zeros((frames + 1, batch, arcs.num_states))
+    alphas[0].scatter_(1, arcs.start.expand(batch)[:, None], 1.0)
+    scales = x.new_zeros((frames + 1, batch))
+    for t in range(frames):
+        peak_x = x[:, t].max(dim=1).values
+        emit = torch.exp(x[:, t] - peak_x[:, None])
+        mass = alphas[t].gather(1, src) * arc_weight * emit.gather(1, label)
+        new = torch.zeros_like(alphas[t]).scatter_add_(1, dst, mass)
+        norm = new.max(dim=1).values
+        norm = torch.where(norm > 0, norm, torch.ones_like(norm))
+        live = t < lengths
+        alphas[t + 1] = torch.where(live[:, None], new / norm[:, None], alphas[t])
+        scales[t + 1] = torch.where(live, scales[t] + peak_x + torch.log(norm), scales[t])
+    with torch.no_grad():
+        total = (alphas[frames] * torch.exp(arcs.final)).sum(dim=1)
+    log_z = torch.log(total) + scales[frames]
+    return alphas, scales, log_z
+
+
+def _occupancies_scaled(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs,
+                        alphas: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+    """`_occupancies` from `_forward_scaled`'s alphas: per frame, each arc's share of
+    alpha x arc x beta, normalised over the frame's arcs (their posteriors sum to 1)."""
+    batch, frames, _ = x.shape
+    src, dst, label, _ = arcs.expanded(batch)
+    arc_weight = torch.exp(arcs.weight)
+    grad = torch.zeros_like(x)
+    final = arcs.final.expand(batch, -1)
+    beta = torch.exp(final - final.max(dim=1, keepdim=True).values)
+    ok = torch.isfinite(log_z)
+    for t in range(frames - 1, -1, -1):
+        live = t < lengths
+        emit = torch.exp(x[:, t] - x[:, t].max(dim=1, keepdim=True).values)
+        ahead = arc_weight * emit.gather(1, label) * beta.gather(1, dst)
+        share = alphas[t].gather(1, src) * ahead
+        total = share.sum(dim=1, keepdim=True)
+        use = (live & ok)[:, None] & (total > 0)
+        post = torch.where(use, share / torch.where(total > 0, total, torch.ones_like(total)),
+                           torch.zeros_like(share))
+        grad[:, t].scatter_add_(1, label, post)
+        new = torch.zeros_like(beta).scatter_add_(1, src, ahead)
+        norm = new.max(dim=1, keepdim=True).values
+        new = new / torch.where(norm > 0, norm, torch.ones_like(norm))
+        beta = torch.where(live[:, None], new, beta)
+    return grad
+
+
 class GraphLogSum(torch.autograd.Function):
     """log Z [B] of acceptors over the frames of x (see `_forward`), with an explicit
     backward from forward-backward occupancies."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs) -> torch.Tensor:
-        alphas, log_z = _forward(x.detach(), lengths, arcs)
+        # A graph shared by the batch (the denominator) is large: probability semiring
+        # with per-frame scales; per-utterance CTC graphs stay in the log semiring.
+        ctx.scaled = SCALED_DENOMINATOR and arcs.src.size(0) == 1
+        if ctx.scaled:
+            alphas, _, log_z = _forward_scaled(x.detach(), lengths, arcs)
+        else:
+            alphas, log_z = _forward(x.detach(), lengths, arcs)
         ctx.save_for_backward(x, lengths, alphas, log_z)
         ctx.arcs = arcs
         return log_z
@@ -143,7 +208,8 @@ class GraphLogSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, lengths, alphas, log_z = ctx.saved_tensors
-        occupancy = _occupancies(x.detach(), lengths, ctx.arcs, alphas, log_z)
+        occupancies = _occupancies_scaled if ctx.scaled else _occupancies
+        occupancy = occupancies(x.detach(), lengths, ctx.arcs, alphas, log_z)
         return occupancy * grad_out[:, None, None], None, None
 
 

@@ -157,3 +157,23 @@ def test_cuda_equals_cpu():
         results.append((losses.cpu(), grad.cpu()))
     assert torch.allclose(results[0][0], results[1][0], atol=1e-4)
     assert torch.allclose(results[0][1], results[1][1], atol=1e-5)
+
+
+def test_scaled_denominator_in_float32_matches_the_log_semiring_in_float64():
+    # The shared denominator runs in the probability semiring with per-frame scales; over
+    # 120 frames of peaky posteriors it agrees with the log-semiring recursion.
+    from cat.crf.loss import Arcs, _forward, _forward_scaled, _occupancies, _occupancies_scaled
+
+    graph = build_den_graph(CORPUS * 3, 4, order=3)
+    torch.manual_seed(3)
+    x = torch.log_softmax(4 * torch.randn(2, 120, 4, dtype=torch.float64), -1)
+    lengths = torch.tensor([120, 77])
+    exact = Arcs.shared(graph.den, x.device, torch.float64)
+    alphas, log_z = _forward(x, lengths, exact)
+    grad = _occupancies(x, lengths, exact, alphas, log_z)
+    x32 = x.float()
+    arcs32 = Arcs.shared(graph.den, x.device, torch.float32)
+    alphas32, _, log_z32 = _forward_scaled(x32, lengths, arcs32)
+    grad32 = _occupancies_scaled(x32, lengths, arcs32, alphas32, log_z32)
+    assert torch.allclose(log_z32.double(), log_z, rtol=0, atol=1e-3)
+    assert torch.allclose(grad32.double(), grad, rtol=0, atol=1e-4)
