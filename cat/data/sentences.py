@@ -190,8 +190,8 @@ def sample_sentences(
 
 
 def _espeak_lines(texts: Sequence[str], voice: str) -> list[str]:
-    """espeak-ng's phoneme line of each text (one clause each, one call; one call per
-    text when the clause lines do not come out one per text)."""
+    """espeak-ng's phoneme line of each text (one clause each, in as few calls as keep
+    the lines one per text)."""
     def run(chunk: Sequence[str]) -> list[str]:
         proc = subprocess.run(["espeak-ng", "-v", voice, "-q", "-x"],
                               input="。".join(chunk) + "。", capture_output=True, text=True,
@@ -200,10 +200,17 @@ def _espeak_lines(texts: Sequence[str], voice: str) -> list[str]:
             raise SynthesisError(f"espeak-ng -x failed: {proc.stderr.strip()}")
         return [line.strip() for line in proc.stdout.strip().split("\n")]
 
-    lines = run(texts)
-    if len(lines) != len(texts):
-        lines = [" ".join(run([text])) for text in texts]
-    return lines
+    def split(chunk: Sequence[str]) -> list[str]:
+        # espeak-ng joins some clauses (e.g. of Latin pinyin): halve until they line up.
+        lines = run(chunk)
+        if len(lines) == len(chunk):
+            return lines
+        if len(chunk) == 1:
+            return [" ".join(lines)]
+        half = len(chunk) // 2
+        return split(chunk[:half]) + split(chunk[half:])
+
+    return split(list(texts))
 
 
 def _syllables(line: str) -> list[str]:
