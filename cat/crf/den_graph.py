@@ -2,7 +2,8 @@
 
 The training transcripts are encoded with the experiment's tokenizer (phones for a
 lexicon tokenizer); a token n-gram (order 4 by default, as CAT's) is estimated on them
-with the project's Kneser-Ney estimator and composed with the CTC topology
+with the project's Kneser-Ney estimator (histories of 3 tokens or more: the 1,000 most
+frequent, as Kaldi's phone LM keeps them for CAT) and composed with the CTC topology
 (`cat.graph.denominator`). Transcripts holding `<unk>` (a character no lexicon entry
 covers) are left out of the LM and counted. The graph goes to `trainer.den_lm` of
 `config.json`; its size is logged and kept in the file's header.
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_for_tokenizer(tokenizer_file: PathLike, text_files: Sequence[PathLike],
-                        out: PathLike, order: int = 4) -> DenGraph:
+                        out: PathLike, order: int = 4,
+                        extra_states: int | None = 1000) -> DenGraph:
     """Encode `text_files` with the tokenizer, build the graph, write it to `out`."""
     tokenizer = load_tokenizer(tokenizer_file)
     sequences, with_unk, empty = [], 0, 0
@@ -44,7 +46,8 @@ def build_for_tokenizer(tokenizer_file: PathLike, text_files: Sequence[PathLike]
         logger.warning("denominator LM: %d transcripts hold <unk> and %d encode to nothing; "
                        "left out (%d used)", with_unk, empty, len(sequences))
     units = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    graph = build_den_graph(sequences, tokenizer.vocab_size, order=order, units=units)
+    graph = build_den_graph(sequences, tokenizer.vocab_size, order=order, units=units,
+                            extra_states=extra_states)
     graph.info.update({"left_out_unk": with_unk, "left_out_empty": empty})
     save_den_graph(graph, out)
     logger.info("denominator graph %s: %s (%.1f MB)", out, graph.info,
@@ -59,9 +62,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--text", nargs="+", required=True, help="Kaldi text files")
     parser.add_argument("--out", required=True)
     parser.add_argument("--order", type=int, default=4)
+    parser.add_argument("--extra-states", type=int, default=1000,
+                        help="histories of 3+ tokens kept (the most frequent)")
     args = parser.parse_args(argv)
     setup_logging()
-    build_for_tokenizer(args.tokenizer, args.text, args.out, args.order)
+    build_for_tokenizer(args.tokenizer, args.text, args.out, args.order, args.extra_states)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ class DenGraph:
 # ------------------------------------------------------------------ the token LM
 
 
-def _backed_off(model: NGramModel) -> tuple[list[tuple[int, ...]], dict, np.ndarray, np.ndarray]:
+def _backed_off(model: NGramModel, extra_states: int | None = None, no_prune_order: int = 3
+                ) -> tuple[list[tuple[int, ...]], dict, np.ndarray, np.ndarray]:
     """States (contexts, as tuples of LM vocabulary ids), their index, and per state the
     natural-log p(w | h) over the LM vocabulary and the next state of each w."""
     order = model.order
@@ -136,6 +137,15 @@ def _backed_off(model: NGramModel) -> tuple[list[tuple[int, ...]], dict, np.ndar
             children.setdefault(gram[:-1], []).append(gram[-1])
     # Contexts with extensions (closed under suffixes), shortest first, plus <s>.
     contexts = {h for h in children if len(h) < order}
+    if extra_states is not None:
+        # Kaldi's phone-LM rule: every context shorter than no_prune_order - 1 stays, of
+        # the longer ones the extra_states most frequent (adjusted counts).
+        counts = {tuple(row): c for n in range(1, order)
+                  for row, c in zip(model.grams[n - 1].tolist(),
+                                    model.adjusted_counts[n - 1].tolist(), strict=True)}
+        longer = sorted((h for h in contexts if len(h) >= no_prune_order),
+                        key=lambda h: (-counts.get(h, 0), h))
+        contexts -= set(longer[extra_states:])
     contexts.add(())
     contexts.add((bos,))
     states = sorted(contexts, key=lambda h: (len(h), h))
@@ -164,10 +174,14 @@ def _backed_off(model: NGramModel) -> tuple[list[tuple[int, ...]], dict, np.ndar
     return states, index, probs, nexts
 
 
-def token_lm_acceptor(model: NGramModel, num_classes: int) -> Fsa:
+def token_lm_acceptor(model: NGramModel, num_classes: int,
+                      extra_states: int | None = None) -> Fsa:
     """The epsilon-free deterministic acceptor of `model`, whose vocabulary holds token ids
-    as decimal strings (1 .. num_classes - 1; see the module docstring)."""
-    states, index, probs, nexts = _backed_off(model)
+    as decimal strings (1 .. num_classes - 1; see the module docstring). With
+    `extra_states`, contexts of 3 tokens or more are kept only for the `extra_states` most
+    frequent ones (the others predict as their longest kept suffix); the acceptor stays a
+    normalised distribution."""
+    states, index, probs, nexts = _backed_off(model, extra_states)
     eos = model.vocab.index(EOS)
     columns, labels = [], []
     for w, token in enumerate(model.vocab):
@@ -227,8 +241,8 @@ def units_digest(units: Sequence[str]) -> str:
 
 def build_den_graph(label_seqs: Iterable[Sequence[int]], num_classes: int, order: int = 4,
                     units: Sequence[str] | None = None,
-                    discount_fallback: tuple[float, float, float] | None = (0.5, 1.0, 1.5)
-                    ) -> DenGraph:
+                    discount_fallback: tuple[float, float, float] | None = (0.5, 1.0, 1.5),
+                    extra_states: int | None = None) -> DenGraph:
     """Estimate a token `order`-gram on `label_seqs` (token ids, blank never) with the
     project's Kneser-Ney estimator and build the denominator graph."""
     sentences = [[str(t) for t in seq] for seq in label_seqs]
@@ -239,9 +253,9 @@ def build_den_graph(label_seqs: Iterable[Sequence[int]], num_classes: int, order
     if not sentences:
         raise ValueError("no label sequences to estimate the token LM from")
     model = estimate(sentences, order, discount_fallback=discount_fallback)
-    lm = token_lm_acceptor(model, num_classes)
+    lm = token_lm_acceptor(model, num_classes, extra_states)
     den = ctc_compose(lm, num_classes)
-    info = {"order": order, "sentences": len(sentences),
+    info = {"order": order, "extra_states": extra_states, "sentences": len(sentences),
             "ngrams": [len(g) for g in model.grams],
             "lm_states": lm.num_states, "lm_arcs": lm.num_arcs,
             "den_states": den.num_states, "den_arcs": den.num_arcs}

@@ -136,11 +136,12 @@ def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
     out = Path(trainer["den_lm"])
     texts = feature_files(plan.section("train"), ["text"])
     order = int(trainer.get("den_lm_order", 4))
-    sig = signature("den_lm", order, files=[*texts, Path(tokenizer)])
+    extra = int(trainer.get("den_lm_extra_states", 1000))
+    sig = signature("den_lm", order, extra, files=[*texts, Path(tokenizer)])
     if is_done(out, sig):
         logger.info("%s is up to date", out)
         return
-    build_for_tokenizer(tokenizer, texts, out, order=order)
+    build_for_tokenizer(tokenizer, texts, out, order=order, extra_states=extra)
     mark_done(out, sig)
 
 

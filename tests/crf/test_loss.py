@@ -177,3 +177,16 @@ def test_scaled_denominator_in_float32_matches_the_log_semiring_in_float64():
     grad32 = _occupancies_scaled(x32, lengths, arcs32, alphas32, log_z32)
     assert torch.allclose(log_z32.double(), log_z, rtol=0, atol=1e-3)
     assert torch.allclose(grad32.double(), grad, rtol=0, atol=1e-4)
+
+
+def test_pruned_histories_keep_a_normalised_smaller_graph():
+    sentences = CORPUS * 2 + [[1, 3, 2, 1, 1, 3], [2, 2, 3, 1, 2]]
+    full = build_den_graph(sentences, 4, order=4)
+    pruned = build_den_graph(sentences, 4, order=4, extra_states=2)
+    assert pruned.lm.num_states < full.lm.num_states and pruned.info["extra_states"] == 2
+    assert pruned.den.num_arcs < full.den.num_arcs
+    lm = pruned.lm
+    arcs = np.zeros((lm.num_states, lm.num_states))
+    np.add.at(arcs, (lm.src, lm.dst), np.exp(lm.weight))
+    total = np.linalg.solve(np.eye(lm.num_states) - arcs, np.exp(lm.final))[lm.start]
+    assert abs(total - 1.0) < 1e-9
