@@ -11,12 +11,16 @@
 #   2  tokenizer and map-style packs (cat.utils.pipeline prepare); the tar shards the
 #      experiment streams, in the length groups of its hyper-p.json data.shards, of
 #      features or (data.shards.audio) of audio (local/prep_wds.py pack-exp; nothing for a
-#      map-style experiment)
+#      map-style experiment); CTC-CRF (config.json trainer.use_crf): the lexicon (phone)
+#      tokenizer (hyper-p.json tokenizer.type lexicon) and the denominator graph
+#      trainer.den_lm from the training transcripts
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
 #   5  language models named by hyper-p.json inference.lm (e.g. exp/lm-char-5gram):
 #      n-gram training, weights tuned on dev, decoding with shallow fusion / LODR /
-#      N-best rescoring -> exp/<name>/RESULTS-lm.md (nothing to do without inference.lm)
+#      N-best rescoring, or WFST decoding with TLG (settings with "wfst": the TLG of
+#      the lexicon or tokenizer and a word n-gram) -> exp/<name>/RESULTS-lm.md (nothing to
+#      do without inference.lm)
 #
 # Usage (from egs/<corpus>/run.sh):
 #   ../../utils/asr.sh --exp exp/ctc-v1 --train_set train --test_sets "dev test" \

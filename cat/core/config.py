@@ -116,13 +116,27 @@ def check_against_schema(instance: Any, schema: dict[str, Any], source: str) -> 
 
 
 def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
-    """'ctc' when the config has a `ctc` section, 'rnnt' when it has `decoder` and `joiner`."""
+    """'ctc' when the config has a `ctc` section ('crf' with `trainer.use_crf`), 'rnnt' when
+    it has `decoder` and `joiner`."""
     has_ctc = "ctc" in config
     rnnt_keys = [key for key in ("decoder", "joiner") if key in config]
     if has_ctc and rnnt_keys:
         raise ConfigError(f"{source}: (top level): a CTC model ('ctc') cannot also have "
                           f"{' and '.join(map(repr, rnnt_keys))}; keep 'ctc' for CTC, or "
                           f"'decoder' and 'joiner' for RNN-T")
+    crf = config.get("trainer", {}) if isinstance(config.get("trainer"), dict) else {}
+    if crf.get("use_crf") is True:
+        if not has_ctc:
+            raise ConfigError(f"{source}: trainer.use_crf: CTC-CRF needs a 'ctc' section")
+        if "den_lm" not in crf:
+            raise ConfigError(f"{source}: trainer.den_lm: CTC-CRF (trainer.use_crf) needs "
+                              f"its denominator graph")
+        return "crf"
+    unused = [key for key in ("lamb", "den_lm", "den_lm_order", "den_lm_extra_states")
+              if key in crf]
+    if unused:
+        raise ConfigError(f"{source}: trainer.{unused[0]}: only used by CTC-CRF; set "
+                          f"trainer.use_crf to true or remove it")
     if has_ctc:
         return "ctc"
     if len(rnnt_keys) == 2:

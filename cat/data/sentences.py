@@ -184,3 +184,73 @@ def sample_sentences(
         exclude.add(key)
         sentences.append(words)
     return sentences
+
+
+# ---------------------------------------------------------------------- lexicon
+
+
+def _espeak_lines(texts: Sequence[str], voice: str) -> list[str]:
+    """espeak-ng's phoneme line of each text (one clause each, in as few calls as keep
+    the lines one per text)."""
+    def run(chunk: Sequence[str]) -> list[str]:
+        proc = subprocess.run(["espeak-ng", "-v", voice, "-q", "-x"],
+                              input="。".join(chunk) + "。", capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            raise SynthesisError(f"espeak-ng -x failed: {proc.stderr.strip()}")
+        return [line.strip() for line in proc.stdout.strip().split("\n")]
+
+    def split(chunk: Sequence[str]) -> list[str]:
+        # espeak-ng joins some clauses (e.g. of Latin pinyin): halve until they line up.
+        lines = run(chunk)
+        if len(lines) == len(chunk):
+            return lines
+        if len(chunk) == 1:
+            return [" ".join(lines)]
+        half = len(chunk) // 2
+        return split(chunk[:half]) + split(chunk[half:])
+
+    return split(list(texts))
+
+
+def _syllables(line: str) -> list[str]:
+    return [s.strip("_|").replace("'", "").replace(",", "") for s in line.split()]
+
+
+def spoken_lexicon(words: Sequence[str], voice: str = DEFAULT_VOICE
+                   ) -> tuple[list[tuple[str, list[str]]], int]:
+    """AISHELL-style pronunciations (`cat.text.lexicon.pinyin_phones`) of `words` as the
+    synthesis voice says their characters, and the number of characters where that failed.
+
+    For each character, the candidates are pypinyin's readings (heteronyms included); the
+    ones whose espeak-ng rendering (the voice reads tone-numbered pinyin) equals what
+    espeak-ng says for the character match, and pypinyin's reading of the word is kept
+    when it is among them, else the first match: a polyphone reads as the synthetic audio
+    speaks it (espeak-ng says 行 as xing2, in 银行 too). Where no candidate matches,
+    pypinyin's reading of the word is kept (counted).
+    """
+    from pypinyin import Style, lazy_pinyin, pinyin
+
+    from cat.text.lexicon import pinyin_phones
+
+    chars = sorted({c for w in words for c in w})
+    said = dict(zip(chars, (next(iter(_syllables(line)), "")
+                            for line in _espeak_lines(chars, voice)), strict=True))
+    candidates = {c: pinyin(c, style=Style.TONE3, heteronym=True,
+                            neutral_tone_with_five=True)[0] for c in chars}
+    readings = sorted({r for rs in candidates.values() for r in rs})
+    sound = dict(zip(readings, (next(iter(_syllables(line)), "")
+                                for line in _espeak_lines(readings, voice)), strict=True))
+    matched = {c: [r for r in candidates[c] if sound[r] == said[c]] for c in chars}
+    entries = []
+    for word in words:
+        default = lazy_pinyin(word, style=Style.TONE3, neutral_tone_with_five=True)
+        if len(default) != len(word):
+            default = [candidates[c][0] for c in word]
+        phones: list[str] = []
+        for char, reading in zip(word, default, strict=True):
+            options = matched[char]
+            phones.extend(pinyin_phones(reading if not options or reading in options
+                                        else options[0]))
+        entries.append((word, phones))
+    return entries, sum(1 for c in chars if not matched[c])

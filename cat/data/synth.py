@@ -67,6 +67,7 @@ from cat.data.sentences import (
     build_lexicon,
     sample_sentence,
     sample_sentences,
+    spoken_lexicon,
 )
 from cat.data.voices import (
     DEFAULT_VOICE,
@@ -78,6 +79,7 @@ from cat.data.voices import (
     synthesize,
     to_int16,
 )
+from cat.text.lexicon import format_lexicon
 
 logger = logging.getLogger(__name__)
 AISHELL_SPEAKER_BASE = {"train": 2, "dev": 724, "test": 764}  # first speaker number, as released
@@ -197,9 +199,11 @@ def make_aishell(
     root = out / "data_aishell"
     if _start_corpus(out, params):
         logger.info("synthetic AISHELL-1 corpus already complete in %s", root)
+        write_release_lexicon(out, build_lexicon(num_chars, distinct_sounds, voice), voice)
         return root
 
     lexicon = build_lexicon(num_chars, distinct_sounds, voice)
+    write_release_lexicon(out, lexicon, voice)
     if num_utts is None:
         per_char = _pilot_seconds_per_char(lexicon, voice, seed)
         seconds_per_utt = per_char * (min_chars + max_chars) / 2 + 0.5  # + leading/trailing silence
@@ -266,6 +270,22 @@ def make_aishell(
     logger.info("wrote synthetic AISHELL-1 (%s utterances: train/dev/test %s) to %s",
                 num_utts, counts, root)
     return root
+
+
+def write_release_lexicon(out: Path, lexicon: Lexicon, voice: str) -> Path:
+    """`resource_aishell/lexicon.txt` beside `data_aishell`, as the real release ships it:
+    every word the sentences are drawn from, pronounced as the voice says it
+    (`sentences.spoken_lexicon`). Kept when it exists."""
+    path = out / "resource_aishell" / "lexicon.txt"
+    if path.is_file():
+        return path
+    entries, unmatched = spoken_lexicon(lexicon.words, voice)
+    if unmatched:
+        logger.info("lexicon: %d syllables of %d words keep pypinyin's reading (no reading "
+                    "matched espeak-ng's)", unmatched, len(entries))
+    with atomic_write(path) as f:
+        f.write("SIL sil\n<SPOKEN_NOISE> sil\n" + format_lexicon(entries))
+    return path
 
 
 def make_wenetspeech(

@@ -139,6 +139,7 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     hyper = load_hyper(exp_dir / HYPER_NAME)
     config = load_config(exp_dir / CONFIG_NAME)
     kind = model_kind(config)
+    kind = "ctc" if kind == "crf" else kind  # a CTC-CRF model decodes as a CTC model
     if kind != expected_kind:
         raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model; decode it with "
                          f"cat.{kind}.decode")

@@ -45,11 +45,12 @@ from cat.models.specaug import SpecAugment
 # Read-only registries: config names map to classes and modules here and nowhere else.
 ENCODERS: Mapping[str, type[nn.Module]] = MappingProxyType({"ConformerNet": ConformerNet})
 FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc.model",
-                                                "rnnt": "cat.rnnt.model"})
+                                                "rnnt": "cat.rnnt.model",
+                                                "crf": "cat.crf.model"})
 
 
 def family(kind: str) -> ModuleType:
-    """The module of the model family `kind` (`ctc`, `rnnt`)."""
+    """The module of the model family `kind` (`ctc`, `rnnt`, `crf`)."""
     return importlib.import_module(FAMILIES[kind])
 
 

@@ -385,11 +385,14 @@ def load(path: PathLike) -> Tokenizer:
         raise TokenizerFileError(f"{path}: unsupported version {document.get('version')!r} "
                                  f"(this code reads version {FILE_VERSION})")
     type_name = document.get("type")
-    if not isinstance(type_name, str) or type_name not in TOKENIZERS:
+    from cat.text.lexicon import LexiconTokenizer  # it builds on this module
+
+    known = {**TOKENIZERS, LexiconTokenizer.type_name: LexiconTokenizer}
+    if not isinstance(type_name, str) or type_name not in known:
         raise TokenizerFileError(f"{path}: unknown tokenizer type {type_name!r}; "
-                                 f"known: {sorted(TOKENIZERS)}")
+                                 f"known: {sorted(known)}")
     try:
-        return TOKENIZERS[type_name].from_config(document.get("config"))
+        return known[type_name].from_config(document.get("config"))
     except (ValueError, TypeError) as error:
         raise TokenizerFileError(f"{path}: {error}") from None
 

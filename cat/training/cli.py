@@ -38,6 +38,7 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
     """Stage 3 for `exp_dir` (see the module docstring); call once per process."""
     experiment = config_module.load_experiment(exp_dir, expected_bin)
     kind = model_kind(experiment.config)
+    kind = "ctc" if kind == "crf" else kind  # CTC-CRF trains with cat.ctc.train, as in CAT
     if MODEL_KINDS.get(expected_bin, kind) != kind:
         raise config_module.ConfigError(
             f"{Path(exp_dir) / config_module.CONFIG_NAME}: describes a {kind} model, but "

@@ -38,10 +38,13 @@ def build_model(experiment: Experiment, context: DistributedContext
                 ) -> tuple[torch.nn.Module, int]:
     """The model of `config.json` on the rank's device, and its number of classes."""
     options = experiment.options
-    num_classes = load_tokenizer(options.tokenizer).vocab_size
+    tokenizer = load_tokenizer(options.tokenizer)
+    num_classes = tokenizer.vocab_size
     torch.manual_seed(options.seed)
     model = registry.build_model(experiment.config, num_classes,
                                  str(experiment.directory / config_module.CONFIG_NAME))
+    if hasattr(model, "prepare_training"):  # e.g. CTC-CRF reads its denominator graph
+        model.prepare_training([tokenizer.id_to_piece(i) for i in range(num_classes)])
     # Training randomness (dropout, SpecAugment) differs per rank, reproducibly.
     torch.manual_seed(int(np.random.SeedSequence([options.seed, context.rank])
                           .generate_state(1)[0]))

@@ -84,6 +84,7 @@ class LMRun:
     options: Any
     unit: str
     models: dict[str, Path] = dataclasses.field(default_factory=dict)
+    posteriors: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -131,11 +132,17 @@ class LMRun:
                 mark_done(out / "hyp", sig)
         return outs
 
-    def score(self, data_dir: str, hyps: dict[str, str]) -> Any:
+    def score(self, data_dir: str, hyps: dict[str, str], words: bool = False) -> Any:
+        """Error rate of `hyps`; those of a phone model's searches (not `words`, as WFST
+        decoding gives) against the references in phones."""
         from cat.core.io import read_table
+        from cat.utils.plan import phone_references
         from cat.utils.wer import score
 
         refs = read_table(Path(data_dir) / "text", allow_empty_value=True)
+        phones = None if words else phone_references(self.plan, refs)
+        if phones is not None:
+            return score(phones, hyps, "word")
         return score(refs, hyps, self.unit)
 
 
@@ -159,6 +166,8 @@ def tune_setting(run: LMRun, name: str, setting: dict[str, Any], dev: str) -> di
     from cat.lm.text import make_splitter
     from cat.lm.train import load_lm_config
 
+    if "wfst" in setting:
+        return _tune_wfst(run, name, setting["wfst"], dev)
     report: dict[str, Any] = {"dev": dev, "fusion": None, "rescore": None,
                               "fusion_grid": [], "rescore_grid": []}
     specs = _fusion_specs(run, name, setting["fusion"]) if "fusion" in setting else [None]
@@ -222,6 +231,8 @@ def decode_setting(run: LMRun, name: str, setting: dict[str, Any] | None,
     from cat.lm.train import load_lm_config
     from cat.utils.wer import format_summary
 
+    if setting is not None and "wfst" in setting:
+        return _decode_wfst(run, name, setting["wfst"], weights, test)
     spec = None
     if setting is not None and "fusion" in setting:
         spec = _chosen_spec(run, name, setting, weights)
@@ -299,12 +310,91 @@ def decode_lm(exp_dir: PathLike, nj: int = 1) -> Path | None:
     return path
 
 
+# --------------------------------------------------------------- WFST (TLG) decoding
+
+
+def _wfst_graph(run: LMRun, name: str, wfst: dict[str, Any]) -> Any:
+    from cat.crf.wfst import decoding_graph
+    from cat.text.tokenizer import load as load_tokenizer
+
+    arpa = run.lm(wfst["lm"], f"settings.{name}.wfst.lm", token_level=False)
+    if arpa.suffix != ".arpa":
+        arpa = arpa.with_name("lm.arpa")
+    tokenizer = load_tokenizer(run.plan.options.tokenizer)
+    out = run.root / name / "graph"
+    sig = signature("tlg", files=[arpa, Path(run.plan.options.tokenizer)])
+    if not is_done(out, sig):
+        for stale in ("TLG.fst", "words.json"):
+            (out / stale).unlink(missing_ok=True)
+    graph = decoding_graph(tokenizer, arpa, out)
+    mark_done(out, sig)
+    return graph
+
+
+def _wfst_hyps(run: LMRun, name: str, wfst: dict[str, Any], lm_weight: float,
+               data_dir: str) -> tuple[dict[str, str], float, float]:
+    """Hypotheses of `data_dir` with TLG at `lm_weight`, decoding seconds, audio seconds."""
+    import time
+
+    from cat.crf.wfst import decode_all, log_posteriors
+
+    graph = _wfst_graph(run, name, wfst)
+    if data_dir not in run.posteriors:
+        start = time.perf_counter()
+        posteriors = log_posteriors(run.plan.exp_dir, run.checkpoint, data_dir, run.options)
+        run.posteriors[data_dir] = (posteriors, time.perf_counter() - start)
+    posteriors, forward = run.posteriors[data_dir]
+    start = time.perf_counter()
+    hyps = decode_all(graph, posteriors, float(wfst.get("acoustic_scale", 1.0)), lm_weight,
+                      float(wfst.get("beam", 16.0)))
+    frames = sum(len(p) for p in posteriors.values())
+    return hyps, forward + time.perf_counter() - start, frames
+
+
+def _tune_wfst(run: LMRun, name: str, wfst: dict[str, Any], dev: str) -> dict[str, Any]:
+    report: dict[str, Any] = {"dev": dev, "wfst_grid": []}
+    best = None
+    for weight in _grid(wfst.get("lm_weight"), 1.0):
+        hyps, _, _ = _wfst_hyps(run, name, wfst, weight, dev)
+        error = run.score(dev, hyps, words=True).error_rate
+        report["wfst_grid"].append({"lm_weight": weight, "error_rate": error})
+        if best is None or error < best[1]:
+            best = (weight, error)
+    report["wfst"] = {"lm_weight": best[0]}
+    report["dev_error_rate"] = best[1]
+    with atomic_write(run.root / name / "weights.json") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    logger.info("%s: TLG lm_weight %g chosen on %s (%.2f %%)", name, best[0], dev, best[1])
+    return report
+
+
+def _decode_wfst(run: LMRun, name: str, wfst: dict[str, Any], weights: dict[str, Any],
+                 test: str) -> tuple[Any, float]:
+    from cat.lm.rescore import write_hyp
+    from cat.utils.wer import format_summary
+
+    target = run.root / name / set_name(test)
+    hyps, seconds, _ = _wfst_hyps(run, name, wfst, weights["wfst"]["lm_weight"], test)
+    audio = float(json.loads((run.plan.exp_dir / "decode" / set_name(test) / "decode.log")
+                             .read_text(encoding="utf-8")).get("audio_seconds", 0.0)) \
+        if (run.plan.exp_dir / "decode" / set_name(test) / "decode.log").is_file() else 0.0
+    rtf = seconds / audio if audio else 0.0
+    write_hyp(target / "hyp", hyps)
+    result = run.score(test, hyps, words=True)
+    with atomic_write(target / "score.txt") as f:
+        f.write(format_summary(result) + "\n")
+    return result, rtf
+
+
 def _lm_table(run: LMRun, dev: str, tests: list[str],
               rows: list[tuple[str, Any, list[tuple[Any, float]]]]) -> str:
     metric = "CER" if run.unit == "char" else "WER"
     lines = [f"# Results of {run.plan.exp_dir} with language models", "",
              f"Model: `{run.checkpoint}`; beam {run.options.beam_size}; weights chosen on "
              f"`{dev}` (`{LM_DIR_NAME}/<setting>/weights.json`).", "",
+             *(["A phone model: rows without TLG are its phone error rate (%PER).", ""]
+               if run.plan.hyper.get("tokenizer", {}).get("type") == "lexicon" else []),
              "| setting | weights | " + " | ".join(f"{set_name(t)} %{metric} | RTF"
                                                   for t in tests) + " |",
              "|---|---|" + "---:|---:|" * len(tests)]
@@ -312,10 +402,12 @@ def _lm_table(run: LMRun, dev: str, tests: list[str],
         described = "-"
         if weights:
             parts = []
-            if weights["fusion"]:
+            if weights.get("wfst"):
+                parts.append("TLG " + ", ".join(f"{k} {v:g}" for k, v in weights["wfst"].items()))
+            if weights.get("fusion"):
                 parts.append("fusion " + ", ".join(f"{k} {v:g}"
                                                    for k, v in weights["fusion"].items()))
-            if weights["rescore"]:
+            if weights.get("rescore"):
                 parts.append("rescore " + ", ".join(f"{k} {v:g}"
                                                     for k, v in weights["rescore"].items()))
             described = "; ".join(parts)

@@ -679,7 +679,13 @@ def _migrate_trainer(trainer: dict[str, Any], source_key: str,
         if key not in trainer:
             continue
         value = trainer.pop(key)
-        if key in schema_keys:
+        if key == "den_lm" and key in schema_keys:
+            out[key] = value  # `migrate` points it at the graph stage 2 builds
+            record.add("mapped", CONFIG_NAME, where + key,
+                       f"{json.dumps(value)} -> trainer.den_lm <NEW_EXP>/den_lm.npz: stage 2 "
+                       "builds the denominator graph from the training transcripts "
+                       "(cat.crf.den_graph), as CAT's prep_den_lm.sh did")
+        elif key in schema_keys:
             out[key] = value
             record.add("mapped", CONFIG_NAME, where + key, f"-> trainer.{key} {json.dumps(value)}")
         else:
@@ -797,6 +803,8 @@ def migrate(hyper: dict[str, Any], config: dict[str, Any], new_exp: str,
     """Migrate CAT's `hyper` and `config`; the new files are validated against the schemas."""
     record = _Recorder()
     new_config, classes = migrate_config(config, record)
+    if "den_lm" in new_config.get("trainer", {}):
+        new_config["trainer"]["den_lm"] = f"{new_exp}/den_lm.npz"
     kind = config_kind(config)
     new_hyper, vocab = migrate_hyper(hyper, new_exp, kind, metainfo, record)
     if classes is not None:

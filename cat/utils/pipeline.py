@@ -57,7 +57,7 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.stages import is_done, mark_done, signature
 from cat.utils.lm_stage import decode_lm
-from cat.utils.plan import Plan, feature_files, select_checkpoint, set_name
+from cat.utils.plan import Plan, feature_files, phone_references, select_checkpoint, set_name
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,10 @@ def prepare_tokenizer(plan: Plan) -> Path:
     logger.info("training a %s tokenizer on %s", kind, ", ".join(map(str, texts)))
     if kind == "sentencepiece":
         tokenizer = tokenizers.train_sentencepiece(texts, **option)
+    elif kind == "lexicon":
+        from cat.text.lexicon import lexicon_tokenizer
+
+        tokenizer = lexicon_tokenizer(option["lexicon"], texts)
     else:
         tokenizer = tokenizers.train_jieba(texts, **option)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +121,28 @@ def prepare(exp_dir: PathLike) -> None:
                      plan.data.get("filter"))
     if not options.dev_large_dataset:
         prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
+    prepare_den_graph(plan, tokenizer)
+
+
+def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
+    """CTC-CRF (`config.json: trainer.use_crf`): the denominator graph `trainer.den_lm`
+    from the training transcripts (skipped when up to date)."""
+    from cat.core.config import load_config
+    from cat.crf.den_graph import build_for_tokenizer
+
+    trainer = load_config(plan.exp_dir / CONFIG_NAME).get("trainer", {})
+    if not trainer.get("use_crf"):
+        return
+    out = Path(trainer["den_lm"])
+    texts = feature_files(plan.section("train"), ["text"])
+    order = int(trainer.get("den_lm_order", 4))
+    extra = int(trainer.get("den_lm_extra_states", 1000))
+    sig = signature("den_lm", order, extra, files=[*texts, Path(tokenizer)])
+    if is_done(out, sig):
+        logger.info("%s is up to date", out)
+        return
+    build_for_tokenizer(tokenizer, texts, out, order=order, extra_states=extra)
+    mark_done(out, sig)
 
 
 # ----------------------------------------------------------------------------- stage 3
@@ -176,7 +202,10 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
         refs = read_table(Path(test) / "text", allow_empty_value=True)
         hyps = read_table(out / "hyp", allow_empty_value=True)
         alignments: dict[str, Any] = {}
-        result = score(refs, hyps, unit, alignments)
+        phones = phone_references(plan, refs)
+        if phones is not None:  # a phone model: phone error rate
+            refs, unit = phones, "phone"
+        result = score(refs, hyps, "word" if unit == "phone" else unit, alignments)
         summary = format_summary(result)
         with atomic_write(out / "score.txt") as f:
             f.write(summary + "\n")
@@ -194,7 +223,7 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
 
 def _results_table(plan: Plan, checkpoint: Path, options: Any, unit: str,
                    rows: list[tuple[str, Any, float]]) -> str:
-    metric = "CER" if unit == "char" else "WER"
+    metric = {"char": "CER", "phone": "PER"}.get(unit, "WER")
     lines = [
         f"# Results of {plan.exp_dir}",
         "",

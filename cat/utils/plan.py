@@ -82,3 +82,16 @@ def select_checkpoint(plan: Plan) -> Path:
     from cat.decoding.checkpoint import select_checkpoint as select
 
     return select(plan.exp_dir, plan.hyper)
+
+
+def phone_references(plan: Plan, refs: dict[str, str]) -> dict[str, str] | None:
+    """With a lexicon (phone) tokenizer, the references as space-separated phones (its
+    hypotheses before WFST decoding are phones: scored as the phone error rate); else
+    None."""
+    from cat.text.lexicon import LexiconTokenizer
+    from cat.text.tokenizer import load as load_tokenizer
+
+    tokenizer = load_tokenizer(plan.options.tokenizer)
+    if not isinstance(tokenizer, LexiconTokenizer):
+        return None
+    return {key: tokenizer.decode(tokenizer.encode(text)) for key, text in refs.items()}

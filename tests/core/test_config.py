@@ -175,6 +175,11 @@ def test_large_dataset_options(tmp_path):
     (lambda h: h["tokenizer"]["option-train"].update(min_count=2),
      r"tokenizer.option-train: 'min_count' should not be valid"),
     (lambda h: h["train"].update(bin="cat.lm.train"), r"train.bin: 'cat.lm.train' is not one of"),
+    (lambda h: h.update(tokenizer={"type": "lexicon", "option-train": {"lexicon": "l.txt",
+                                                                          "vocab_size": 9}}),
+     r"tokenizer.option-train: 'vocab_size' is not one of \['lexicon'\]"),
+    (lambda h: h.update(tokenizer={"type": "lexicon"}),
+     r"tokenizer: 'option-train' is a required property"),
 ])
 def test_bad_hyper_keys_are_named(tmp_path, hyper_change, message):
     hyper = _hyper()

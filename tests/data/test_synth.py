@@ -198,3 +198,18 @@ def test_lm_text_is_disjoint_from_the_corpus_and_deterministic(layout, request, 
 def test_lm_text_needs_a_complete_corpus(tmp_path):
     with pytest.raises(voices.SynthesisError, match=r"synthetic\.json does not exist"):
         synth.make_lm_text(tmp_path, tmp_path / "text", num_sentences=3)
+
+
+def test_aishell_ships_a_lexicon_of_its_words(aishell):
+    from cat.text.lexicon import LexiconTokenizer, read_lexicon
+
+    lexicon = read_lexicon(aishell / "resource_aishell" / "lexicon.txt")
+    words = {w for t in _transcripts(aishell).values() for w in t.split()}
+    assert words <= set(lexicon)
+    # AISHELL phones: an initial (or doubled-vowel pseudo-initial) then a toned final
+    assert all(len(p) % 2 == 0 and all(f[-1] in "12345" for f in p[1::2])
+               for p in lexicon.values())
+    tokenizer = LexiconTokenizer.from_lexicon(lexicon)
+    for text in _transcripts(aishell).values():
+        assert 1 not in tokenizer.encode(text)
+    assert not tokenizer.missing

@@ -960,3 +960,56 @@ def test_every_row_of_the_catalogue_has_its_test():
     here = {name for name in globals() if name.startswith("test_")
             and name != "test_every_row_of_the_catalogue_has_its_test"}
     assert sorted(here - {n for names in named for n in names}) == []
+
+
+# ------------------------------------------------------------------ CTC-CRF (lexicons, graphs)
+
+
+def test_words_missing_from_the_lexicon(tmp_path):
+    from cat.crf.den_graph import build_for_tokenizer
+    from cat.text.lexicon import LexiconTokenizer
+
+    tokenizer = LexiconTokenizer.from_lexicon({"今天": ["j", "in1", "t", "ian1"],
+                                               "好": ["h", "ao3"]})
+    # 今天好 is no lexicon word: spelt by its lexicon words; 冷 has no entry: <unk>, counted
+    assert tokenizer.pronounce("今天好") == ["j", "in1", "t", "ian1", "h", "ao3"]
+    assert tokenizer.encode("好冷") == [tokenizer.unit_to_id["h"], tokenizer.unit_to_id["ao3"], 1]
+    assert tokenizer.missing == {"冷": 1}
+    tk.save(tokenizer, tmp_path / "t.tknz")
+    write_table(tmp_path / "text", {"u1": "今天好", "u2": "好冷", "u3": "今天"}.items())
+    graph = build_for_tokenizer(tmp_path / "t.tknz", [tmp_path / "text"],
+                                tmp_path / "den_lm.npz", order=2)
+    assert graph.info["left_out_unk"] == 1 and graph.info["sentences"] == 2
+
+
+def test_lexicon_line_without_phones(tmp_path):
+    from cat.text.lexicon import LexiconError, read_lexicon
+
+    (tmp_path / "lexicon.txt").write_text("今天 j in1 t ian1\n天气\n", encoding="utf-8")
+    with pytest.raises(LexiconError, match=r"lexicon\.txt:2: word '天气' has no phones"):
+        read_lexicon(tmp_path / "lexicon.txt")
+
+
+def test_den_lm_of_another_tokenizer(tmp_path):
+    from cat.graph.denominator import (
+        DenGraphError,
+        build_den_graph,
+        load_den_graph,
+        save_den_graph,
+    )
+
+    save_den_graph(build_den_graph([[2, 3], [3, 4]], 5, order=2,
+                                   units=["<blk>", "<unk>", "a", "b", "c"]),
+                   tmp_path / "den_lm.npz")
+    with pytest.raises(DenGraphError, match="built for another tokenizer"):
+        load_den_graph(tmp_path / "den_lm.npz", 5, ["<blk>", "<unk>", "x", "y", "z"])
+    with pytest.raises(DenGraphError, match="built for 5 classes, the model has 7"):
+        load_den_graph(tmp_path / "den_lm.npz", 7)
+
+
+def test_den_lm_that_does_not_exist(tmp_path):
+    from cat.graph.denominator import DenGraphError, load_den_graph
+
+    with pytest.raises(DenGraphError, match=r"den_lm\.npz: denominator graph \(trainer\.den_lm"
+                                            r"\) does not exist"):
+        load_den_graph(tmp_path / "den_lm.npz", 5)

@@ -209,8 +209,15 @@ def test_schema_defaults_match_constructor_defaults():
     ctc_defaults = _constructor_defaults(CTCModel, 2)
     assert schema_defaults("ctc") == {key: ctc_defaults[key]
                                       for key in ("dropout", "blank_init_prob")}
+    from cat.crf.den_graph import build_for_tokenizer
+    from cat.crf.model import CRFModel
+
+    graph = inspect.signature(build_for_tokenizer).parameters
     assert schema_defaults("trainer") == {
-        "loss_normalization": _constructor_defaults(CTCModel, 2)["loss_normalization"]}
+        "loss_normalization": _constructor_defaults(CTCModel, 2)["loss_normalization"],
+        "use_crf": False, "lamb": _constructor_defaults(CRFModel, 2)["lamb"],
+        "den_lm_order": graph["order"].default,
+        "den_lm_extra_states": graph["extra_states"].default}
     assert schema_defaults("SchedulerWarmupCosine") == _constructor_defaults(
         SCHEDULERS["SchedulerWarmupCosine"], 1)
     # Every kwarg the schema allows is a constructor parameter.

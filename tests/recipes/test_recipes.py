@@ -19,6 +19,8 @@ import pytest
 
 from cat.formats.mappack import MapPack
 from cat.formats.shard_check import validate
+from cat.graph.denominator import load_den_graph
+from cat.text.lexicon import read_lexicon
 
 ROOT = Path(__file__).resolve().parents[2]
 CER_LINE = re.compile(r"^\| (\w+) \| ([0-9.]+) \| (\d+) / (\d+) \|", re.MULTILINE)
@@ -118,6 +120,20 @@ def test_aishell_recipe_runs_every_stage(tmp_path):
     assert (recipe / "exp/tiny-ctc/RESULTS-lm.md").read_text(encoding="utf-8") == lm_table
     assert checkpoints == {p: p.stat().st_mtime_ns
                            for p in (recipe / "exp/tiny-ctc/check").iterdir()}
+    # CTC-CRF on the same data, stages 2-5 (exp/tiny-crf): the release's lexicon, phone
+    # units, the denominator graph, training with the CRF loss, TLG decoding with the word LM
+    crf_args = [a if a != "exp/tiny-ctc" else "exp/tiny-crf" for a in args]
+    crf_log = _run(recipe, *crf_args, "--stage", "2")
+    assert "denominator graph exp/tiny-crf/den_lm.npz" in crf_log
+    lexicon = read_lexicon(recipe / "data/local/lexicon.txt")
+    graph = load_den_graph(recipe / "exp/tiny-crf/den_lm.npz")
+    assert graph.info["order"] == 2 and graph.info["left_out_unk"] == 0
+    assert graph.num_classes == 2 + len({p for ps in lexicon.values() for p in ps})
+    assert "%PER" in (recipe / "exp/tiny-crf/RESULTS.md").read_text(encoding="utf-8")
+    tlg = json.loads((recipe / "exp/tiny-crf/decode-lm/word-2gram-tlg/weights.json").read_text())
+    assert [g["lm_weight"] for g in tlg["wfst_grid"]] == [0.5, 1.0]
+    crf_rows = (recipe / "exp/tiny-crf/RESULTS-lm.md").read_text(encoding="utf-8")
+    assert "| word-2gram-tlg | TLG lm_weight" in crf_rows
 
 
 @pytest.mark.slow

@@ -45,3 +45,9 @@ else
   python -m cat.data.aishell prepare "$root" data
   mark_done data/.prepare.done "$root"
 fi
+# The release's pronunciation lexicon (phone units of CTC-CRF: exp/*crf*).
+if [ -f "$root/resource_aishell/lexicon.txt" ]; then
+  mkdir -p data/local
+  cp "$root/resource_aishell/lexicon.txt" data/local/.lexicon.txt.tmp
+  mv data/local/.lexicon.txt.tmp data/local/lexicon.txt
+fi

@@ -33,3 +33,10 @@ else
   python -m cat.data.wenetspeech prepare "$root" data --train-subset "$train_subset"
   mark_done data/.prepare.done "$root $train_subset"
 fi
+# The release has no lexicon: one of the training transcripts' words, from pypinyin
+# (phone units of CTC-CRF: exp/train_*/crf-v1).
+train_dir=data/train_$(echo "$train_subset" | tr '[:upper:]' '[:lower:]')
+if [ -f "$train_dir/text" ] && ! is_done data/local/lexicon.txt.done "$root $train_subset"; then
+  python -m cat.text.lexicon pinyin --text "$train_dir/text" --out data/local/lexicon.txt
+  mark_done data/local/lexicon.txt.done "$root $train_subset"
+fi

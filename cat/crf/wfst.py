@@ -1,0 +1,89 @@
+"""WFST decoding of CTC and CTC-CRF models with TLG (CAT's `fst_decode.sh` without Kaldi).
+
+A word n-gram (an LM experiment of stage 5, e.g. `exp/lm-word-3gram`) and the
+experiment's tokenizer give TLG (`cat.graph.tlg`): each word of the LM is spelt in the
+tokenizer's units, phones through the lexicon tokenizer's rules (`cat.text.lexicon`:
+lexicon entry, else the longest lexicon words inside it) or characters of a char
+tokenizer; a word with a unit the tokenizer does not have (`<unk>`) is left out of L and
+counted. The model's log-posteriors (the network's log-softmax, for CTC-CRF as for CTC)
+are decoded by kaldi-decoder's FasterDecoder with `acoustic_scale / lm_weight`.
+Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import kaldiio
+import numpy as np
+import torch
+
+from cat.core.io import PathLike, atomic_write
+from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batches
+from cat.formats.tables import read_feature_index
+from cat.graph.tlg import DecodingGraph, build_tlg, decode
+from cat.loading.batch import Utterance, collate
+from cat.text.lexicon import LexiconTokenizer
+from cat.text.tokenizer import UNK_ID, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def pronouncer(tokenizer: Tokenizer) -> Callable[[str], list[int] | None]:
+    """Units of a word (None when a part of it has none)."""
+    def spell(word: str) -> list[int] | None:
+        if isinstance(tokenizer, LexiconTokenizer):
+            ids = [tokenizer.unit_to_id[p] for p in tokenizer.pronounce(word)]
+        else:
+            ids = tokenizer.encode(word)
+        return ids if ids and UNK_ID not in ids else None
+    return spell
+
+
+def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike) -> DecodingGraph:
+    """TLG of `arpa` for `tokenizer`, cached in `out_dir` (TLG.fst, words.json)."""
+    import kaldifst
+
+    out_dir = Path(out_dir)
+    fst_path, words_path = out_dir / "TLG.fst", out_dir / "words.json"
+    if fst_path.is_file() and words_path.is_file():
+        meta = json.loads(words_path.read_text(encoding="utf-8"))
+        return DecodingGraph(kaldifst.StdVectorFst.read(str(fst_path)), meta["words"],
+                             meta["info"])
+    graph = build_tlg(pronouncer(tokenizer), tokenizer.vocab_size, arpa)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / ".TLG.fst.tmp"
+    graph.fst.write(str(tmp))
+    tmp.replace(fst_path)
+    graph.info["TLG_bytes"] = fst_path.stat().st_size
+    with atomic_write(words_path) as f:
+        json.dump({"words": graph.words, "info": graph.info}, f, ensure_ascii=False)
+    logger.info("TLG %s: %s", fst_path, graph.info)
+    return graph
+
+
+def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
+                   options: DecodeOptions) -> dict[str, np.ndarray]:
+    """{utterance: log-posteriors [T', V]} of a feature dir (CPU, one process)."""
+    searcher = Searcher(exp_dir, checkpoint, "ctc", options, "cpu")
+    table = read_feature_index(Path(data_dir) / "feats.scp")
+    lengths = dict(zip(table.keys, table.num_frames.tolist(), strict=True))
+    features = kaldiio.load_scp(str(Path(data_dir) / "feats.scp"))
+    out: dict[str, np.ndarray] = {}
+    for keys in plan_batches(lengths, options.max_frames, options.batch_size):
+        batch = collate([Utterance(k, features[k], NO_LABEL) for k in keys])
+        with torch.inference_mode():
+            log_probs, lens = searcher.model.search_inputs(batch.feats, batch.feat_lens)
+        for i, key in enumerate(keys):
+            out[key] = log_probs[i, :int(lens[i])].numpy()
+    return out
+
+
+def decode_all(graph: DecodingGraph, posteriors: dict[str, np.ndarray], acoustic_scale: float,
+               lm_weight: float, beam: float) -> dict[str, str]:
+    """{utterance: words joined without spaces (Chinese)}."""
+    return {key: "".join(decode(graph, lp, acoustic_scale, lm_weight, beam))
+            for key, lp in posteriors.items()}

@@ -1,0 +1,1 @@
+"""Graphs: token n-gram acceptors and CTC-CRF denominator graphs (`denominator`)."""

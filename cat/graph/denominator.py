@@ -1,0 +1,314 @@
+"""CTC-CRF denominator graphs: a token n-gram as an epsilon-free acceptor, composed with
+the CTC topology.
+
+The CTC-CRF denominator is the log partition function over every frame path of
+(CTC topology o token LM). It is a sum over paths in the log semiring, so the LM must give
+each token string its probability exactly once. An ARPA back-off model written as an FST
+with epsilon back-off arcs does not: a string reaches the same history both by the n-gram
+arc and by the back-off arc and is counted twice. This module therefore expands the
+back-off:
+
+* **States** are the LM's contexts that predict something of their own: the empty
+  context, `<s>`, and every n-gram of order < N that is the prefix of a higher-order
+  n-gram of the model (a context without extensions predicts exactly like its suffix, so
+  it is merged into it). The set is closed under suffixes.
+* **Arcs**: every state has one arc per token of the LM's vocabulary, weighted by the
+  token's true backed-off probability `p(w | h) = p*(h w)` if the model has the n-gram,
+  else `gamma(h) p(w | h')`, and leading to the longest suffix of `h w` that is a state.
+  The final weight of a state is `p(</s> | h)`.
+* `<unk>` is never emitted: every state's distribution is conditioned on not producing it
+  (divided by `1 - p(<unk> | h)`), so the acceptor is a proper distribution over the
+  token strings of the model's vocabulary. Tokens the training transcripts never hold have
+  no arcs (probability 0).
+
+The acceptor is deterministic and epsilon-free, so the path sum of a string is its
+normalised probability, and the denominator graph built from it needs no log-semiring
+determinization. Composition with the CTC topology (blank = 0; a token state repeats its
+token on a self-loop, a blank leads back to the blank state, a different token is a new
+emission) gives states (LM state, blank) and (LM state, last token).
+
+Usage::
+
+    den = build_den_graph(label_sequences, num_classes=V, order=4)
+    save_den_graph(den, "exp/crf/den_lm.npz", units=tokenizer_pieces)
+    den = load_den_graph("exp/crf/den_lm.npz", num_classes=V, units=tokenizer_pieces)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from cat.core.io import PathLike, atomic_write
+from cat.lm.ngram import BOS, EOS, UNK, NGramModel, estimate
+
+BLANK = 0
+FORMAT = "cat-den-graph-1"
+
+
+class DenGraphError(ValueError):
+    """A denominator graph file that cannot be used (missing, damaged, other tokenizer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsa:
+    """An epsilon-free weighted acceptor in the log semiring (weights are natural logs).
+
+    Arc i goes from `src[i]` to `dst[i]` reading `label[i]` with weight `weight[i]`;
+    `final[s]` is the final weight of state s (-inf: not final).
+    """
+
+    num_states: int
+    start: int
+    src: np.ndarray
+    dst: np.ndarray
+    label: np.ndarray
+    weight: np.ndarray
+    final: np.ndarray
+
+    @property
+    def num_arcs(self) -> int:
+        return len(self.src)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenGraph:
+    """The token LM (`lm`, labels = token ids >= 1) and CTC topology o LM (`den`, labels =
+    token ids with blank 0) for a vocabulary of `num_classes`; `info` records how it was
+    built (order, sizes) and `units` the tokenizer's pieces it was built for."""
+
+    num_classes: int
+    lm: Fsa
+    den: Fsa
+    info: dict
+    units_digest: str = ""
+
+    def lm_log_prob(self, tokens: Sequence[int]) -> float:
+        """Natural-log probability of a token string (with `</s>`) under the acceptor."""
+        table = self.lm_table
+        state, total = self.lm.start, 0.0
+        for token in tokens:
+            if not 0 < token < self.num_classes or table[0][state, token] < 0:
+                return -math.inf
+            total += table[1][state, token]
+            state = int(table[0][state, token])
+        return total + float(self.lm.final[state])
+
+
+    @functools.cached_property
+    def lm_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Dense (next state, log weight) [LM states, classes] of the acceptor, -1 / -inf
+        where it has no arc."""
+        lm = self.lm
+        nxt = np.full((lm.num_states, self.num_classes), -1, np.int64)
+        wgt = np.full((lm.num_states, self.num_classes), -np.inf)
+        nxt[lm.src, lm.label] = lm.dst
+        wgt[lm.src, lm.label] = lm.weight
+        return nxt, wgt
+
+
+# ------------------------------------------------------------------ the token LM
+
+
+def _backed_off(model: NGramModel, extra_states: int | None = None, no_prune_order: int = 3
+                ) -> tuple[list[tuple[int, ...]], dict, np.ndarray, np.ndarray]:
+    """States (contexts, as tuples of LM vocabulary ids), their index, and per state the
+    natural-log p(w | h) over the LM vocabulary and the next state of each w."""
+    order = model.order
+    vocab_size = len(model.vocab)
+    bos, _eos, unk = (model.vocab.index(t) for t in (BOS, EOS, UNK))
+    log_prob: dict[tuple[int, ...], float] = {}
+    backoff: dict[tuple[int, ...], float] = {}
+    children: dict[tuple[int, ...], list[int]] = {}
+    for n in range(1, order + 1):
+        grams = model.grams[n - 1].tolist()
+        for row, p, b in zip(grams, model.log10_prob[n - 1].tolist(),
+                             model.log10_backoff[n - 1].tolist(), strict=True):
+            gram = tuple(row)
+            log_prob[gram] = p * math.log(10.0)
+            backoff[gram] = b * math.log(10.0)
+            children.setdefault(gram[:-1], []).append(gram[-1])
+    # Contexts with extensions (closed under suffixes), shortest first, plus <s>.
+    contexts = {h for h in children if len(h) < order}
+    if extra_states is not None:
+        # Kaldi's phone-LM rule: every context shorter than no_prune_order - 1 stays, of
+        # the longer ones the extra_states most frequent (adjusted counts).
+        counts = {tuple(row): c for n in range(1, order)
+                  for row, c in zip(model.grams[n - 1].tolist(),
+                                    model.adjusted_counts[n - 1].tolist(), strict=True)}
+        longer = sorted((h for h in contexts if len(h) >= no_prune_order),
+                        key=lambda h: (-counts.get(h, 0), h))
+        contexts -= set(longer[extra_states:])
+    contexts.add(())
+    contexts.add((bos,))
+    states = sorted(contexts, key=lambda h: (len(h), h))
+    index = {h: i for i, h in enumerate(states)}
+    probs = np.empty((len(states), vocab_size))
+    nexts = np.empty((len(states), vocab_size), np.int64)
+    for i, h in enumerate(states):
+        if h:
+            parent = index[h[1:]]
+            probs[i] = probs[parent] + backoff.get(h, 0.0)
+            nexts[i] = nexts[parent]
+        else:
+            probs[i] = -np.inf
+            nexts[i] = 0
+        for w in children.get(h, ()):
+            probs[i, w] = log_prob[(*h, w)]
+            longer = (*h, w)[-(order - 1):] if order > 1 else ()
+            if longer in index:
+                nexts[i, w] = index[longer]
+    probs[:, bos] = -np.inf
+    # Condition on never emitting <unk>: divide by 1 - p(<unk> | h).
+    with np.errstate(divide="ignore"):
+        rest = np.log1p(-np.exp(probs[:, unk]))
+    probs[:, unk] = -np.inf
+    probs -= rest[:, None]
+    return states, index, probs, nexts
+
+
+def token_lm_acceptor(model: NGramModel, num_classes: int,
+                      extra_states: int | None = None) -> Fsa:
+    """The epsilon-free deterministic acceptor of `model`, whose vocabulary holds token ids
+    as decimal strings (1 .. num_classes - 1; see the module docstring). With
+    `extra_states`, contexts of 3 tokens or more are kept only for the `extra_states` most
+    frequent ones (the others predict as their longest kept suffix); the acceptor stays a
+    normalised distribution."""
+    states, index, probs, nexts = _backed_off(model, extra_states)
+    eos = model.vocab.index(EOS)
+    columns, labels = [], []
+    for w, token in enumerate(model.vocab):
+        if token in (BOS, EOS, UNK):
+            continue
+        if not token.isdigit() or not 0 < int(token) < num_classes:
+            raise ValueError(f"token LM word {token!r} is not a token id in 1..{num_classes - 1}")
+        columns.append(w)
+        labels.append(int(token))
+    columns_a = np.asarray(columns, np.int64)
+    weights = probs[:, columns_a]
+    keep = np.isfinite(weights)
+    src, col = np.nonzero(keep)
+    return Fsa(num_states=len(states), start=index[(model.vocab.index(BOS),)],
+               src=src.astype(np.int64), dst=nexts[src, columns_a[col]].astype(np.int64),
+               label=np.asarray(labels, np.int64)[col], weight=weights[src, col],
+               final=probs[:, eos].copy())
+
+
+def ctc_compose(lm: Fsa, num_classes: int) -> Fsa:
+    """CTC topology o `lm`: blank states (s, blank) are 0 .. S-1; a token state (s, k) is
+    entered by emitting k into LM state s. Labels are token ids, blank = 0."""
+    num_lm = lm.num_states
+    # Token states: the distinct (destination, label) pairs of LM arcs.
+    pair = lm.dst * num_classes + lm.label
+    pairs, arc_node = np.unique(pair, return_inverse=True)
+    node_state, node_label = pairs // num_classes, pairs % num_classes
+    node_id = num_lm + np.arange(len(pairs))
+    arc_node = num_lm + arc_node
+    # LM arcs grouped by source state (CSR), to expand the arcs leaving each token state.
+    order = np.argsort(lm.src, kind="stable")
+    starts = np.searchsorted(lm.src[order], np.arange(num_lm + 1))
+    counts = starts[1:] - starts[:-1]
+    per_node = counts[node_state]
+    rep_node = np.repeat(np.arange(len(pairs)), per_node)
+    offsets = np.arange(per_node.sum()) - np.repeat(np.cumsum(per_node) - per_node, per_node)
+    rep_arc = order[starts[node_state][rep_node] + offsets]
+    different = lm.label[rep_arc] != node_label[rep_node]
+    rep_node, rep_arc = rep_node[different], rep_arc[different]
+    blank_states = np.arange(num_lm)
+    zeros_b, zeros_n = np.zeros(num_lm), np.zeros(len(pairs))
+    src = np.concatenate([blank_states, lm.src, node_id, node_id, node_id[rep_node]])
+    dst = np.concatenate([blank_states, arc_node, node_id, node_state, arc_node[rep_arc]])
+    label = np.concatenate([np.full(num_lm, BLANK), lm.label, node_label,
+                            np.full(len(pairs), BLANK), lm.label[rep_arc]])
+    weight = np.concatenate([zeros_b, lm.weight, zeros_n, zeros_n, lm.weight[rep_arc]])
+    final = np.concatenate([lm.final, lm.final[node_state]])
+    return Fsa(num_states=num_lm + len(pairs), start=lm.start, src=src.astype(np.int64),
+               dst=dst.astype(np.int64), label=label.astype(np.int64), weight=weight,
+               final=final)
+
+
+def units_digest(units: Sequence[str]) -> str:
+    """A short fingerprint of a tokenizer's pieces (id order matters)."""
+    return hashlib.sha256("\n".join(units).encode("utf-8")).hexdigest()[:16]
+
+
+def build_den_graph(label_seqs: Iterable[Sequence[int]], num_classes: int, order: int = 4,
+                    units: Sequence[str] | None = None,
+                    discount_fallback: tuple[float, float, float] | None = (0.5, 1.0, 1.5),
+                    extra_states: int | None = None) -> DenGraph:
+    """Estimate a token `order`-gram on `label_seqs` (token ids, blank never) with the
+    project's Kneser-Ney estimator and build the denominator graph."""
+    sentences = [[str(t) for t in seq] for seq in label_seqs]
+    for seq in sentences:
+        for token in seq:
+            if not 0 < int(token) < num_classes:
+                raise ValueError(f"label {token} is outside 1..{num_classes - 1}")
+    if not sentences:
+        raise ValueError("no label sequences to estimate the token LM from")
+    model = estimate(sentences, order, discount_fallback=discount_fallback)
+    lm = token_lm_acceptor(model, num_classes, extra_states)
+    den = ctc_compose(lm, num_classes)
+    info = {"order": order, "extra_states": extra_states, "sentences": len(sentences),
+            "ngrams": [len(g) for g in model.grams],
+            "lm_states": lm.num_states, "lm_arcs": lm.num_arcs,
+            "den_states": den.num_states, "den_arcs": den.num_arcs}
+    return DenGraph(num_classes, lm, den, info, units_digest(units) if units else "")
+
+
+# --------------------------------------------------------------------------- files
+
+_FIELDS = ("src", "dst", "label", "weight", "final")
+
+
+def save_den_graph(graph: DenGraph, path: PathLike) -> None:
+    """Write `graph` as one .npz (atomically)."""
+    arrays = {}
+    for name, fsa in (("lm", graph.lm), ("den", graph.den)):
+        for field in _FIELDS:
+            arrays[f"{name}_{field}"] = getattr(fsa, field)
+        arrays[f"{name}_meta"] = np.asarray([fsa.num_states, fsa.start], np.int64)
+    header = {"format": FORMAT, "num_classes": graph.num_classes, "info": graph.info,
+              "units_digest": graph.units_digest}
+    arrays["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), np.uint8)
+    with atomic_write(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_den_graph(path: PathLike, num_classes: int | None = None,
+                   units: Sequence[str] | None = None) -> DenGraph:
+    """Read a graph written by `save_den_graph`; checks it fits `num_classes` and, when
+    given, the tokenizer's `units` (raises DenGraphError naming the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DenGraphError(f"{path}: denominator graph (trainer.den_lm) does not exist; "
+                            f"build it with stage 2 of the recipe (utils/asr.sh) or "
+                            f"`python -m cat.crf.den_graph`")
+    try:
+        with np.load(path) as data:
+            header = json.loads(bytes(data["header"]).decode("utf-8"))
+            fsas = {}
+            for name in ("lm", "den"):
+                meta = data[f"{name}_meta"]
+                fsas[name] = Fsa(int(meta[0]), int(meta[1]),
+                                 *(data[f"{name}_{field}"] for field in _FIELDS))
+    except (OSError, ValueError, KeyError) as error:
+        raise DenGraphError(f"{path}: not a denominator graph file ({error})") from None
+    if header.get("format") != FORMAT:
+        raise DenGraphError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
+    graph = DenGraph(int(header["num_classes"]), fsas["lm"], fsas["den"], header["info"],
+                     header.get("units_digest", ""))
+    if num_classes is not None and graph.num_classes != num_classes:
+        raise DenGraphError(f"{path}: built for {graph.num_classes} classes, the model has "
+                            f"{num_classes}: it belongs to another tokenizer; rebuild it")
+    if units is not None and graph.units_digest and graph.units_digest != units_digest(units):
+        raise DenGraphError(f"{path}: built for another tokenizer (units digest "
+                            f"{graph.units_digest}, this tokenizer's is "
+                            f"{units_digest(units)}); rebuild it")
+    return graph

@@ -1,0 +1,191 @@
+"""WFST decoding graphs: TLG = CTC topology o lexicon o word n-gram, and decoding with it.
+
+Symbols (all integer, 0 = epsilon):
+
+* units (`T`'s output, `L`'s input): the tokenizer's ids 1 .. V-1 (phones of a lexicon
+  tokenizer, characters of a char tokenizer); the blank 0 never leaves `T`;
+* `T`'s input: unit id + 1 (blank = 1), as kaldi-decoder's `DecodableCtc` reads column
+  `label - 1` of the log-posteriors;
+* words (`L`'s output, `G`): 1 .. N in the order of `words`, then `#0`, `<s>`, `</s>`;
+* disambiguation symbols: `#k` on the unit side is V + k (`T` input V + 1 + k); `#0` is
+  `G`'s back-off symbol, passed through `L` and `T` by self-loops. Pronunciations that
+  are identical or a prefix of another get `#1`, `#2`, ... (Kaldi's rule), so that `L o G`
+  determinizes. The disambiguation symbols become epsilons in the finished graph.
+
+`LG = minimize(determinize_star(L o G))`, `TLG = T o LG` (OpenFST through kaldifst,
+tropical semiring; `G` from the ARPA file by kaldilm). Decoding runs kaldi-decoder's
+`FasterDecoder` on the log-posteriors times `acoustic_scale / lm_weight`.
+
+Usage::
+
+    graph = build_tlg(pronounce, vocab_size, "exp/lm-word-3gram/lm.arpa")
+    words = decode(graph, log_probs, acoustic_scale=1.0, lm_weight=1.0, beam=16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from cat.core.io import PathLike
+
+
+@dataclasses.dataclass
+class DecodingGraph:
+    """A TLG and its word list (`words[i - 1]` is word symbol i)."""
+
+    fst: object
+    words: list[str]
+    info: dict
+
+
+def _disambiguated(prons: Sequence[tuple[int, Sequence[int]]]) -> tuple[list, int]:
+    """(word, units, disambiguation index or 0) and the largest index used."""
+    by_units: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for word, units in prons:
+        by_units[tuple(units)].append(word)
+    prefixes = {units[:i] for units in by_units for i in range(1, len(units))}
+    out, most = [], 0
+    for units, words in by_units.items():
+        need = len(words) > 1 or units in prefixes
+        for k, word in enumerate(words, 1):
+            out.append((word, list(units), k if need else 0))
+            most = max(most, k if need else 0)
+    return out, most
+
+
+def _compile(lines: list[str]):
+    import kaldifst
+
+    return kaldifst.compile("\n".join(lines) + "\n", acceptor=False)
+
+
+def ctc_topology(vocab_size: int, disambig: int):
+    """T: CTC topology (blank 0) with `disambig` + 1 pass-through disambiguation symbols."""
+    import kaldifst
+
+    lines = ["0 0 1 0"]
+    for k in range(1, vocab_size):
+        lines += [f"0 {k} {k + 1} {k}", f"{k} {k} {k + 1} 0", f"{k} 0 1 0"]
+        lines += [f"{k} {j} {j + 1} {j}" for j in range(1, vocab_size) if j != k]
+    lines += [str(s) for s in range(vocab_size)]
+    fst = _compile(lines)
+    kaldifst.add_self_loops(fst, isyms=[vocab_size + 1 + k for k in range(disambig + 1)],
+                            osyms=[vocab_size + k for k in range(disambig + 1)])
+    return fst
+
+
+def lexicon_fst(prons: list, vocab_size: int, word_hash0: int):
+    """L with disambiguation symbols and the `#0` self-loop."""
+    lines, state = [f"0 0 {vocab_size} {word_hash0}"], 0
+    for word, units, k in prons:
+        symbols = units + ([vocab_size + k] if k else [])
+        src = 0
+        for i, unit in enumerate(symbols):
+            last = i == len(symbols) - 1
+            if last:
+                dst = 0
+            else:
+                state += 1
+                dst = state
+            lines.append(f"{src} {dst} {unit} {word if i == 0 else 0}")
+            src = dst
+    lines.append("0")
+    return _compile(lines)
+
+
+def arpa_words(arpa: PathLike) -> list[str]:
+    """The words of an ARPA file's unigrams, without `<s>` and `</s>`."""
+    words = []
+    with open(arpa, encoding="utf-8") as f:
+        section = False
+        for line in f:
+            line = line.strip()
+            if line.startswith("\\"):
+                section = line == "\\1-grams:"
+                continue
+            if section and line:
+                word = line.split("\t")[1].split(" ")[0] if "\t" in line else line.split()[1]
+                if word not in ("<s>", "</s>"):
+                    words.append(word)
+    return words
+
+
+def build_tlg(pronounce: Callable[[str], Sequence[int] | None], vocab_size: int,
+              arpa: PathLike) -> DecodingGraph:
+    """TLG of the ARPA word LM `arpa`, each word spelt in units by `pronounce` (None: the
+    word has no pronunciation and is left out of L, counted in `info["unpronounced"]`)."""
+    words = arpa_words(arpa)
+    prons, unpronounced = [], 0
+    for i, word in enumerate(words, 1):
+        units = pronounce(word)
+        if units:
+            prons.append((i, list(units)))
+        else:
+            unpronounced += 1
+    import kaldifst
+    import kaldilm
+
+    num = len(words)
+    hash0, bos, eos = num + 1, num + 2, num + 3
+    prons_d, most = _disambiguated(prons)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = os.path.join(tmp, "words.txt")
+        with open(table, "w", encoding="utf-8") as f:
+            f.write("<eps> 0\n" + "".join(f"{w} {i}\n" for i, w in enumerate(words, 1)))
+            f.write(f"#0 {hash0}\n<s> {bos}\n</s> {eos}\n")
+        g_text = kaldilm.arpa2fst(str(arpa), "", disambig_symbol="#0",
+                                  read_symbol_table=table, max_arpa_warnings=0)
+    g = kaldifst.compile(g_text, acceptor=False)
+    lexicon = lexicon_fst(prons_d, vocab_size, hash0)
+    kaldifst.arcsort(lexicon, sort_type="olabel")
+    kaldifst.arcsort(g, sort_type="ilabel")
+    lg = kaldifst.compose(lexicon, g)
+    kaldifst.determinize_star(lg)
+    kaldifst.minimize_encoded(lg)
+    kaldifst.arcsort(lg, sort_type="ilabel")
+    topo = ctc_topology(vocab_size, most)
+    kaldifst.arcsort(topo, sort_type="olabel")
+    tlg = kaldifst.compose(topo, lg)
+    # Disambiguation symbols (input labels above the units) become epsilons.
+    lines = []
+    for line in tlg.to_str(show_weight_one=False).splitlines():
+        fields = line.split("\t") if "\t" in line else line.split()
+        if len(fields) >= 4 and int(fields[2]) > vocab_size:
+            fields[2] = "0"
+        lines.append(" ".join(fields))
+    tlg = _compile(lines)
+    kaldifst.connect(tlg)
+    kaldifst.arcsort(tlg, sort_type="ilabel")
+    info = {"words": num, "unpronounced": unpronounced, "pronunciations": len(prons_d),
+            "disambig": most,
+            "G_states": g.num_states, "LG_states": lg.num_states,
+            "TLG_states": tlg.num_states,
+            "TLG_arcs": sum(tlg.num_arcs(s) for s in range(tlg.num_states))}
+    return DecodingGraph(tlg, words, info)
+
+
+def decode(graph: DecodingGraph, log_probs: np.ndarray, acoustic_scale: float = 1.0,
+           lm_weight: float = 1.0, beam: float = 16.0, max_active: int = 7000) -> list[str]:
+    """Best word sequence of one utterance's log-posteriors [T, V] (empty when no path)."""
+    import kaldifst
+    from kaldi_decoder import DecodableCtc, FasterDecoder, FasterDecoderOptions
+
+    if len(log_probs) == 0:
+        return []
+    scaled = np.ascontiguousarray(log_probs * (acoustic_scale / lm_weight), dtype=np.float32)
+    decoder = FasterDecoder(graph.fst, FasterDecoderOptions(beam=beam, max_active=max_active))
+    decoder.decode(DecodableCtc(scaled))
+    if not decoder.reached_final():
+        return []
+    ok, best = decoder.get_best_path()
+    if not ok:
+        return []
+    ok, _, olabels, _ = kaldifst.get_linear_symbol_sequence(best)
+    num = len(graph.words)
+    return [graph.words[o - 1] for o in olabels if 0 < o <= num] if ok else []

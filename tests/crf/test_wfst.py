@@ -1,0 +1,52 @@
+"""WFST (TLG) decoding for a char CTC model and a phone (CTC-CRF) model's tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cat.core.io import write_table
+from cat.crf.wfst import decode_all, decoding_graph, pronouncer
+from cat.lm.ngram import estimate, write_arpa
+from cat.text.lexicon import LexiconTokenizer
+from cat.text.tokenizer import train_sentencepiece
+
+WORDS = [["今天", "天气"], ["天气", "很好"], ["今天", "很好"], ["银行"]]
+
+
+def _arpa(tmp_path):
+    write_arpa(estimate(WORDS, 2, discount_fallback=(0.5, 1.0, 1.5)), tmp_path / "lm.arpa")
+    return tmp_path / "lm.arpa"
+
+
+def _frames(ids, vocab):
+    """Log-posteriors spelling `ids` with a blank after each."""
+    out = np.full((2 * len(ids), vocab), -9.0, np.float32)
+    for i, k in enumerate(ids):
+        out[2 * i, k] = 0.0
+        out[2 * i + 1, 0] = 0.0
+    return out
+
+
+def test_char_ctc_decodes_words_through_tlg(tmp_path):
+    write_table(tmp_path / "text", [(f"u{i}", "".join(w)) for i, w in enumerate(WORDS)])
+    tokenizer = train_sentencepiece([tmp_path / "text"])
+    graph = decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph")
+    assert (tmp_path / "graph" / "TLG.fst").is_file()
+    ids = tokenizer.encode("今天天气")
+    hyps = decode_all(graph, {"u": _frames(ids, tokenizer.vocab_size)}, 1.0, 1.0, 16.0)
+    assert hyps == {"u": "今天天气"}
+    # cached: the second call reads the files
+    again = decoding_graph(tokenizer, tmp_path / "missing.arpa", tmp_path / "graph")
+    assert again.words == graph.words
+
+
+def test_phone_model_decodes_words_and_leaves_out_unpronounceable_ones(tmp_path):
+    lexicon = {"今天": ["j", "in1", "t", "ian1"], "天气": ["t", "ian1", "q", "i4"],
+               "很好": ["h", "en3", "h", "ao3"]}
+    tokenizer = LexiconTokenizer.from_lexicon(lexicon)
+    assert pronouncer(tokenizer)("银行") is None  # no entry covers it
+    graph = decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph")
+    assert graph.info["unpronounced"] == 2  # 银行 and <unk>
+    ids = tokenizer.encode("天气很好")
+    hyps = decode_all(graph, {"u": _frames(ids, tokenizer.vocab_size)}, 1.0, 1.0, 16.0)
+    assert hyps == {"u": "天气很好"}
