@@ -1,0 +1,69 @@
+"""The shard writer's bytes against the standard library's tarfile writing the same members
+(the writer before it wrote tars itself), and its tars read back by tarfile."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import zlib
+
+import numpy as np
+import pytest
+
+from cat.core.io import iter_table
+from cat.formats.shard_format import encode_key
+from cat.formats.shard_writer import ShardJob, member_header, member_info, write_shard
+from cat.testing.features import write_feature_corpus
+
+KEYS = ["sp0.9-BAC009S0002W0122", "说话人-甲-001", "k" * 96, "x" * 97, "y" * 150, "empty",
+        "a/b%c"]
+
+
+def reference_tar(members: list[tuple[str, bytes]]) -> bytes:
+    """The tar tarfile writes (PAX format) with the writer's fixed metadata."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            tar.addfile(member_info(name, len(data)), io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_shards_are_the_bytes_tarfile_writes(tmp_path, dtype):
+    frames = [7, 1, 3, 12, 5, 0, 2]
+    texts = {key: text for key, text in zip(KEYS, ["你好 世界", "", "a", "b" * 700, "é",
+                                                   "空", "x y"], strict=True)}
+    corpus = write_feature_corpus(tmp_path / "corpus", keys=KEYS, num_frames=frames, dim=5,
+                                  num_arks=2, transcripts=texts)
+    locations = dict(iter_table(corpus.feats_scp))
+    order = [KEYS[i] for i in (3, 0, 6, 1, 5, 2, 4)]
+    entries = [(key, locations[key], texts[key], len(corpus.features[key])) for key in order]
+    result = write_shard(ShardJob(str(tmp_path / "data-00000.tar"), entries, dtype))
+
+    expected = reference_tar([
+        member for key in order for member in (
+            (f"{encode_key(key)}.npy", npy_bytes(corpus.features[key].astype(dtype))),
+            (f"{encode_key(key)}.txt", texts[key].encode("utf-8")))])
+    written = (tmp_path / "data-00000.tar").read_bytes()
+    assert written == expected
+    assert result == {"num_bytes": len(expected), "crc32": f"{zlib.crc32(expected):08x}",
+                      "feat_dim": 5}
+    with tarfile.open(tmp_path / "data-00000.tar") as tar:
+        names = tar.getnames()
+        assert names[0] == f"{encode_key(order[0])}.npy" and len(names) == 2 * len(order)
+        array = np.load(io.BytesIO(tar.extractfile(names[0]).read()))
+    assert np.array_equal(array, corpus.features[order[0]].astype(dtype))
+
+
+@pytest.mark.parametrize("name", ["a.npy", "x" * 99 + ".", "x" * 101, "键.txt", "a b\tc",
+                                  "%2E.npy"])
+@pytest.mark.parametrize("size", [0, 1, 511, 512, 8 ** 11 - 1, 8 ** 11])
+def test_member_headers_match_tarfile(name, size):
+    assert member_header(name, size) == member_info(name, size).tobuf(
+        tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
