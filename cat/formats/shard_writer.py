@@ -18,6 +18,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -97,6 +98,8 @@ _ZEROS = bytes(tarfile.RECORDSIZE)
 # checksum field as spaces (as the checksum is computed): filled in per member.
 _TEMPLATE = bytearray(member_info("", 0).tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
 _TEMPLATE[148:156] = b" " * 8
+# The checksum is the sum of the header's bytes: the template's, less its size field's.
+_TEMPLATE_SUM = sum(_TEMPLATE) - sum(_TEMPLATE[124:136])
 
 
 def member_header(name: str, size: int) -> bytes:
@@ -105,9 +108,11 @@ def member_header(name: str, size: int) -> bytes:
         # A pax extended header is needed: tarfile's own code writes it.
         return member_info(name, size).tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
     header = _TEMPLATE.copy()
-    header[:len(name)] = name.encode("ascii")
-    header[124:136] = b"%011o\0" % size
-    header[148:155] = b"%06o\0" % sum(header)
+    encoded = name.encode("ascii")
+    size_field = b"%011o\0" % size
+    header[:len(encoded)] = encoded
+    header[124:136] = size_field
+    header[148:155] = b"%06o\0" % (_TEMPLATE_SUM + sum(encoded) + sum(size_field))
     return bytes(header)
 
 
@@ -121,11 +126,12 @@ class TarStream:
         self.size = 0
 
     def add(self, name: str, *parts: bytes | memoryview) -> None:
-        """Append a member whose data is the concatenation of `parts`."""
-        size = sum(part.nbytes if isinstance(part, memoryview) else len(part)
-                   for part in parts)
-        padding = -size % _BLOCK
-        self._write([member_header(name, size), *parts, _ZEROS[:padding]])
+        """Append a member whose data is the concatenation of `parts` (bytes, or byte
+        memoryviews)."""
+        size = 0
+        for part in parts:
+            size += len(part)
+        self._write([member_header(name, size), *parts, _ZEROS[:-size % _BLOCK]])
 
     def close(self) -> None:
         """The two zero blocks that end the archive, padded to a whole tar record."""
@@ -134,17 +140,17 @@ class TarStream:
         self._write([_ZEROS[:end]])
 
     def _write(self, buffers: list) -> None:
-        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        views = [b for b in buffers if len(b)]
         for view in views:
             self.crc32 = crc32(view, self.crc32)
-            self.size += view.nbytes
+            self.size += len(view)
         while views:
             written = os.writev(self.fd, views)
-            while views and written >= views[0].nbytes:
-                written -= views[0].nbytes
+            while views and written >= len(views[0]):
+                written -= len(views[0])
                 views.pop(0)
             if written:
-                views[0] = views[0][written:]
+                views[0] = memoryview(views[0])[written:]
 
 
 def write_shard(job: ShardJob) -> dict[str, Any]:
@@ -180,9 +186,15 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
 
 def _npy_header(array: np.ndarray) -> bytes:
     """The bytes `np.lib.format.write_array` writes before a C-contiguous array's data."""
+    return _npy_header_of(array.dtype.str, array.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _npy_header_of(dtype: str, shape: tuple[int, ...]) -> bytes:
     header = io.BytesIO()
     # Version 1.0, as write_array picks for every header under 64 KiB (any 2-d array).
-    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    np.lib.format.write_array_header_1_0(header, {"descr": dtype, "fortran_order": False,
+                                                  "shape": shape})
     return header.getvalue()
 
 

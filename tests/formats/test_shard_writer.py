@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 import zlib
 
@@ -67,3 +68,16 @@ def test_shards_are_the_bytes_tarfile_writes(tmp_path, dtype):
 def test_member_headers_match_tarfile(name, size):
     assert member_header(name, size) == member_info(name, size).tobuf(
         tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def test_short_writes_are_completed(tmp_path, monkeypatch):
+    corpus = write_feature_corpus(tmp_path / "corpus", keys=["a", "b"], num_frames=[9, 4],
+                                  dim=3)
+    locations = dict(iter_table(corpus.feats_scp))
+    entries = [(key, locations[key], "t", len(corpus.features[key])) for key in ("a", "b")]
+    write_shard(ShardJob(str(tmp_path / "whole.tar"), entries))
+    writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, buffers: writev(fd, [
+        bytes(memoryview(buffers[0])[:100])]))
+    write_shard(ShardJob(str(tmp_path / "short.tar"), entries))
+    assert (tmp_path / "short.tar").read_bytes() == (tmp_path / "whole.tar").read_bytes()
