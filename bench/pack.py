@@ -165,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 shutil.rmtree(target, ignore_errors=True)
                 print(f"{f'pack_data {label} nj={num_jobs}':<30} {seconds:7.2f} s "
                       f"{rates[label, num_jobs]:8.1f} MB/s  "
-                      f"ratio {rates[label, num_jobs] / tar_rate:.2f}", flush=True)
+                      f"ratio {rates[label, num_jobs] / tar_rate:.2f}  "
+                      f"shards {digests[label, num_jobs][:12]}", flush=True)
         first = min(args.nj)
         for label in ("before", "after"):
             for num_jobs in sorted(args.nj)[1:]:

@@ -93,7 +93,7 @@ def add_member(tar: tarfile.TarFile, name: str, data: io.BytesIO | bytes) -> Non
 
 
 _BLOCK = tarfile.BLOCKSIZE
-_ZEROS = bytes(tarfile.RECORDSIZE)
+_ZEROS = bytes(tarfile.RECORDSIZE + 2 * _BLOCK)  # the longest run of zeros: the end
 # The ustar header of every member with a short ASCII name, name and size blank and the
 # checksum field as spaces (as the checksum is computed): filled in per member.
 _TEMPLATE = bytearray(member_info("", 0).tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))

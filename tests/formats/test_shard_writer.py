@@ -13,7 +13,13 @@ import pytest
 
 from cat.core.io import iter_table
 from cat.formats.shard_format import encode_key
-from cat.formats.shard_writer import ShardJob, member_header, member_info, write_shard
+from cat.formats.shard_writer import (
+    ShardJob,
+    TarStream,
+    member_header,
+    member_info,
+    write_shard,
+)
 from cat.testing.features import write_feature_corpus
 
 KEYS = ["sp0.9-BAC009S0002W0122", "说话人-甲-001", "k" * 96, "x" * 97, "y" * 150, "empty",
@@ -81,3 +87,20 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
         bytes(memoryview(buffers[0])[:100])]))
     write_shard(ShardJob(str(tmp_path / "short.tar"), entries))
     assert (tmp_path / "short.tar").read_bytes() == (tmp_path / "whole.tar").read_bytes()
+
+
+def test_tar_streams_end_as_tarfile_ends_them(tmp_path):
+    # Every remainder of the last 10 KiB record: the end blocks and the record's padding.
+    rng = np.random.default_rng(0)
+    for case in range(60):
+        members = [(f"m{i}.npy", bytes(rng.integers(0, 256, int(size), dtype=np.uint8)))
+                   for i, size in enumerate(rng.integers(0, 3000, case % 7))]
+        members.append(("last.txt", b"x" * (case * 512 % tarfile.RECORDSIZE)))
+        path = tmp_path / f"{case}.tar"
+        with open(path, "wb") as f:
+            stream = TarStream(f.fileno())
+            for name, data in members:
+                stream.add(name, data)
+            stream.close()
+        assert path.read_bytes() == reference_tar(members), case
+        assert stream.size == path.stat().st_size
