@@ -138,33 +138,35 @@ def main(argv: Sequence[str] | None = None) -> None:
                            utts_per_file=args.utts_per_file)
         listing = _write_baseline_members(workdir, out, workdir / "members")
         baseline_tar = workdir / "baseline.tar"
-        tar_seconds = best_time(
-            lambda: subprocess.run(["tar", "-cf", str(baseline_tar), "-C",
-                                    str(workdir / "members"), "-T", str(listing)], check=True),
-            args.repeat, prepare=lambda: baseline_tar.unlink(missing_ok=True), warm_up=False)
-        tar_rate = feature_bytes / MEGABYTE / tar_seconds
-        print(f"{'system tar':<30} {tar_seconds:7.2f} s {tar_rate:8.1f} MB/s  ratio 1.00")
-        # pack_data fsyncs every shard before renaming it; this line prices that in.
-        synced_seconds = best_time(
-            lambda: subprocess.run(f"tar -cf '{baseline_tar}' -C '{workdir / 'members'}' "
-                                   f"-T '{listing}' && sync '{baseline_tar}'", shell=True,
-                                   check=True),
-            args.repeat, prepare=lambda: baseline_tar.unlink(missing_ok=True), warm_up=False)
-        synced_rate = feature_bytes / MEGABYTE / synced_seconds
-        print(f"{'system tar + sync':<30} {synced_seconds:7.2f} s {synced_rate:8.1f} MB/s  "
-              f"ratio {synced_rate / tar_rate:.2f}")
-        # Repeats outermost, so that a change of the machine's load hits every variant.
+
+        def run_tar(sync: bool) -> float:
+            baseline_tar.unlink(missing_ok=True)
+            command = (f"tar -cf '{baseline_tar}' -C '{workdir / 'members'}' -T '{listing}'"
+                       + (f" && sync '{baseline_tar}'" if sync else ""))
+            return best_time(lambda: subprocess.run(command, shell=True, check=True), 1,
+                             warm_up=False)
+
+        # Repeats outermost, so that a change of the machine's load hits every variant
+        # (tar included) alike. pack_data fsyncs every shard: "tar + sync" prices that in.
         variants = [(label, root, num_jobs) for num_jobs in args.nj
                     for label, root in (("before", before_root), ("after", REPO_ROOT))]
         best: dict[tuple[str, int], float] = {}
         digests = {}
         for _ in range(args.repeat):
+            for sync in (False, True):
+                seconds = run_tar(sync)
+                best["tar", sync] = min(seconds, best.get(("tar", sync), seconds))
             for label, root, num_jobs in variants:
                 target = workdir / f"shards-{label}"
                 seconds = pack_in_child(root, corpus, target, args.utts_per_file, num_jobs, 1)
                 best[label, num_jobs] = min(seconds, best.get((label, num_jobs), seconds))
                 digests[label, num_jobs] = shard_digest(target)
                 shutil.rmtree(target, ignore_errors=True)
+        tar_rate = feature_bytes / MEGABYTE / best["tar", False]
+        for sync, name in ((False, "system tar"), (True, "system tar + sync")):
+            rate = feature_bytes / MEGABYTE / best["tar", sync]
+            print(f"{name:<30} {best['tar', sync]:7.2f} s {rate:8.1f} MB/s  "
+                  f"ratio {rate / tar_rate:.2f}")
         rates = {}
         for label, _, num_jobs in variants:
             seconds = best[label, num_jobs]
