@@ -106,7 +106,11 @@ def estimate_arpa(program: str, sentences: Iterable[Sequence[str]], order: int,
             command += ["--discount_fallback", *(f"{d:g}" for d in discount_fallback)]
         log_path = Path(scratch) / "lmplz.log"
         with open(log_path, "w+b") as log:
-            counts = _run(command, sentences, log)
+            try:
+                counts = _run(command, sentences, log)
+            except BaseException:
+                tmp_arpa.unlink(missing_ok=True)
+                raise
             log.seek(0)
             stderr = log.read().decode("utf-8", "replace")
         if counts[0] != 0:

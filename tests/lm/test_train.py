@@ -169,3 +169,17 @@ def test_memory_setting_is_checked(tmp_path):
     lm_dir, _ = make_lm_dir(tmp_path, memory="lots")
     with pytest.raises(ConfigError, match="memory"):
         lm_train.train(lm_dir)
+
+
+@needs_lmplz
+def test_lmplz_refuses_bad_tokens_and_leaves_nothing(tmp_path):
+    # A tokenizer's pieces reach lmplz as they are: the fallback's checks apply.
+    sentences = [["今", "天"], ["好", "</s>"]]
+    with pytest.raises(ValueError, match="sentence 2: </s> is reserved"):
+        lmplz.estimate_arpa(lmplz.find_program("lmplz"), sentences, 3, tmp_path / "lm.arpa",
+                            "100M", (0.5, 1.0, 1.5))
+    assert list(tmp_path.iterdir()) == []
+    result = lmplz.estimate_arpa(lmplz.find_program("lmplz"), [["今", "<unk>", "天"]] * 3, 2,
+                                 tmp_path / "lm.arpa", "100M", (0.5, 1.0, 1.5))
+    assert (result.sentences, result.tokens, result.skipped_unk) == (3, 6, 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["lm.arpa"]
