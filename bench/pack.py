@@ -1,4 +1,5 @@
-"""Benchmark: tar-shard packing throughput of `pack_data` against the system `tar`.
+"""Benchmark: tar-shard packing throughput of `pack_data` against the system `tar`, the
+code of a git revision (before) and of this checkout (after) in one run.
 
 Writes a random feature corpus (Kaldi arks + feats.scp + text), then measures, in the
 same run and on the same (page-cached) data:
@@ -7,24 +8,30 @@ same run and on the same (page-cached) data:
   `tar -cf` in shard order (no reading of arks, no conversion), without and with a
   final `sync` of the archive;
 * `pack_data` with each `--nj` (reads the arks, writes the shards atomically with fsync,
-  hashes them, writes the index).
+  hashes them, writes the index), by the package of `--before` (a git revision, exported
+  to a temporary folder) and by this checkout's, each in a fresh process; the shards of
+  both are compared byte for byte.
 
 Throughput is MB/s of float32 feature bytes; each line also prints the ratio to tar.
 The best of `--repeat` runs is kept.
 
 Usage:
-    python bench/pack.py --size-mb 200 --nj 1 2
+    python bench/pack.py --size-mb 400 --nj 1 2 --before c1bfd3f
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
+import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from timing import best_time
@@ -33,6 +40,50 @@ from cat.formats import prep_wds
 from cat.testing.features import utterance_ids, write_feature_corpus
 
 MEGABYTE = 1e6
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Packs in a fresh process whose `cat` comes from argv[1]; prints the best seconds.
+PACK_CHILD = """
+import json, shutil, sys, time
+sys.path.insert(0, sys.argv[1])
+from cat.formats import prep_wds
+scp, text, out, per_file, num_jobs, repeat = sys.argv[2:8]
+best = float("inf")
+for _ in range(int(repeat)):
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    prep_wds.pack_data(scp, text, out, utts_per_file=int(per_file), num_jobs=int(num_jobs))
+    best = min(best, time.perf_counter() - start)
+print(json.dumps({"seconds": best, "module": prep_wds.__file__}))
+"""
+
+
+def export_revision(revision: str, directory: Path) -> Path:
+    """The `cat` package of git `revision`, exported under `directory`."""
+    directory.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, "cat"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+    return directory
+
+
+def pack_in_child(package_root: Path, corpus, out: Path, per_file: int, num_jobs: int,
+                  repeat: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(package_root)}
+    result = subprocess.run([sys.executable, "-c", PACK_CHILD, str(package_root),
+                             str(corpus.feats_scp), str(corpus.text), str(out), str(per_file),
+                             str(num_jobs), str(repeat)], check=True, capture_output=True,
+                            text=True, env=env, cwd=out.parent)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["module"].startswith(str(package_root)), report
+    return report["seconds"]
+
+
+def shard_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("data-*.tar")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _write_baseline_members(corpus_dir: Path, shard_dir: Path, members_dir: Path) -> Path:
@@ -61,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--nj", type=int, nargs="+", default=[1, 2],
                         help="process counts to measure")
     parser.add_argument("--repeat", type=int, default=3, help="runs per method; best kept")
+    parser.add_argument("--before", default="c1bfd3f",
+                        help="git revision whose pack_data is measured as 'before'")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -78,45 +131,60 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"features, {args.utts_per_file} utterances per shard")
 
         out = workdir / "shards"
-
-        def pack(num_jobs: int) -> Callable[[], None]:
-            return lambda: prep_wds.pack_data(corpus.feats_scp, corpus.text, out,
-                                              utts_per_file=args.utts_per_file,
-                                              num_jobs=num_jobs)
-
-        def clear_output() -> None:
-            shutil.rmtree(out, ignore_errors=True)
+        before_root = export_revision(args.before, workdir / "before")
 
         # Baseline members are the exact shard members, so both sides write the same bytes.
-        pack(1)()
+        prep_wds.pack_data(corpus.feats_scp, corpus.text, out,
+                           utts_per_file=args.utts_per_file)
         listing = _write_baseline_members(workdir, out, workdir / "members")
         baseline_tar = workdir / "baseline.tar"
-        tar_seconds = best_time(
-            lambda: subprocess.run(["tar", "-cf", str(baseline_tar), "-C",
-                                    str(workdir / "members"), "-T", str(listing)], check=True),
-            args.repeat, prepare=lambda: baseline_tar.unlink(missing_ok=True), warm_up=False)
-        tar_rate = feature_bytes / MEGABYTE / tar_seconds
-        print(f"{'system tar':<22} {tar_seconds:7.2f} s {tar_rate:8.1f} MB/s  ratio 1.00")
-        # pack_data fsyncs every shard before renaming it; this line prices that in.
-        synced_seconds = best_time(
-            lambda: subprocess.run(f"tar -cf '{baseline_tar}' -C '{workdir / 'members'}' "
-                                   f"-T '{listing}' && sync '{baseline_tar}'", shell=True,
-                                   check=True),
-            args.repeat, prepare=lambda: baseline_tar.unlink(missing_ok=True), warm_up=False)
-        synced_rate = feature_bytes / MEGABYTE / synced_seconds
-        print(f"{'system tar + sync':<22} {synced_seconds:7.2f} s {synced_rate:8.1f} MB/s  "
-              f"ratio {synced_rate / tar_rate:.2f}")
+
+        def run_tar(sync: bool) -> float:
+            baseline_tar.unlink(missing_ok=True)
+            command = (f"tar -cf '{baseline_tar}' -C '{workdir / 'members'}' -T '{listing}'"
+                       + (f" && sync '{baseline_tar}'" if sync else ""))
+            return best_time(lambda: subprocess.run(command, shell=True, check=True), 1,
+                             warm_up=False)
+
+        # Repeats outermost, so that a change of the machine's load hits every variant
+        # (tar included) alike. pack_data fsyncs every shard: "tar + sync" prices that in.
+        variants = [(label, root, num_jobs) for num_jobs in args.nj
+                    for label, root in (("before", before_root), ("after", REPO_ROOT))]
+        best: dict[tuple[str, int], float] = {}
+        digests = {}
+        for _ in range(args.repeat):
+            for sync in (False, True):
+                seconds = run_tar(sync)
+                best["tar", sync] = min(seconds, best.get(("tar", sync), seconds))
+            for label, root, num_jobs in variants:
+                target = workdir / f"shards-{label}"
+                seconds = pack_in_child(root, corpus, target, args.utts_per_file, num_jobs, 1)
+                best[label, num_jobs] = min(seconds, best.get((label, num_jobs), seconds))
+                digests[label, num_jobs] = shard_digest(target)
+                shutil.rmtree(target, ignore_errors=True)
+        tar_rate = feature_bytes / MEGABYTE / best["tar", False]
+        for sync, name in ((False, "system tar"), (True, "system tar + sync")):
+            rate = feature_bytes / MEGABYTE / best["tar", sync]
+            print(f"{name:<30} {best['tar', sync]:7.2f} s {rate:8.1f} MB/s  "
+                  f"ratio {rate / tar_rate:.2f}")
         rates = {}
+        for label, _, num_jobs in variants:
+            seconds = best[label, num_jobs]
+            rates[label, num_jobs] = feature_bytes / MEGABYTE / seconds
+            print(f"{f'pack_data {label} nj={num_jobs}':<30} {seconds:7.2f} s "
+                  f"{rates[label, num_jobs]:8.1f} MB/s  "
+                  f"ratio {rates[label, num_jobs] / tar_rate:.2f}  "
+                  f"shards {digests[label, num_jobs][:12]}", flush=True)
+        first = min(args.nj)
+        for label in ("before", "after"):
+            for num_jobs in sorted(args.nj)[1:]:
+                print(f"{label}: nj={first} -> nj={num_jobs}: "
+                      f"{rates[label, num_jobs] / rates[label, first]:.2f}x")
         for num_jobs in args.nj:
-            seconds = best_time(pack(num_jobs), args.repeat, prepare=clear_output, warm_up=False)
-            rates[num_jobs] = feature_bytes / MEGABYTE / seconds
-            print(f"{f'pack_data nj={num_jobs}':<22} {seconds:7.2f} s "
-                  f"{rates[num_jobs]:8.1f} MB/s  ratio {rates[num_jobs] / tar_rate:.2f}")
-        if len(rates) > 1:
-            first = min(rates)
-            for num_jobs in sorted(rates)[1:]:
-                print(f"scaling nj={first} -> nj={num_jobs}: "
-                      f"{rates[num_jobs] / rates[first]:.2f}x")
+            speedup = rates["after", num_jobs] / rates["before", num_jobs]
+            print(f"nj={num_jobs}: after / before {speedup:.2f}x")
+        print("shards byte-identical before/after and across --nj: "
+              f"{len(set(digests.values())) == 1} ({next(iter(digests.values()))[:16]})")
         shard_bytes = sum(p.stat().st_size for p in out.glob("data-*.tar"))
         print(f"shard bytes / feature bytes: {shard_bytes / feature_bytes:.3f}; "
               f"tar bytes / feature bytes: {baseline_tar.stat().st_size / feature_bytes:.3f}")

@@ -4,7 +4,7 @@
 #
 # Usage: bash tools/install.sh          # runtime requirements
 #        bash tools/install.sh --dev    # plus test, lint and benchmark tools (and kenlm's
-#                                       # build_binary, tools/build_kenlm_binary.sh)
+#                                       # build_binary and lmplz, tools/build_kenlm_binary.sh)
 #
 # Re-running is cheap: the virtual environment is reused, and pip only runs
 # again when a requirements file changed since the last successful install.
@@ -22,6 +22,8 @@ log() { echo "$(date '+%Y-%m-%d %H:%M:%S') (install.sh:${BASH_LINENO[0]}) $*" >&
 # espeak-ng speaks the synthetic corpus; sox converts its audio; g++ and make build the
 # kenlm Python module, which PyPI has only as source.
 apt_packages=(espeak-ng sox g++ make)
+# Boost builds kenlm's lmplz (tools/build_kenlm_binary.sh lmplz), which the tests check.
+$dev && apt_packages+=(libboost-program-options-dev libboost-thread-dev libboost-system-dev)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -59,9 +61,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
   echo "$want" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
 fi
-# The tests check kenlm binaries against their ARPA, so the test set-up builds kenlm's
-# build_binary (once; the recipes build it on demand for the LMs that ask for a binary).
+# The tests check kenlm binaries against their ARPA and lmplz's models against
+# cat.lm.ngram's, so the test set-up builds kenlm's build_binary and lmplz (once, about
+# 2 minutes on 2 cores; the recipes build lmplz on demand for lm.json "estimator": "lmplz").
 if $dev; then
-  bash "$root/tools/build_kenlm_binary.sh"
+  bash "$root/tools/build_kenlm_binary.sh" build_binary lmplz
 fi
 log "environment ready: $venv"

@@ -51,8 +51,12 @@ ORPHAN_EXIT_STATUS = 1
 _POLL_SECONDS = 1.0
 
 
-def _set_parent_death_signal() -> bool:
-    """Ask the Linux kernel to SIGKILL this process when its parent ends; False elsewhere."""
+def set_parent_death_signal() -> bool:
+    """Ask the Linux kernel to SIGKILL this process when its parent ends; False elsewhere.
+
+    Also the `preexec_fn` of `subprocess.Popen` for programs that must end with the
+    process that started them.
+    """
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -76,7 +80,7 @@ def die_with_parent(parent_pid: int, poll_seconds: float = _POLL_SECONDS,
     leaves only the portable check (for tests of it).
     """
     if use_prctl:
-        _set_parent_death_signal()
+        set_parent_death_signal()
     # The parent may have died before the signal was armed.
     if os.getppid() != parent_pid:
         os._exit(ORPHAN_EXIT_STATUS)

@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import kaldiio
 import numpy as np
 
 from cat.audio import codec
@@ -88,6 +89,8 @@ from cat.formats.tables import DropLog, load_utterances
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16")
+#: Feature bytes one core packs per second (bench/pack.py), to plan worker processes.
+PACK_BYTES_PER_SECOND = 400e6
 
 
 # --------------------------------------------------------------------------- planning
@@ -160,7 +163,8 @@ def pack_data(
                          f"see {d_out / DROPPED_NAME})")
 
     pending, records = reuse_finished(folders, previous)
-    write_pending(pending, num_jobs, records, write_shard, _record_of)
+    write_pending(pending, num_jobs, records, write_shard, _record_of,
+                  _work_seconds(pending, dtype))
     for folder in folders:
         dims = {records[job.path]["feat_dim"] for job in folder.jobs}
         if len(dims) > 1:
@@ -179,6 +183,20 @@ def pack_data(
                     for f in folders})
     log_summary(summary, folders, drops, d_out, DROPPED_NAME)
     return summary
+
+
+def _work_seconds(pending: list[ShardJob], dtype: str) -> float | None:
+    """Single-core seconds the pending shards take (their feature bytes at the measured
+    packing speed), from one utterance's feature dim; None when it cannot be read (the
+    shard writer then says why)."""
+    if not pending:
+        return 0.0
+    try:
+        dim = kaldiio.load_mat(pending[0].entries[0][1]).shape[1]
+    except Exception:  # kaldiio signals bad data with asserts, struct and OS errors
+        return None
+    frames = sum(entry[3] for job in pending for entry in job.entries)
+    return frames * dim * np.dtype(dtype).itemsize / PACK_BYTES_PER_SECOND
 
 
 def _record_of(job: ShardJob, result: dict[str, Any]) -> dict[str, Any]:

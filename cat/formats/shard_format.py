@@ -66,6 +66,7 @@ KEY_ENCODING_NONE = "none"
 _KEY_ESCAPES = {"%": "%25", ".": "%2E", "/": "%2F"}
 _KEY_UNESCAPES = {v: k for k, v in _KEY_ESCAPES.items()}
 _ESCAPED = re.compile(r"%(?:25|2E|2F)")
+_ESCAPE_TABLE = str.maketrans(_KEY_ESCAPES)
 
 
 # --------------------------------------------------------------------------- keys
@@ -91,7 +92,7 @@ def temporary_regex(name_regex: re.Pattern) -> re.Pattern:
 
 def encode_key(key: str) -> str:
     """Escape `key` for a tar member name that webdataset groups correctly."""
-    return "".join(_KEY_ESCAPES.get(c, c) for c in key)
+    return key.translate(_ESCAPE_TABLE)
 
 
 def decode_key(name: str) -> str:

@@ -12,7 +12,8 @@ like jobs (a `path` and a `fingerprint` of its inputs), one list per output fold
   finished earlier, from the folder's index or from `.parts/` (records of shards that
   an interrupted run completed);
 * keeps the shards whose fingerprint and size match (`reuse_finished`), writes the
-  others in worker processes (`run_jobs`, `write_pending`), and
+  others here and in as many worker processes as the work and the idle CPUs pay for
+  (`plan_workers`, `run_jobs`, `write_pending`), and
 * writes the folder's `index.jsonl` last (`write_index`).
 
 Usage:
@@ -25,10 +26,12 @@ Usage:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -56,6 +59,10 @@ logger = logging.getLogger(__name__)
 #: Utterances per tar shard (an upper bound: shards of a folder differ by at most one).
 UTTS_PER_FILE = 2000
 DEFAULT_FMT = "data-%05d.tar"
+#: Seconds a spawned packing worker takes to start (Python, numpy, kaldiio: about 1 s on
+#: an idle machine, several on a loaded one), and how many times that in work it must get.
+WORKER_START_SECONDS = 2.0
+WORKER_PAYS_FACTOR = 4
 # Records of shards finished by an interrupted run, so a re-run can keep them.
 PARTS_DIR = ".parts"
 # Fields of a shard's index line before its long lists (see cat.formats.shard_format).
@@ -214,33 +221,78 @@ def reuse_finished(folders: list[Folder], previous: list[dict[str, dict[str, Any
 # --------------------------------------------------------------------------- writing
 
 
-def run_jobs(jobs: list[Any], num_jobs: int, write: Callable[[Any], dict[str, Any]]
-             ) -> Iterator[tuple[Any, dict[str, Any]]]:
-    """Yield `(job, write(job))` as shards complete (`write` runs in worker processes)."""
-    if num_jobs == 1 or len(jobs) <= 1:
+def usable_cpus() -> int:
+    """CPUs this process may run on that other work leaves idle (1-minute load average;
+    this process, busy already, counts as one of the loaded)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    try:
+        idle = cpus - os.getloadavg()[0] + 1
+    except OSError:  # no load average on this platform
+        idle = cpus
+    return max(1, min(cpus, math.floor(idle)))
+
+
+def plan_workers(num_jobs: int, num_tasks: int, work_seconds: float | None) -> int:
+    """Worker processes to start beside this one (which writes shards too): at most
+    `num_jobs - 1`, one fewer than the usable CPUs, one fewer than the shards, and, when
+    the work is known (`work_seconds` of one core), only as many as it pays for: a worker
+    takes about WORKER_START_SECONDS to start (spawn, imports), so each must get several
+    times that in work."""
+    extra = min(num_jobs, num_tasks, usable_cpus()) - 1
+    if work_seconds is not None:
+        extra = min(extra, math.floor(work_seconds / (WORKER_PAYS_FACTOR
+                                                      * WORKER_START_SECONDS)) - 1)
+    return max(0, extra)
+
+
+def run_jobs(jobs: list[Any], num_jobs: int, write: Callable[[Any], dict[str, Any]],
+             work_seconds: float | None = None) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """Yield `(job, write(job))` as shards complete.
+
+    This process writes shards from the front of the list; the workers that
+    `plan_workers` starts take them from the back, two in flight each, so a worker's
+    start-up delays nothing and no job waits for a busy worker at the end.
+    """
+    workers = plan_workers(num_jobs, len(jobs), work_seconds)
+    if workers == 0:
         for job in jobs:
             yield job, write(job)
         return
-    with process_pool(min(num_jobs, len(jobs))) as pool:
-        futures = {pool.submit(write, job): job for job in jobs}
+    queue = collections.deque(jobs)
+    running: dict[concurrent.futures.Future, Any] = {}
+    with process_pool(workers) as pool:
         try:
-            for future in concurrent.futures.as_completed(futures):
-                yield futures[future], future.result()
+            while queue or running:
+                while queue and len(running) < 2 * workers:
+                    job = queue.pop()
+                    running[pool.submit(write, job)] = job
+                for future in [f for f in running if f.done()]:
+                    yield running.pop(future), future.result()
+                if queue:
+                    job = queue.popleft()
+                    yield job, write(job)
+                elif running:
+                    concurrent.futures.wait(running,
+                                            return_when=concurrent.futures.FIRST_COMPLETED)
         except BrokenProcessPool:
             raise RuntimeError("a packing process died (killed?); completed shards are kept, "
                                "re-run to finish") from None
         finally:
-            for future in futures:
+            for future in running:
                 future.cancel()
 
 
 def write_pending(pending: list[Any], num_jobs: int, records: dict[str, dict[str, Any]],
                   write: Callable[[Any], dict[str, Any]],
-                  record_of: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> None:
+                  record_of: Callable[[Any, dict[str, Any]], dict[str, Any]],
+                  work_seconds: float | None = None) -> None:
     """Write the pending shards; each one's record (`record_of(job, result)`) is saved
-    in `.parts/` as soon as it is complete, and added to `records`."""
+    in `.parts/` as soon as it is complete, and added to `records`. `work_seconds`: the
+    estimated single-core seconds of the whole work (None: unknown), which decides how
+    many worker processes pay (`plan_workers`)."""
     with tqdm(total=len(pending), unit="shard", desc="packing", disable=None) as progress:
-        for job, result in run_jobs(pending, num_jobs, write):
+        for job, result in run_jobs(pending, num_jobs, write, work_seconds):
             path = Path(job.path)
             record = {"shard": path.name, **record_of(job, result),
                       "fingerprint": job.fingerprint}

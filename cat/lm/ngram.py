@@ -88,6 +88,16 @@ class _Order:
     raw: np.ndarray  # raw counts
 
 
+def check_token(token: str, number: int) -> None:
+    """Refuse a token an ARPA file cannot hold (empty, with whitespace, or a sentence
+    boundary); `number` is the sentence's, for the message."""
+    if not token or token.isspace() or any(c.isspace() for c in token):
+        raise ValueError(f"sentence {number}: token {token!r} is empty or holds "
+                         "whitespace, which an ARPA file cannot represent")
+    if token in (BOS, EOS):
+        raise ValueError(f"sentence {number}: {token} is reserved for sentence boundaries")
+
+
 def _flatten(sentences: Iterable[Sequence[str]]) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Vocabulary (specials first, then tokens by first appearance), the padded corpus as one
     id array, and for each position the end (exclusive) of its sentence."""
@@ -98,12 +108,7 @@ def _flatten(sentences: Iterable[Sequence[str]]) -> tuple[list[str], np.ndarray,
         start = len(ids)
         ids.append(BOS_ID)
         for token in sentence:
-            if not token or token.isspace() or any(c.isspace() for c in token):
-                raise ValueError(f"sentence {number}: token {token!r} is empty or holds "
-                                 "whitespace, which an ARPA file cannot represent")
-            if token in (BOS, EOS):
-                raise ValueError(f"sentence {number}: {token} is reserved for sentence "
-                                 "boundaries")
+            check_token(token, number)
             ids.append(index.setdefault(token, len(index)))
         ids.append(EOS_ID)
         ends.extend([len(ids)] * (len(ids) - start))

@@ -1,10 +1,14 @@
 """Train an n-gram language model experiment: `exp/<name>/lm.json` -> `exp/<name>/lm.arpa`.
 
 `lm.json` (schema `cat/lm/schemas/lm.schema.json`) names the unit (`char`, `word`,
-`tokenizer`), the order and the training text; `cat.lm.ngram` estimates an interpolated
-modified Kneser-Ney model and writes it as ARPA. `exp/<name>/train.json` records the
-n-gram counts, the discounts, the time taken, and the perplexity of `eval_text` as kenlm
-scores it (sentence ends included, out-of-vocabulary tokens counted as `<unk>`).
+`tokenizer`), the order and the training text; an interpolated modified Kneser-Ney model
+is estimated and written as ARPA, by kenlm's `lmplz` (`cat.lm.lmplz`: sorts on disk within
+lm.json's `memory`, so text of any size fits) when it is built, else by `cat.lm.ngram`
+(in memory, about 200 bytes per n-gram); `estimator` chooses (`auto`, `lmplz`: built on
+demand, `ngram`). Both give the same model (`cat.lm.lmplz` says where they differ).
+`exp/<name>/train.json` records the estimator, the n-gram counts, the discounts, the time
+taken, and the perplexity of `eval_text` as kenlm scores it (sentence ends included,
+out-of-vocabulary tokens counted as `<unk>`).
 
 The decoders load the model with `kenlm.Model`, which parses the ARPA file on every
 load. For large models `"binary": "probing" | "trie"` also writes `exp/<name>/lm.bin`
@@ -21,19 +25,21 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import logging
 import math
 import os
-import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from cat.core.config import ConfigError, check_against_schema
 from cat.core.io import PathLike, atomic_write, setup_logging
+from cat.lm import lmplz
 from cat.lm.ngram import DiscountError, estimate, write_arpa
 from cat.lm.text import iter_text, make_splitter
 
@@ -82,11 +88,9 @@ def model_file(lm_dir: PathLike, config: dict[str, Any]) -> Path:
 
 def find_build_binary() -> str:
     """kenlm's build_binary: $KENLM_BUILD_BINARY, on PATH, or in the checkout's tools/bin."""
-    candidates = [os.environ.get("KENLM_BUILD_BINARY"), shutil.which("build_binary"),
-                  str(Path(__file__).resolve().parents[2] / "tools" / "bin" / "build_binary")]
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
+    found = lmplz.find_program("build_binary")
+    if found:
+        return found
     raise FileNotFoundError("lm.json sets 'binary', but kenlm's build_binary was not found "
                             "(KENLM_BUILD_BINARY, PATH, tools/bin): run "
                             "bash tools/build_kenlm_binary.sh")
@@ -120,6 +124,28 @@ def perplexity(arpa: PathLike, sentences: Sequence[list[str]]) -> dict[str, floa
             "tokens": tokens, "oov_rate": oov / tokens if tokens else 0.0}
 
 
+@functools.cache
+def schema_default(key: str) -> Any:
+    """The default of an lm.json key, as the schema defines it."""
+    with open(SCHEMA_PATH, encoding="utf-8") as f:
+        return json.load(f)["properties"][key]["default"]
+
+
+def choose_estimator(config: dict[str, Any]) -> str | None:
+    """lmplz's path when lm.json's `estimator` (`auto`: when built; `lmplz`: built on
+    demand) uses it, else None (`cat.lm.ngram`)."""
+    estimator = config.get("estimator", schema_default("estimator"))
+    if estimator == "ngram":
+        return None
+    program = lmplz.find_program("lmplz")
+    if program is None and estimator == "lmplz":
+        program = lmplz.build_program("lmplz")
+    if program is None:
+        logger.info("kenlm's lmplz is not built (bash tools/build_kenlm_binary.sh lmplz): "
+                    "estimating in memory with cat.lm.ngram")
+    return program
+
+
 def train(lm_dir: PathLike) -> Path:
     """Estimate the model of `lm_dir/lm.json`; returns the ARPA path."""
     lm_dir = Path(lm_dir)
@@ -128,28 +154,37 @@ def train(lm_dir: PathLike) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"{lm_dir / CONFIG_NAME}: {path} does not exist")
     split = make_splitter(config["unit"], config.get("tokenizer"))
+    program = choose_estimator(config)
     start = time.perf_counter()
-    sentences = [split(text) for text in iter_text(config.get("text", []))]
-    sentences += [split(text) for text in iter_text(config.get("plain_text", []), kaldi=False)]
-    if not sentences:
+    sentences = _sentences(config, split)
+    first = next(sentences, None)
+    if first is None:
         raise ValueError(f"{lm_dir / CONFIG_NAME}: the training text "
                          f"({', '.join(map(str, input_files(config)))}) holds no sentence")
+    sentences = itertools.chain([first], sentences)
+    arpa = lm_dir / ARPA_NAME
     fallback = config.get("discount_fallback")
     try:
-        model = estimate(sentences, config["order"], tuple(fallback) if fallback else None)
+        if program is None:
+            report = _estimate_in_memory(list(sentences), config, arpa)
+        else:
+            memory = config.get("memory", schema_default("memory"))
+            result = lmplz.estimate_arpa(program, sentences, config["order"], arpa, memory,
+                                         fallback)
+            report = {"estimator": "lmplz", "memory": memory, "sentences": result.sentences,
+                      "tokens": result.tokens, "skipped_unk": result.skipped_unk,
+                      "vocabulary": result.ngrams[0], "ngrams": result.ngrams,
+                      "discounts": [list(d) for d in result.discounts]}
+            if result.skipped_unk:
+                logger.warning("%s: lmplz read %d <unk> tokens of the text as whitespace",
+                               lm_dir / CONFIG_NAME, result.skipped_unk)
     except DiscountError as error:
         raise DiscountError(f"{lm_dir / CONFIG_NAME}: {error}") from None
-    arpa = lm_dir / ARPA_NAME
-    write_arpa(model, arpa)
     if config.get("binary"):
         write_binary(arpa, lm_dir / BINARY_NAME, config["binary"])
     seconds = time.perf_counter() - start
-    report: dict[str, Any] = {
-        "unit": config["unit"], "order": config["order"], "sentences": len(sentences),
-        "tokens": sum(len(s) for s in sentences), "vocabulary": len(model.vocab),
-        "ngrams": [len(g) for g in model.grams],
-        "discounts": [list(d) for d in model.discounts], "seconds": round(seconds, 2),
-        "arpa_bytes": arpa.stat().st_size, "eval": {}}
+    report = {"unit": config["unit"], "order": config["order"], **report,
+              "seconds": round(seconds, 2), "arpa_bytes": arpa.stat().st_size, "eval": {}}
     if config.get("binary"):
         report["binary_bytes"] = (lm_dir / BINARY_NAME).stat().st_size
     for path in config.get("eval_text", []):
@@ -158,11 +193,32 @@ def train(lm_dir: PathLike) -> Path:
     with atomic_write(lm_dir / REPORT_NAME) as f:
         json.dump(report, f, ensure_ascii=False, indent=1)
         f.write("\n")
-    logger.info("%s: %d-gram %s model of %d sentences, n-grams %s, in %.1f s; perplexity %s",
-                arpa, config["order"], config["unit"], len(sentences), report["ngrams"], seconds,
+    logger.info("%s: %d-gram %s model of %d sentences by %s, n-grams %s, in %.1f s; "
+                "perplexity %s", arpa, config["order"], config["unit"], report["sentences"],
+                report["estimator"], report["ngrams"], seconds,
                 ", ".join(f"{k} {v['perplexity']:.2f}" for k, v in report["eval"].items())
                 or "(no eval_text)")
     return arpa
+
+
+def _sentences(config: dict[str, Any], split) -> Iterator[list[str]]:
+    """The training text's sentences as tokens (Kaldi `text`, then `plain_text`)."""
+    for text in iter_text(config.get("text", [])):
+        yield split(text)
+    for text in iter_text(config.get("plain_text", []), kaldi=False):
+        yield split(text)
+
+
+def _estimate_in_memory(sentences: list[list[str]], config: dict[str, Any],
+                        arpa: Path) -> dict[str, Any]:
+    """`cat.lm.ngram`'s model of `sentences` into `arpa`; the report's counts."""
+    fallback = config.get("discount_fallback")
+    model = estimate(sentences, config["order"], tuple(fallback) if fallback else None)
+    write_arpa(model, arpa)
+    return {"estimator": "ngram", "sentences": len(sentences),
+            "tokens": sum(len(s) for s in sentences), "vocabulary": len(model.vocab),
+            "ngrams": [len(g) for g in model.grams],
+            "discounts": [list(d) for d in model.discounts]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

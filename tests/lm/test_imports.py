@@ -10,7 +10,8 @@ from pathlib import Path
 import cat.lm
 
 ALLOWED_THIRD_PARTY = {"numpy", "kenlm", "jieba"}
-ALLOWED_CAT = {"cat.lm", "cat.core.io", "cat.text.tokenizer", "cat.core.config"}
+ALLOWED_CAT = {"cat.lm", "cat.core.io", "cat.text.tokenizer", "cat.core.config",
+               "cat.core.process"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from cat.core.config import ConfigError
+from cat.lm import lmplz
 from cat.lm import train as lm_train
 from cat.lm.ngram import read_arpa
+from cat.testing.lm import write_lm_text
 
 kenlm = pytest.importorskip("kenlm")
 
@@ -63,7 +67,7 @@ def test_binary_without_build_binary_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_too_little_text_names_the_config(tmp_path):
-    lm_dir, _ = make_lm_dir(tmp_path)
+    lm_dir, _ = make_lm_dir(tmp_path, estimator="ngram")
     config = json.loads((lm_dir / "lm.json").read_text())
     del config["discount_fallback"]
     (lm_dir / "lm.json").write_text(json.dumps(config))
@@ -77,3 +81,105 @@ def test_empty_text_names_the_config_and_files(tmp_path):
     (tmp_path / "plain.txt").write_text("\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"lm\.json: the training text .*text.* holds no"):
         lm_train.train(lm_dir)
+
+
+# ------------------------------------------------------------ lmplz against the fallback
+
+
+def lmplz_lm_dirs(tmp_path, order, **config):
+    """The same lm.json twice, one per estimator, over the factory's jieba-word text."""
+    text, dev = tmp_path / "text", tmp_path / "dev"
+    write_lm_text(text, 2000, seed=1)
+    write_lm_text(dev, 50, seed=2)
+    dirs = []
+    for estimator in ("ngram", "lmplz"):
+        lm_dir = tmp_path / estimator
+        lm_dir.mkdir()
+        (lm_dir / "lm.json").write_text(json.dumps({
+            "unit": "char", "order": order, "text": [str(text)], "eval_text": [str(dev)],
+            "estimator": estimator, **config}))
+        dirs.append(lm_dir)
+    return dirs
+
+
+needs_lmplz = pytest.mark.skipif(
+    lmplz.find_program("lmplz") is None,
+    reason="kenlm's lmplz is not built (bash tools/build_kenlm_binary.sh lmplz; "
+           "tools/install.sh --dev builds it)")
+
+
+@needs_lmplz
+@pytest.mark.parametrize(("order", "config"), [
+    (2, {}), (4, {}), (3, {"discount_fallback": [0.5, 1.0, 1.5]})])
+def test_lmplz_and_the_fallback_estimate_the_same_model(tmp_path, order, config):
+    fallback_dir, lmplz_dir = lmplz_lm_dirs(tmp_path, order, **config)
+    if config:  # no discount is defined: every order falls back alike
+        (tmp_path / "text").write_text("u1 今天天气很好\n", encoding="utf-8")
+    for lm_dir in (fallback_dir, lmplz_dir):
+        lm_train.train(lm_dir)
+    ours, theirs = (read_arpa(d / "lm.arpa") for d in (fallback_dir, lmplz_dir))
+    assert [len(t) for t in ours] == [len(t) for t in theirs]
+    for n, (mine, other) in enumerate(zip(ours, theirs, strict=True), 1):
+        assert mine.keys() == other.keys(), f"{n}-grams differ"
+        for gram, (prob, backoff) in mine.items():
+            if gram != ("<s>",):  # never predicted: -99 here, 0 in lmplz's ARPA
+                assert abs(prob - other[gram][0]) < 1e-5, (gram, prob, other[gram])
+            assert abs(backoff - other[gram][1]) < 1e-5, (gram, backoff, other[gram])
+    reports = [json.loads((d / "train.json").read_text()) for d in (fallback_dir, lmplz_dir)]
+    assert [r["estimator"] for r in reports] == ["ngram", "lmplz"]
+    for key in ("sentences", "tokens", "vocabulary", "ngrams"):
+        assert reports[0][key] == reports[1][key], key
+    assert np.ravel(reports[1]["discounts"]) == pytest.approx(
+        np.ravel(reports[0]["discounts"]), abs=1e-5)
+    dev = str(tmp_path / "dev")
+    assert reports[1]["eval"][dev]["perplexity"] == pytest.approx(
+        reports[0]["eval"][dev]["perplexity"], rel=1e-6)
+
+
+@needs_lmplz
+def test_lmplz_undefined_discounts_name_the_config(tmp_path):
+    _, lm_dir = lmplz_lm_dirs(tmp_path, 3)
+    (tmp_path / "text").write_text("u1 今天\nu2 今天天\n", encoding="utf-8")
+    with pytest.raises(lm_train.DiscountError, match=r"lmplz/lm\.json: 1-grams: .*discount_"
+                                                      "fallback"):
+        lm_train.train(lm_dir)
+    assert not (lm_dir / "lm.arpa").exists() and not list(lm_dir.glob(".*"))
+
+
+def test_auto_estimator_falls_back_without_lmplz(tmp_path, monkeypatch):
+    monkeypatch.setattr(lmplz, "find_program", lambda name: None)
+    lm_dir, _ = make_lm_dir(tmp_path)  # no "estimator": auto
+    lm_train.train(lm_dir)
+    assert json.loads((lm_dir / "train.json").read_text())["estimator"] == "ngram"
+
+
+def test_lmplz_estimator_builds_it_on_demand(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(lmplz, "find_program", lambda name: None)
+    monkeypatch.setattr(lmplz, "build_program",
+                        lambda name: built.append(name) or (_ for _ in ()).throw(
+                            RuntimeError("no Boost")))
+    lm_dir, _ = make_lm_dir(tmp_path, estimator="lmplz")
+    with pytest.raises(RuntimeError, match="no Boost"):
+        lm_train.train(lm_dir)
+    assert built == ["lmplz"]
+
+
+def test_memory_setting_is_checked(tmp_path):
+    lm_dir, _ = make_lm_dir(tmp_path, memory="lots")
+    with pytest.raises(ConfigError, match="memory"):
+        lm_train.train(lm_dir)
+
+
+@needs_lmplz
+def test_lmplz_refuses_bad_tokens_and_leaves_nothing(tmp_path):
+    # A tokenizer's pieces reach lmplz as they are: the fallback's checks apply.
+    sentences = [["今", "天"], ["好", "</s>"]]
+    with pytest.raises(ValueError, match="sentence 2: </s> is reserved"):
+        lmplz.estimate_arpa(lmplz.find_program("lmplz"), sentences, 3, tmp_path / "lm.arpa",
+                            "100M", (0.5, 1.0, 1.5))
+    assert list(tmp_path.iterdir()) == []
+    result = lmplz.estimate_arpa(lmplz.find_program("lmplz"), [["今", "<unk>", "天"]] * 3, 2,
+                                 tmp_path / "lm.arpa", "100M", (0.5, 1.0, 1.5))
+    assert (result.sentences, result.tokens, result.skipped_unk) == (3, 6, 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["lm.arpa"]
