@@ -715,6 +715,18 @@ def test_decode_scp_id_with_whitespace(trained_copy):
 # --------------------------------------------------------------------------- the catalogue
 
 
+def test_export_without_a_checkpoint(tmp_path, monkeypatch):
+    from cat.ctc import export as ctc_export
+    from cat.decoding.export import ExportError
+
+    monkeypatch.chdir(tmp_path)
+    write_tiny_experiment(tmp_path, kind="ctc")
+    with pytest.raises(ExportError, match=r"^cannot export exp/tiny: exp/tiny/check: no "
+                                          r"checkpoint \(run stage 3 first\)$"):
+        ctc_export.export("exp/tiny")
+    assert not (tmp_path / "exp/tiny/export").exists()
+
+
 def test_every_row_of_the_catalogue_has_its_test():
     catalogue = Path(__file__).resolve().parents[2] / "docs" / "bad-inputs.md"
     rows = [line for line in catalogue.read_text(encoding="utf-8").splitlines()
