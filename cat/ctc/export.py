@@ -23,17 +23,22 @@ from torch import nn
 
 from cat.core.io import PathLike
 from cat.ctc.search import ctc_greedy_search
+from cat.ctc.stream import CtcChunkSearch
 from cat.decoding.export import (
     EXPORT_NAME,
+    STREAMING_NAME,
     TOKENS_NAME,
     export_main,
     export_onnx,
+    export_streaming,
     feature_metadata,
     load_experiment_model,
     onnx_session,
+    streaming_metadata,
     write_export,
     write_tokens,
 )
+from cat.models.streaming import StreamingEncoder
 
 MODEL_NAME = "model.onnx"
 
@@ -50,15 +55,28 @@ class _LogProbs(nn.Module):
         return log_probs, lengths.to(torch.int64)
 
 
+class _LogSoftmaxHead(nn.Module):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.head(x), dim=-1)
+
+
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
-           checkpoint: PathLike | None = None) -> Path:
-    """Write `model.onnx`, `tokens.txt` and `export.json` of a CTC experiment."""
+           checkpoint: PathLike | None = None, chunk_size: int | None = None) -> Path:
+    """Write `model.onnx`, `tokens.txt` and `export.json` of a CTC experiment; with
+    `chunk_size`, also `streaming.onnx` (chunk log-probabilities, state in and out)."""
     model, tokenizer, path = load_experiment_model(exp_dir, "ctc", checkpoint)
     metadata: dict[str, Any] = {
         "family": "ctc", "model_type": "zipformer2_ctc", "framework": "cat",
         "vocab_size": int(model.num_classes), "blank_id": 0, "checkpoint": path.name,
         **feature_metadata(model.encoder)}
     dim = metadata["feature_dim"]
+    streaming = StreamingEncoder(model.encoder, chunk_size) if chunk_size else None
+    if streaming is not None:
+        metadata.update(streaming_metadata(streaming))
 
     def write(directory: Path) -> dict[str, Any]:
         example = (torch.randn(2, 100, dim), torch.tensor([100, 80], dtype=torch.int64))
@@ -67,6 +85,9 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
                     {"x": {0: "N", 1: "T"}, "x_lens": {0: "N"},
                      "log_probs": {0: "N", 1: "T_out"}, "log_probs_len": {0: "N"}},
                     metadata)
+        if streaming is not None:
+            export_streaming(_LogSoftmaxHead(model.head), streaming, directory / STREAMING_NAME,
+                             "log_probs", metadata)
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 
@@ -84,6 +105,17 @@ class OnnxCtcDecoder:
         log_probs, lengths = self.session.run(
             None, {"x": feats[None].astype(np.float32), "x_lens": np.array([len(feats)])})
         return ctc_greedy_search(torch.from_numpy(log_probs), torch.from_numpy(lengths))[0]
+
+
+class OnnxCtcChunkSearch(CtcChunkSearch):
+    """The chunk search of `streaming.onnx`'s log-probabilities."""
+
+    def __init__(self) -> None:
+        self.tokens = []
+        self.last = 0
+
+    def step(self, encoder_out: torch.Tensor) -> None:
+        self.step_log_probs(encoder_out)
 
 
 if __name__ == "__main__":

@@ -212,13 +212,79 @@ def export_main(kind: str, export: Callable[..., Path], argv: list[str] | None =
     parser.add_argument("exp_dir", help="experiment directory (hyper-p.json, config.json)")
     parser.add_argument("--checkpoint", help="checkpoint to export (default: stage 4's)")
     parser.add_argument("--out", help=f"output directory (default: EXP/{EXPORT_NAME})")
+    parser.add_argument("--chunk-size", type=int,
+                        help=f"also write {STREAMING_NAME}, chunk-by-chunk encoding with state "
+                             "in and out, for chunks of this many encoder output frames")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     try:
-        out = export(args.exp_dir, args.out, args.checkpoint)
-    except (ExportError, FileNotFoundError) as error:
+        out = export(args.exp_dir, args.out, args.checkpoint, args.chunk_size)
+    except (ExportError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(out)
     return 0
+
+
+STREAMING_NAME = "streaming.onnx"
+
+
+def streaming_metadata(streaming: Any) -> dict[str, Any]:
+    """What a runtime needs to cut features into chunks for `streaming.onnx`."""
+    return {"chunk_size": streaming.chunk_size, "stride": streaming.stride,
+            "frames_per_chunk": streaming.frames_per_chunk,
+            "left_chunks": streaming.encoder.left_chunks,
+            "num_layers": len(streaming.encoder.cells), "model_dim": streaming.encoder.output_dim,
+            "conv_cache_frames": streaming.encoder.cells[0].conv.depthwise.kernel_size[0] - 1}
+
+
+def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
+                     output_name: str, metadata: Mapping[str, Any]) -> None:
+    """`streaming.onnx`: one chunk `x` [1, T, 80] with `attn_cache` [layers, 1, L, D] and
+    `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
+    `attn_cache_out`, `conv_cache_out` (see `cat.models.streaming`)."""
+
+    class _Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.streaming, self.head = streaming, head
+
+        def forward(self, x: torch.Tensor, attn_cache: torch.Tensor,
+                    conv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out, attn_cache, conv_cache = self.streaming(x, attn_cache, conv_cache)
+            return self.head(out), attn_cache, conv_cache
+
+    attn, conv = streaming.initial_state()
+    with torch.no_grad():  # an example with a cache: its length is a dynamic axis
+        _, attn, conv = streaming(torch.randn(1, streaming.frames_per_chunk,
+                                              int(metadata["feature_dim"])), attn, conv)
+    example = (torch.randn(1, streaming.frames_per_chunk, int(metadata["feature_dim"])),
+               attn, conv)
+    export_onnx(_Step(), example, path, ["x", "attn_cache", "conv_cache"],
+                [output_name, "attn_cache_out", "conv_cache_out"],
+                {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
+                 "attn_cache_out": {2: "L_out"}}, metadata)
+
+
+class OnnxChunkEncoder:
+    """`streaming.onnx` as the chunk encoder of `cat.decoding.streaming.StreamingRecognizer`:
+    keeps the caches between calls."""
+
+    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
+        export_dir = Path(export_dir)
+        meta = load_export_metadata(export_dir)
+        if "chunk_size" not in meta:
+            raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
+        self.session = onnx_session(export_dir / STREAMING_NAME, num_threads)
+        self.stride = int(meta["stride"])
+        kernel = int(meta["conv_cache_frames"])
+        layers, dim = int(meta["num_layers"]), int(meta["model_dim"])
+        self.attn_cache = torch.zeros(layers, 1, 0, dim).numpy()
+        self.conv_cache = torch.zeros(layers, 1, dim, kernel).numpy()
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        out, self.attn_cache, self.conv_cache = self.session.run(
+            None, {"x": feats.numpy(), "attn_cache": self.attn_cache,
+                   "conv_cache": self.conv_cache})
+        return torch.from_numpy(out)

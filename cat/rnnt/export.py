@@ -34,16 +34,20 @@ from torch import nn
 from cat.core.io import PathLike
 from cat.decoding.export import (
     EXPORT_NAME,
+    STREAMING_NAME,
     TOKENS_NAME,
     export_main,
     export_onnx,
+    export_streaming,
     feature_metadata,
     load_experiment_model,
     load_export_metadata,
     onnx_session,
+    streaming_metadata,
     write_export,
     write_tokens,
 )
+from cat.models.streaming import StreamingEncoder
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -108,9 +112,10 @@ def _export_decoder(model: nn.Module, path: Path, metadata: dict[str, Any]) -> N
 
 
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
-           checkpoint: PathLike | None = None) -> Path:
+           checkpoint: PathLike | None = None, chunk_size: int | None = None) -> Path:
     """Write `encoder.onnx`, `decoder.onnx`, `joiner.onnx`, `tokens.txt` and
-    `export.json` of an RNN-T experiment."""
+    `export.json` of an RNN-T experiment; with `chunk_size`, also `streaming.onnx` (the
+    encoder chunk by chunk, projected for the joiner, state in and out)."""
     model, tokenizer, path = load_experiment_model(exp_dir, "rnnt", checkpoint)
     predictor = model.predictor
     stateless = isinstance(predictor, StatelessPredictor)
@@ -125,6 +130,9 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
         metadata.update(lstm_layers=predictor.lstm.num_layers,
                         lstm_hidden=predictor.lstm.hidden_size)
     dim, joiner_dim = metadata["feature_dim"], metadata["joiner_dim"]
+    streaming = StreamingEncoder(model.encoder, chunk_size) if chunk_size else None
+    if streaming is not None:
+        metadata.update(streaming_metadata(streaming))
 
     def write(directory: Path) -> dict[str, Any]:
         example = (torch.randn(2, 100, dim), torch.tensor([100, 80], dtype=torch.int64))
@@ -138,6 +146,9 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
                     directory / "joiner.onnx", ["encoder_out", "decoder_out"], ["logit"],
                     {"encoder_out": {0: "N"}, "decoder_out": {0: "N"}, "logit": {0: "N"}},
                     metadata)
+        if streaming is not None:
+            export_streaming(model.joiner.enc_proj, streaming, directory / STREAMING_NAME,
+                             "encoder_out", metadata)
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 
@@ -201,6 +212,20 @@ class OnnxRnntDecoder:
         encoder_out, lengths = self.encoder.run(
             None, {"x": feats[None].astype(np.float32), "x_lens": np.array([len(feats)])})
         return self.decode_encoded(encoder_out[0, :int(lengths[0])])[0]
+
+
+class OnnxRnntChunkSearch:
+    """Greedy search of `streaming.onnx`'s chunks with the export's decoder and joiner,
+    carried over chunks."""
+
+    def __init__(self, decoder: OnnxRnntDecoder) -> None:
+        self.decoder = decoder
+        self.tokens: list[int] = []
+        self.hyp = decoder.start()
+
+    def step(self, encoder_out: torch.Tensor) -> None:
+        new, self.hyp = self.decoder.decode_encoded(encoder_out.numpy(), self.hyp)
+        self.tokens.extend(new)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from cat.testing.audio_experiment import write_audio_experiment
 from cat.testing.training import write_tiny_experiment
 from cat.training.cli import train
 
+pytestmark = pytest.mark.slow  # trains three tiny models (about 50 s in all)
+
 EXP = "exp/tiny"
 FAMILIES = {"ctc": ctc_export, "rnnt": rnnt_export}
 

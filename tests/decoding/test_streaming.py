@@ -4,13 +4,18 @@ forward, partial results grow, and bad inputs are clear errors."""
 
 from __future__ import annotations
 
+import json
 from itertools import pairwise
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 
+from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
+from cat.decoding.export import OnnxChunkEncoder
+from cat.decoding.searcher import load_model
 from cat.decoding.streaming import (
     StreamingError,
     StreamingRecognizer,
@@ -20,9 +25,12 @@ from cat.decoding.streaming import (
 from cat.features.fbank import compute_fbank
 from cat.models.registry import build_model
 from cat.models.streaming import StreamingEncoder
+from cat.rnnt import export as rnnt_export
 from cat.rnnt.search import rnnt_greedy_search
 from cat.rnnt.stream import RnntChunkSearch
+from cat.testing.audio_experiment import write_audio_experiment
 from cat.testing.training import tiny_model_config
+from cat.training.cli import train
 
 SEARCHES = {"ctc": CtcChunkSearch, "rnnt": RnntChunkSearch}
 
@@ -117,3 +125,56 @@ def test_audio_at_another_sample_rate():
     with pytest.raises(StreamingError, match="audio at 8000 Hz: the model takes 16000 Hz "
                                              "audio; resample it first"):
         recognizer.accept_waveform(8000, _audio()[:8000])
+
+
+@pytest.fixture(scope="module", params=["ctc", "rnnt"])
+def chunk_experiment(request, tmp_path_factory):
+    """(kind, experiment, checkpoint) of a tiny chunk-trained model (stateless predictor),
+    one epoch, blank bias lowered so that greedy search emits tokens."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"stream-{kind}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        experiment = write_audio_experiment(root, kind=kind, epochs=1)
+        config_path = experiment.exp_dir / "config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=8)
+        if kind == "rnnt":
+            config["decoder"] = {"type": "StatelessPredictor",
+                                 "kwargs": {"embed_dim": 8, "context_size": 2}}
+        config_path.write_text(json.dumps(config), encoding="utf-8")
+        train("exp/tiny", f"cat.{kind}.train")
+    state = torch.load(next((root / "exp/tiny/check").glob("ckpt-*.pt")), map_location="cpu")
+    state["model"]["head.bias" if kind == "ctc" else "joiner.out.bias"][0] -= \
+        3.0 if kind == "ctc" else 1.0
+    checkpoint = root / "exp/tiny/lowered-blank.pt"
+    torch.save(state, checkpoint)
+    return kind, experiment, checkpoint
+
+
+@pytest.mark.slow
+def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp_path,
+                                                           monkeypatch):
+    kind, experiment, checkpoint = chunk_experiment
+    monkeypatch.chdir(experiment.root)
+    family = ctc_export if kind == "ctc" else rnnt_export
+    out = family.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert (meta["chunk_size"], meta["stride"], meta["frames_per_chunk"]) == (4, 16, 19)
+    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    emitted = 0
+    for key, path in sorted(experiment.test_audio().items()):
+        samples, rate = soundfile.read(str(path), dtype="float32")
+        expected = _reference(kind, model, samples, 4)
+        emitted += len(expected)
+        search = (ctc_export.OnnxCtcChunkSearch() if kind == "ctc"
+                  else rnnt_export.OnnxRnntChunkSearch(rnnt_export.OnnxRnntDecoder(out)))
+        recognizer = StreamingRecognizer(OnnxChunkEncoder(out), 16, search, tokenizer)
+        for start in range(0, len(samples), 1234):
+            recognizer.accept_waveform(rate, samples[start:start + 1234])
+        recognizer.finish()
+        assert search.tokens == expected, key
+    assert emitted >= 10
+    with pytest.raises(ValueError, match="chunk size 9: this model was trained on chunks"):
+        family.export("exp/tiny", tmp_path / "export9", checkpoint, chunk_size=9)
