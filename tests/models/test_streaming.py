@@ -83,3 +83,18 @@ def test_chunk_sizes_the_model_was_not_trained_for():
         full_context.set_decode_chunk_size(4)
     with pytest.raises(ValueError, match="needs causal_conv"):
         ConformerNet(80, 16, 1, 2, kernel_size=3, max_chunk_size=4)
+
+
+@pytest.mark.parametrize("name", ["synth-ctc-stream", "synth-rnnt-stream", "ctc-stream",
+                                  "rnnt-stream"])
+def test_recipe_stream_configs(name):
+    from pathlib import Path
+
+    from cat.core.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[2] / f"egs/aishell/exp/{name}"
+                         / "config.json")
+    kwargs = config["encoder"]["kwargs"]
+    assert kwargs["causal_conv"] and kwargs["max_chunk_size"] == 25
+    if "decoder" in config:  # sherpa-onnx's transducer type needs a stateless predictor
+        assert config["decoder"]["type"] == "StatelessPredictor"
