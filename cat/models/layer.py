@@ -95,8 +95,9 @@ class TimeReduction(nn.Module):
         batch, time, dim = x.shape
         x = x.masked_fill(lengths_to_padding_mask(lengths, time).unsqueeze(-1), 0.0)
         remainder = (-time) % self.factor
-        if remainder:
-            x = nn.functional.pad(x, (0, 0, 0, remainder))
+        # Padded unconditionally (by 0 frames when none is missing): a traced ONNX graph
+        # then pads whatever length it is given.
+        x = nn.functional.pad(x, (0, 0, 0, remainder))
         x = x.reshape(batch, (time + remainder) // self.factor, dim * self.factor)
         return self.proj(x), self.output_lengths(lengths)
 
