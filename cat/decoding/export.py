@@ -278,10 +278,15 @@ class OnnxChunkEncoder:
             raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
         self.session = onnx_session(export_dir / STREAMING_NAME, num_threads)
         self.stride = int(meta["stride"])
-        kernel = int(meta["conv_cache_frames"])
-        layers, dim = int(meta["num_layers"]), int(meta["model_dim"])
-        self.attn_cache = torch.zeros(layers, 1, 0, dim).numpy()
-        self.conv_cache = torch.zeros(layers, 1, dim, kernel).numpy()
+        self.shapes = ((int(meta["num_layers"]), 1, 0, int(meta["model_dim"])),
+                       (int(meta["num_layers"]), 1, int(meta["model_dim"]),
+                        int(meta["conv_cache_frames"])))
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new utterance (the session is kept)."""
+        self.attn_cache = torch.zeros(self.shapes[0]).numpy()
+        self.conv_cache = torch.zeros(self.shapes[1]).numpy()
 
     def __call__(self, feats: torch.Tensor) -> torch.Tensor:
         out, self.attn_cache, self.conv_cache = self.session.run(
