@@ -34,9 +34,12 @@ from cat.text.tokenizer import load as load_tokenizer
 from cat.utils.wer import score
 
 
-def _pytorch(exp: str, kind: str, data: str, out: Path) -> tuple[dict[str, str], float]:
+def _pytorch(exp: str, kind: str, data: str, out: Path,
+             checkpoint: str | None) -> tuple[dict[str, str], float]:
     command = [sys.executable, "-m", f"cat.{kind}.decode", exp, "--data", data, "--out",
                str(out), "--method", "greedy", "--nj", "1", "--device", "cpu"]
+    if checkpoint:
+        command += ["--checkpoint", checkpoint]
     result = subprocess.run(command, capture_output=True, text=True, check=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     rtf = float(re.search(r"RTF ([0-9.]+)", result.stderr).group(1))
@@ -49,11 +52,12 @@ def main() -> None:
     parser.add_argument("kind", choices=("ctc", "rnnt"))
     parser.add_argument("--set", default="test")
     parser.add_argument("--wav-scp", help="audio of the set (default: data/SET/wav.scp)")
+    parser.add_argument("--checkpoint", help="checkpoint (default: stage 4's)")
     parser.add_argument("--limit", type=int, default=0, help="first N utterances (0: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     module = __import__(f"cat.{args.kind}.export", fromlist=["export"])
-    export_dir = module.export(args.exp)
+    export_dir = module.export(args.exp, None, args.checkpoint)
     feats_scp = Path(f"data/fbank/{args.set}/feats.scp")
     keys = sorted(read_table(feats_scp))
     if args.limit:
@@ -68,7 +72,8 @@ def main() -> None:
     seconds = sum(int(frames[k]) for k in keys) / 100
 
     torch_hyps, torch_rtf = _pytorch(args.exp, args.kind, str(data),
-                                     Path(args.exp) / f"bench-onnx/{args.set}-pytorch")
+                                     Path(args.exp) / f"bench-onnx/{args.set}-pytorch",
+                                     args.checkpoint)
     runner_class = module.OnnxCtcDecoder if args.kind == "ctc" else module.OnnxRnntDecoder
     runner = runner_class(export_dir)
     hyper_path = Path(args.exp) / "hyper-p.json"
