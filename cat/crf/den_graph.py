@@ -58,10 +58,13 @@ def build_for_tokenizer(tokenizer_file: PathLike, text_files: Sequence[PathLike]
 def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry point (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--tokenizer", required=True,
+                        help="the experiment's lexicon tokenizer file (exp/<name>/tokenizer.tknz)")
     parser.add_argument("--text", nargs="+", required=True, help="Kaldi text files")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--order", type=int, default=4)
+    parser.add_argument("--out", required=True,
+                        help="the graph file to write (trainer.den_lm, e.g. exp/<name>/den_lm.npz)")
+    parser.add_argument("--order", type=int, default=4,
+                        help="order of the token n-gram (trainer.den_lm_order)")
     parser.add_argument("--extra-states", type=int, default=1000,
                         help="histories of 3+ tokens kept (the most frequent)")
     args = parser.parse_args(argv)

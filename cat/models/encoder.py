@@ -37,6 +37,17 @@ def build_subsampling(kind: str, idim: int, hdim: int,
     return Conv2dSubsampling(idim, hdim, channels, pad_end=kind == "conv2d_padded")
 
 
+def chunk_attention_mask(num_frames: int, chunk_size: int, left_chunks: int,
+                         device: torch.device) -> torch.Tensor:
+    """`[T, T]` bool, True where query frame i may not attend to key frame j: j in a later
+    chunk than i, or (`left_chunks` >= 0) more than `left_chunks` chunks earlier."""
+    chunk = torch.arange(num_frames, device=device) // chunk_size
+    later = chunk[None, :] > chunk[:, None]
+    if left_chunks < 0:
+        return later
+    return later | (chunk[None, :] < chunk[:, None] - left_chunks)
+
+
 class FeatureNormalizer(nn.Module):
     """Global mean and variance normalisation of the input features.
 
@@ -90,6 +101,15 @@ class ConformerNet(nn.Module):
         global_cmvn: normalise the input features with a global mean and standard
             deviation held in the model (see `FeatureNormalizer`), so checkpoints carry
             them to decoding. The trainer sets them from training data before step 0.
+        causal_conv: make the convolution modules causal (current and past frames only),
+            which streaming needs: a chunk then depends on no future frame.
+        max_chunk_size: train for streaming in chunks (U2's dynamic chunk training): per
+            training batch, with probability `full_context_prob` full context, else
+            self-attention limited to chunks of a size drawn from 1..`max_chunk_size`
+            encoder output frames (each frame sees its own chunk and the earlier ones).
+            0 (default): full context only. Needs `causal_conv`.
+        full_context_prob: share of training batches with full context (chunk training).
+        left_chunks: earlier chunks a frame may attend to (-1: all).
 
     Frame rate: 4x from the subsampling times `time_reduction_factor`.
     """
@@ -99,18 +119,34 @@ class ConformerNet(nn.Module):
                  dropout_attn: float = 0.0, conv_norm: str = "batchnorm",
                  subsampling: str = "conv2d", subsampling_channels: int | None = None,
                  time_reduction_factor: int = 1, time_reduction_position: int = 0,
-                 time_reduction_mode: str = "stack", global_cmvn: bool = False) -> None:
+                 time_reduction_mode: str = "stack", global_cmvn: bool = False,
+                 causal_conv: bool = False, max_chunk_size: int = 0,
+                 full_context_prob: float = 0.5, left_chunks: int = -1) -> None:
         super().__init__()
         if not 0 <= time_reduction_position <= num_cells:
             raise ValueError(f"time_reduction_position={time_reduction_position} must be within "
                              f"[0, num_cells={num_cells}]")
+        if max_chunk_size < 0 or not 0.0 <= full_context_prob <= 1.0 or left_chunks < -1:
+            raise ValueError(f"max_chunk_size={max_chunk_size} must be >= 0, full_context_prob="
+                             f"{full_context_prob} within [0, 1], left_chunks={left_chunks} >= -1")
+        if max_chunk_size and not causal_conv:
+            raise ValueError("chunk training (max_chunk_size > 0) needs causal_conv: true, "
+                             "else every chunk sees future frames through the convolutions")
+        if max_chunk_size and time_reduction_factor > 1 and time_reduction_position:
+            raise ValueError("chunk training needs time_reduction_position 0 (every block "
+                             "at the output frame rate, where chunks are counted)")
+        self.max_chunk_size = max_chunk_size
+        self.full_context_prob = full_context_prob
+        self.left_chunks = left_chunks
+        # Chunks of decoding (0: full context); see `set_decode_chunk_size`.
+        self.decode_chunk_size = 0
         self.output_dim = hdim
         self.normalizer = FeatureNormalizer(idim) if global_cmvn else None
         self.subsampling = build_subsampling(subsampling, idim, hdim, subsampling_channels)
         self.positional = RelPositionalEncoding(hdim, dropout)
         self.cells = nn.ModuleList(
             ConformerBlock(hdim, num_heads, ffn_mult * hdim, kernel_size, dropout, dropout_attn,
-                           conv_norm)
+                           conv_norm, causal_conv)
             for _ in range(num_cells)
         )
         self.time_reduction = (TimeReduction(hdim, time_reduction_factor, time_reduction_mode)
@@ -129,16 +165,43 @@ class ConformerNet(nn.Module):
             lengths = self.time_reduction.output_lengths(lengths)
         return lengths
 
+    def check_chunk_size(self, chunk_size: int) -> None:
+        """Raise ValueError unless the model was trained for chunks of `chunk_size` output
+        frames (0: full context, always allowed)."""
+        if chunk_size == 0:
+            return
+        if not self.max_chunk_size:
+            raise ValueError(f"chunk size {chunk_size}: this model was trained with full "
+                             "context only (encoder.kwargs.max_chunk_size 0)")
+        if not 1 <= chunk_size <= self.max_chunk_size:
+            raise ValueError(f"chunk size {chunk_size}: this model was trained on chunks of 1 "
+                             f"to {self.max_chunk_size} frames (encoder.kwargs.max_chunk_size)")
+
+    def set_decode_chunk_size(self, chunk_size: int) -> None:
+        """Limit self-attention to chunks of `chunk_size` output frames outside training
+        (0: full context): the hypotheses a streaming decoder gives with that chunk size."""
+        self.check_chunk_size(chunk_size)
+        self.decode_chunk_size = chunk_size
+
+    def _chunk_size(self) -> int:
+        if self.training and self.max_chunk_size:
+            if float(torch.rand(())) < self.full_context_prob:
+                return 0
+            return int(torch.randint(1, self.max_chunk_size + 1, ()))
+        return self.decode_chunk_size
+
     def _run_cells(self, x: torch.Tensor, lengths: torch.Tensor, cells: nn.ModuleList,
-                   scale_input: bool) -> torch.Tensor:
+                   scale_input: bool, chunk_size: int = 0) -> torch.Tensor:
         if scale_input:
             x, pos_emb = self.positional(x)
         else:
             pos_emb = self.positional.position_embeddings(x.size(1), x.device, x.dtype)
             pos_emb = self.positional.dropout(pos_emb)
         padding_mask = lengths_to_padding_mask(lengths, x.size(1))
+        attn_mask = (chunk_attention_mask(x.size(1), chunk_size, self.left_chunks, x.device)
+                     if chunk_size else None)
         for cell in cells:
-            x = cell(x, pos_emb, padding_mask)
+            x = cell(x, pos_emb, padding_mask, attn_mask)
         return x
 
     def forward(self, feats: torch.Tensor,
@@ -150,12 +213,14 @@ class ConformerNet(nn.Module):
         if x.size(1) == 0:
             # Every utterance is shorter than the subsampling window: nothing to encode.
             return x.new_zeros(x.size(0), 0, self.output_dim), self.output_lengths(feat_lens)
+        chunk_size = self._chunk_size()
         if self.time_reduction is None:
-            x = self._run_cells(x, lengths, self.cells, scale_input=True)
+            x = self._run_cells(x, lengths, self.cells, scale_input=True, chunk_size=chunk_size)
         else:
             split = self.time_reduction_position
             x = self._run_cells(x, lengths, self.cells[:split], scale_input=True)
             x, lengths = self.time_reduction(x, lengths)
-            x = self._run_cells(x, lengths, self.cells[split:], scale_input=False)
+            x = self._run_cells(x, lengths, self.cells[split:], scale_input=False,
+                                chunk_size=chunk_size)
         x = x.masked_fill(lengths_to_padding_mask(lengths, x.size(1)).unsqueeze(-1), 0.0)
         return x, lengths

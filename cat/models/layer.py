@@ -183,8 +183,9 @@ class TimeReduction(nn.Module):
         batch, time, dim = x.shape
         x = x.masked_fill(lengths_to_padding_mask(lengths, time).unsqueeze(-1), 0.0)
         remainder = (-time) % self.factor
-        if remainder:
-            x = nn.functional.pad(x, (0, 0, 0, remainder))
+        # Padded unconditionally (by 0 frames when none is missing): a traced ONNX graph
+        # then pads whatever length it is given.
+        x = nn.functional.pad(x, (0, 0, 0, remainder))
         x = x.reshape(batch, (time + remainder) // self.factor, dim * self.factor)
         return self.proj(x), self.output_lengths(lengths)
 
@@ -271,11 +272,15 @@ class RelPositionMultiHeadAttention(nn.Module):
         by_position = by_position.gather(-1, index.expand(*by_position.shape[:2], time, time))
         return (content + by_position) / math.sqrt(self.head_dim), value
 
-    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor,
-                padding_mask: torch.Tensor) -> torch.Tensor:
-        """`x` [B, T, D], `pos_emb` [1, 2T-1, D], `padding_mask` [B, T] -> [B, T, D]."""
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, padding_mask: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` [B, T, D], `pos_emb` [1, 2T-1, D], `padding_mask` [B, T] -> [B, T, D];
+        `attn_mask` [T, T] (True: query row may not see key column) limits the context,
+        e.g. to chunks (`cat.models.streaming.chunk_attention_mask`)."""
         scores, value = self.scores(x, pos_emb)
         key_mask = padding_mask[:, None, None, :]
+        if attn_mask is not None:
+            key_mask = key_mask | attn_mask[None, None]
         # A finite minimum (not -inf) keeps rows with no valid key free of NaN.
         scores = scores.masked_fill(key_mask, torch.finfo(scores.dtype).min)
         weights = torch.softmax(scores, dim=-1).masked_fill(key_mask, 0.0)
@@ -306,14 +311,19 @@ class ConvolutionModule(nn.Module):
     the zeroed padding) or "layernorm" (independent of batch composition).
     """
 
-    def __init__(self, dim: int, kernel_size: int, dropout: float, norm: str = "batchnorm") -> None:
+    def __init__(self, dim: int, kernel_size: int, dropout: float, norm: str = "batchnorm",
+                 causal: bool = False) -> None:
         super().__init__()
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd (symmetric padding), got {kernel_size}")
         if norm not in ("batchnorm", "layernorm"):
             raise ValueError(f"conv norm must be 'batchnorm' or 'layernorm', got {norm!r}")
         self.pointwise_in = nn.Conv1d(dim, 2 * dim, kernel_size=1)
-        self.depthwise = nn.Conv1d(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)
+        # A causal convolution sees the current and the `kernel_size - 1` previous frames
+        # only, so chunks of a streaming encoder need no future frames.
+        self.causal = causal
+        self.depthwise = nn.Conv1d(dim, dim, kernel_size, padding=0 if causal else kernel_size // 2,
+                                   groups=dim)
         self.norm_type = norm
         self.norm = nn.BatchNorm1d(dim) if norm == "batchnorm" else nn.LayerNorm(dim)
         self.activation = nn.SiLU()
@@ -324,6 +334,8 @@ class ConvolutionModule(nn.Module):
         """[B, T, D] -> [B, T, D]; padded frames are zeroed before the depthwise conv."""
         x = nn.functional.glu(self.pointwise_in(x.transpose(1, 2)), dim=1)  # [B, D, T]
         x = x.masked_fill(padding_mask.unsqueeze(1), 0.0)
+        if self.causal:
+            x = nn.functional.pad(x, (self.depthwise.kernel_size[0] - 1, 0))
         x = self.depthwise(x)
         if self.norm_type == "batchnorm":
             x = self.norm(x)
@@ -337,7 +349,7 @@ class ConformerBlock(nn.Module):
     """x + FFN/2 -> x + MHSA -> x + Conv -> x + FFN/2 -> LayerNorm (pre-norm residuals)."""
 
     def __init__(self, dim: int, num_heads: int, ffn_dim: int, kernel_size: int, dropout: float,
-                 dropout_attn: float, conv_norm: str) -> None:
+                 dropout_attn: float, conv_norm: str, causal_conv: bool = False) -> None:
         super().__init__()
         self.norm_ffn_in = nn.LayerNorm(dim)
         self.ffn_in = FeedForward(dim, ffn_dim, dropout)
@@ -345,16 +357,17 @@ class ConformerBlock(nn.Module):
         self.attn = RelPositionMultiHeadAttention(dim, num_heads, dropout_attn)
         self.dropout_attn_out = nn.Dropout(dropout)
         self.norm_conv = nn.LayerNorm(dim)
-        self.conv = ConvolutionModule(dim, kernel_size, dropout, conv_norm)
+        self.conv = ConvolutionModule(dim, kernel_size, dropout, conv_norm, causal_conv)
         self.norm_ffn_out = nn.LayerNorm(dim)
         self.ffn_out = FeedForward(dim, ffn_dim, dropout)
         self.norm_final = nn.LayerNorm(dim)
 
-    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor,
-                padding_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, padding_mask: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T, D] -> [B, T, D]."""
         x = x + 0.5 * self.ffn_in(self.norm_ffn_in(x))
-        x = x + self.dropout_attn_out(self.attn(self.norm_attn(x), pos_emb, padding_mask))
+        x = x + self.dropout_attn_out(self.attn(self.norm_attn(x), pos_emb, padding_mask,
+                                                attn_mask))
         x = x + self.conv(self.norm_conv(x), padding_mask)
         x = x + 0.5 * self.ffn_out(self.norm_ffn_out(x))
         return self.norm_final(x)

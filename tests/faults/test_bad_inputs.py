@@ -936,6 +936,51 @@ def test_decode_scp_id_with_whitespace(trained_copy):
 # --------------------------------------------------------------------------- the catalogue
 
 
+def test_export_without_a_checkpoint(tmp_path, monkeypatch):
+    from cat.ctc import export as ctc_export
+    from cat.decoding.export import ExportError
+
+    monkeypatch.chdir(tmp_path)
+    write_tiny_experiment(tmp_path, kind="ctc")
+    with pytest.raises(ExportError, match=r"^cannot export exp/tiny: exp/tiny/check: no "
+                                          r"checkpoint \(run stage 3 first\)$"):
+        ctc_export.export("exp/tiny")
+    assert not (tmp_path / "exp/tiny/export").exists()
+
+
+def _streaming_encoder(max_chunk_size: int):
+    from cat.models.encoder import ConformerNet
+
+    return ConformerNet(80, 16, 1, 2, kernel_size=3, subsampling_channels=4,
+                        causal_conv=bool(max_chunk_size), max_chunk_size=max_chunk_size).eval()
+
+
+def test_stream_with_an_untrained_chunk_size():
+    from cat.models.streaming import StreamingEncoder
+
+    with pytest.raises(ValueError, match=r"^chunk size 9: this model was trained on chunks of 1 "
+                                         r"to 8 frames \(encoder.kwargs.max_chunk_size\)$"):
+        StreamingEncoder(_streaming_encoder(8), 9)
+    with pytest.raises(ValueError, match=r"^chunk size 4: this model was trained with full "
+                                         r"context only \(encoder.kwargs.max_chunk_size 0\)$"):
+        StreamingEncoder(_streaming_encoder(0), 4)
+
+
+def test_stream_audio_at_another_sample_rate():
+    from cat.ctc.stream import CtcChunkSearch
+    from cat.decoding.streaming import StreamingError, StreamingRecognizer
+    from cat.models.streaming import StreamingEncoder
+
+    encoder = StreamingEncoder(_streaming_encoder(8), 4)
+    model = _streaming_encoder(8)  # any module with a head will do: nothing is encoded
+    model.head = None
+    recognizer = StreamingRecognizer(lambda feats: feats, encoder.stride, CtcChunkSearch(model),
+                                     None)
+    with pytest.raises(StreamingError, match=r"^audio at 8000 Hz: the model takes 16000 Hz "
+                                             r"audio; resample it first$"):
+        recognizer.accept_waveform(8000, np.zeros(8000, np.float32))
+
+
 def _test_functions(root: Path) -> set[str]:
     """Names of the test functions of every test module under `root`."""
     import ast

@@ -102,8 +102,9 @@ def test_misspelled_encoder_key_names_key_and_allowed_keys():
     config["encoder"]["kwargs"]["num_cell"] = config["encoder"]["kwargs"].pop("num_cells")
     message = error_message(config)
     assert "encoder.kwargs: unknown key 'num_cell' (did you mean 'num_cells'?)" in message
-    assert ("allowed keys: conv_norm, dropout, dropout_attn, ffn_mult, global_cmvn, hdim, idim, "
-            "kernel_size, num_cells, num_heads, subsampling, subsampling_channels, "
+    assert ("allowed keys: causal_conv, conv_norm, dropout, dropout_attn, ffn_mult, "
+            "full_context_prob, global_cmvn, hdim, idim, kernel_size, left_chunks, "
+            "max_chunk_size, num_cells, num_heads, subsampling, subsampling_channels, "
             "time_reduction_factor, time_reduction_mode, time_reduction_position") in message
     assert "'num_cells' is a required property" in message
 

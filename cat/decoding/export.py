@@ -1,0 +1,295 @@
+"""What the families' ONNX exports share: the model and checkpoint of an experiment, the
+metadata a runtime needs, `tokens.txt`, writing a directory of models atomically, and
+sherpa-onnx recognizers over an export.
+
+An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family
+(`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), a
+`tokens.txt` (`<piece> <id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx
+reads) and `export.json` (the same metadata as the models carry, for reading without
+onnx). The models take stage 1's features: 80-dim Kaldi fbank of audio at 16 kHz scaled
+to the int16 range (`cat.features.fbank`: 25 ms windows every 10 ms, `snip_edges`, mel
+bins from 20 Hz to Nyquist, no dither). Global CMVN, when the model has it, is folded
+into the encoder graph: the features go in raw.
+
+Usage:
+    model, tokenizer, checkpoint = load_experiment_model("exp/synth-ctc")
+    recognizer = sherpa_recognizer("exp/synth-ctc/export")   # sherpa_onnx.OfflineRecognizer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cat.core.config import CONFIG_NAME, HYPER_NAME, load_config, load_hyper, model_kind
+from cat.core.io import PathLike
+from cat.decoding.checkpoint import select_checkpoint
+from cat.decoding.searcher import load_model
+from cat.features.fbank import FbankOptions
+
+EXPORT_NAME = "export"
+TOKENS_NAME = "tokens.txt"
+METADATA_NAME = "export.json"
+OPSET = 17
+BLANK_SYMBOL = "<blk>"
+# Kaldi's mel range defaults, which `compute_fbank` keeps (0 = the Nyquist frequency).
+LOW_FREQ = 20.0
+HIGH_FREQ = 0.0
+
+
+class ExportError(RuntimeError):
+    """An experiment cannot be exported; the message says why."""
+
+
+def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | None = None
+                          ) -> tuple[torch.nn.Module, Any, Path]:
+    """The experiment's model (eval mode, CPU) with the weights stage 4 decodes with
+    (`select_checkpoint`) or `checkpoint`, its tokenizer and the checkpoint's path."""
+    exp_dir = Path(exp_dir)
+    hyper = load_hyper(exp_dir / HYPER_NAME)
+    found = model_kind(load_config(exp_dir / CONFIG_NAME))
+    if found != kind:
+        raise ExportError(f"{exp_dir / CONFIG_NAME} describes a {found} model; export it "
+                          f"with cat.{found}.export")
+    try:
+        path = Path(checkpoint) if checkpoint else select_checkpoint(exp_dir, hyper)
+    except FileNotFoundError as error:
+        raise ExportError(f"cannot export {exp_dir}: {error}") from None
+    if not path.is_file():
+        raise ExportError(f"cannot export {exp_dir}: no checkpoint {path}")
+    model, tokenizer = load_model(exp_dir, path, kind, torch.device("cpu"))
+    return model, tokenizer, path
+
+
+def feature_metadata(encoder: torch.nn.Module) -> dict[str, Any]:
+    """What a runtime needs to compute the encoder's input: stage 1's fbank settings, the
+    frame-rate reduction, and where CMVN went."""
+    fbank = FbankOptions()
+    normalizer = getattr(encoder, "normalizer", None)
+    return {
+        "sample_rate": fbank.sample_rate, "feature_dim": fbank.num_mel_bins,
+        "frame_length_ms": fbank.frame_length_ms, "frame_shift_ms": fbank.frame_shift_ms,
+        "dither": fbank.dither, "snip_edges": 1, "low_freq": LOW_FREQ, "high_freq": HIGH_FREQ,
+        # Samples in [-1, 1) are scaled to the int16 range before the fbank, as Kaldi does.
+        "normalize_samples": 0,
+        "subsampling_factor": int(encoder.frame_rate_factor),
+        "cmvn": "folded" if normalizer is not None else "none",
+    }
+
+
+def write_tokens(tokenizer: Any, path: PathLike) -> None:
+    """sherpa-onnx's symbol table: `<piece> <id>` per line, id 0 named `<blk>`."""
+    lines = []
+    for index in range(tokenizer.vocab_size):
+        piece = BLANK_SYMBOL if index == 0 else tokenizer.id_to_piece(index)
+        if not piece or any(c.isspace() for c in piece):
+            raise ExportError(f"token {index} ({piece!r}) cannot be written to {TOKENS_NAME}: "
+                              "empty or holding white space")
+        lines.append(f"{piece} {index}\n")
+    Path(path).write_text("".join(lines), encoding="utf-8")
+
+
+def export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: PathLike,
+                input_names: list[str], output_names: list[str],
+                dynamic_axes: Mapping[str, Mapping[int, str]],
+                metadata: Mapping[str, Any]) -> None:
+    """Trace `module` on `args` into the ONNX file `path` with `metadata` (values as
+    strings, what sherpa-onnx's model readers parse)."""
+    import onnx
+
+    with warnings.catch_warnings():
+        # The tracer's warnings are about branches on sizes, which the inputs' dynamic
+        # axes keep out of the graph (inputs shorter than one subsampling window aside).
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module.eval(), args, str(path), input_names=input_names,
+                          output_names=output_names, dynamic_axes=dict(dynamic_axes),
+                          opset_version=OPSET, dynamo=False)
+    model = onnx.load(str(path))
+    for key, value in metadata.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, str(value)
+    onnx.save(model, str(path))
+
+
+def read_metadata(path: PathLike) -> dict[str, str]:
+    """The metadata of an ONNX file."""
+    import onnx
+
+    return {entry.key: entry.value for entry in onnx.load(str(path)).metadata_props}
+
+
+def write_export(out_dir: PathLike, write: Callable[[Path], dict[str, Any]]) -> Path:
+    """Run `write(tmp_dir)` (which writes the models and returns the metadata) into a
+    temporary directory, add `export.json`, then put it in place of `out_dir`."""
+    out_dir = Path(out_dir)
+    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp_dir.exists():
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    metadata = write(tmp_dir)
+    (tmp_dir / METADATA_NAME).write_text(json.dumps(metadata, indent=1, ensure_ascii=False),
+                                         encoding="utf-8")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp_dir, out_dir)
+    return out_dir
+
+
+def load_export_metadata(export_dir: PathLike) -> dict[str, Any]:
+    """`export.json` of an export directory."""
+    path = Path(export_dir) / METADATA_NAME
+    if not path.is_file():
+        raise ExportError(f"{export_dir}: no {METADATA_NAME} (not an export directory)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def sherpa_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
+    """A `sherpa_onnx.OfflineRecognizer` over an export (CTC or transducer), with the
+    fbank settings of `export.json` (the factory methods fix some of them otherwise)."""
+    import sherpa_onnx
+    from sherpa_onnx.lib._sherpa_onnx import OfflineRecognizer as _Recognizer
+
+    export_dir = Path(export_dir)
+    meta = load_export_metadata(export_dir)
+    if meta.get("predictor") == "lstm":
+        raise ExportError(f"{export_dir}: sherpa-onnx's transducer type needs a stateless "
+                          "predictor (decoder.type StatelessPredictor); this model's LSTM "
+                          "predictor runs in onnxruntime only (cat.rnnt.export.OnnxRnntDecoder)")
+    features = sherpa_onnx.FeatureExtractorConfig(
+        sampling_rate=int(meta["sample_rate"]), feature_dim=int(meta["feature_dim"]),
+        low_freq=float(meta["low_freq"]), high_freq=float(meta["high_freq"]),
+        dither=float(meta["dither"]), normalize_samples=bool(int(meta["normalize_samples"])),
+        snip_edges=bool(int(meta["snip_edges"])))
+    common = {"tokens": str(export_dir / TOKENS_NAME), "num_threads": num_threads,
+              "provider": "cpu", "debug": False}
+    if meta["family"] == "ctc":
+        models = sherpa_onnx.OfflineModelConfig(
+            zipformer_ctc=sherpa_onnx.OfflineZipformerCtcModelConfig(
+                model=str(export_dir / "model.onnx")), **common)
+    else:
+        models = sherpa_onnx.OfflineModelConfig(
+            transducer=sherpa_onnx.OfflineTransducerModelConfig(
+                encoder_filename=str(export_dir / "encoder.onnx"),
+                decoder_filename=str(export_dir / "decoder.onnx"),
+                joiner_filename=str(export_dir / "joiner.onnx")),
+            model_type="transducer", **common)
+    config = sherpa_onnx.OfflineRecognizerConfig(feat_config=features, model_config=models,
+                                                 decoding_method="greedy_search")
+    # What the class's own factory methods do, with our feature settings.
+    recognizer = sherpa_onnx.OfflineRecognizer.__new__(sherpa_onnx.OfflineRecognizer)
+    recognizer.recognizer = _Recognizer(config)
+    recognizer.config = config
+    return recognizer
+
+
+def onnx_session(path: PathLike, num_threads: int = 1) -> Any:
+    """An onnxruntime CPU session of `path` using `num_threads` threads."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def export_main(kind: str, export: Callable[..., Path], argv: list[str] | None = None) -> int:
+    """Command line of `python -m cat.<kind>.export`."""
+    import argparse
+    import logging
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog=f"python -m cat.{kind}.export",
+        description="Export the model stage 4 decodes with to ONNX (+ tokens.txt).")
+    parser.add_argument("exp_dir", help="experiment directory (hyper-p.json, config.json)")
+    parser.add_argument("--checkpoint", help="checkpoint to export (default: stage 4's)")
+    parser.add_argument("--out", help=f"output directory (default: EXP/{EXPORT_NAME})")
+    parser.add_argument("--chunk-size", type=int,
+                        help=f"also write {STREAMING_NAME}, chunk-by-chunk encoding with state "
+                             "in and out, for chunks of this many encoder output frames")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    try:
+        out = export(args.exp_dir, args.out, args.checkpoint, args.chunk_size)
+    except (ExportError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+STREAMING_NAME = "streaming.onnx"
+
+
+def streaming_metadata(streaming: Any) -> dict[str, Any]:
+    """What a runtime needs to cut features into chunks for `streaming.onnx`."""
+    return {"chunk_size": streaming.chunk_size, "stride": streaming.stride,
+            "frames_per_chunk": streaming.frames_per_chunk,
+            "left_chunks": streaming.encoder.left_chunks,
+            "num_layers": len(streaming.encoder.cells), "model_dim": streaming.encoder.output_dim,
+            "conv_cache_frames": streaming.encoder.cells[0].conv.depthwise.kernel_size[0] - 1}
+
+
+def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
+                     output_name: str, metadata: Mapping[str, Any]) -> None:
+    """`streaming.onnx`: one chunk `x` [1, T, 80] with `attn_cache` [layers, 1, L, D] and
+    `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
+    `attn_cache_out`, `conv_cache_out` (see `cat.models.streaming`)."""
+
+    class _Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.streaming, self.head = streaming, head
+
+        def forward(self, x: torch.Tensor, attn_cache: torch.Tensor,
+                    conv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out, attn_cache, conv_cache = self.streaming(x, attn_cache, conv_cache)
+            return self.head(out), attn_cache, conv_cache
+
+    attn, conv = streaming.initial_state()
+    with torch.no_grad():  # an example with a cache: its length is a dynamic axis
+        _, attn, conv = streaming(torch.randn(1, streaming.frames_per_chunk,
+                                              int(metadata["feature_dim"])), attn, conv)
+    example = (torch.randn(1, streaming.frames_per_chunk, int(metadata["feature_dim"])),
+               attn, conv)
+    export_onnx(_Step(), example, path, ["x", "attn_cache", "conv_cache"],
+                [output_name, "attn_cache_out", "conv_cache_out"],
+                {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
+                 "attn_cache_out": {2: "L_out"}}, metadata)
+
+
+class OnnxChunkEncoder:
+    """`streaming.onnx` as the chunk encoder of `cat.decoding.streaming.StreamingRecognizer`:
+    keeps the caches between calls."""
+
+    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
+        export_dir = Path(export_dir)
+        meta = load_export_metadata(export_dir)
+        if "chunk_size" not in meta:
+            raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
+        self.session = onnx_session(export_dir / STREAMING_NAME, num_threads)
+        self.stride = int(meta["stride"])
+        self.shapes = ((int(meta["num_layers"]), 1, 0, int(meta["model_dim"])),
+                       (int(meta["num_layers"]), 1, int(meta["model_dim"]),
+                        int(meta["conv_cache_frames"])))
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new utterance (the session is kept)."""
+        self.attn_cache = torch.zeros(self.shapes[0]).numpy()
+        self.conv_cache = torch.zeros(self.shapes[1]).numpy()
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        out, self.attn_cache, self.conv_cache = self.session.run(
+            None, {"x": feats.numpy(), "attn_cache": self.attn_cache,
+                   "conv_cache": self.conv_cache})
+        return torch.from_numpy(out)

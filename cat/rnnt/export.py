@@ -1,0 +1,232 @@
+"""Export an RNN-T experiment to ONNX (encoder, decoder, joiner), and decode with the
+export in onnxruntime.
+
+The three models follow sherpa-onnx's transducer type (`sherpa_onnx.
+OfflineTransducerModelConfig`), the layout icefall exports:
+
+  * `encoder.onnx`: `x` [N, T, 80], `x_lens` [N] int64 -> `encoder_out` [N, T', J] (the
+    encoder output already through the joiner's encoder projection), `encoder_out_lens`;
+  * `decoder.onnx`: `y` [N, context_size] int64, the last tokens of each history (-1,
+    sherpa-onnx's padding, reads as blank) -> `decoder_out` [N, J] (through the joiner's
+    predictor projection); metadata `context_size`, `vocab_size`;
+  * `joiner.onnx`: `encoder_out` [N, J], `decoder_out` [N, J] -> `logit` [N, V].
+
+sherpa-onnx's transducer type feeds the decoder the last `context_size` tokens and keeps
+no decoder state, so it runs models with a `StatelessPredictor`. A model with an
+`LSTMPredictor` is exported with a stateful decoder instead (`y` [N, 1], `h`, `c` [N,
+layers, hidden] -> `decoder_out`, `h_out`, `c_out`; metadata `predictor` "lstm"), which
+`OnnxRnntDecoder` runs in onnxruntime and sherpa-onnx cannot.
+
+Usage:
+    python -m cat.rnnt.export exp/synth-rnnt-stateless    # -> exp/.../export/
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from cat.core.io import PathLike
+from cat.decoding.export import (
+    EXPORT_NAME,
+    STREAMING_NAME,
+    TOKENS_NAME,
+    export_main,
+    export_onnx,
+    export_streaming,
+    feature_metadata,
+    load_experiment_model,
+    load_export_metadata,
+    onnx_session,
+    streaming_metadata,
+    write_export,
+    write_tokens,
+)
+from cat.models.streaming import StreamingEncoder
+from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
+
+MAX_SYMBOLS_PER_FRAME = 3
+# (tokens so far, decoder state, decoder output) of a greedy search
+Hypothesis = tuple[list[int], dict[str, np.ndarray], np.ndarray]
+
+
+class _Encoder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.encoder, self.joiner = model.encoder, model.joiner
+
+    def forward(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lengths = self.encoder(x, x_lens)
+        return self.joiner.project_encoder(out), lengths.to(torch.int64)
+
+
+class _StatelessDecoder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.predictor, self.joiner = model.predictor, model.joiner
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        embedded = self.predictor.embedding(y.clamp(min=BLANK))
+        return self.joiner.project_predictor(self.predictor._mix(embedded)[:, -1])
+
+
+class _LSTMDecoder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.predictor, self.joiner = model.predictor, model.joiner
+
+    def forward(self, y: torch.Tensor, h: torch.Tensor,
+                c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, (h, c) = self.predictor.step(y[:, -1].clamp(min=BLANK), (h, c))
+        return self.joiner.project_predictor(out), h, c
+
+
+class _Joiner(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.joiner = model.joiner
+
+    def forward(self, encoder_out: torch.Tensor, decoder_out: torch.Tensor) -> torch.Tensor:
+        return self.joiner.joint(encoder_out, decoder_out)
+
+
+def _export_decoder(model: nn.Module, path: Path, metadata: dict[str, Any]) -> None:
+    predictor = model.predictor
+    if isinstance(predictor, StatelessPredictor):
+        context = predictor.context_size
+        export_onnx(_StatelessDecoder(model), (torch.zeros(2, context, dtype=torch.int64),),
+                    path, ["y"], ["decoder_out"], {"y": {0: "N"}, "decoder_out": {0: "N"}},
+                    metadata)
+        return
+    if not isinstance(predictor, LSTMPredictor):
+        raise TypeError(f"cannot export a {type(predictor).__name__}")
+    state = predictor.initial_state(2, torch.device("cpu"))
+    axes = {name: {0: "N"} for name in ("y", "h", "c", "decoder_out", "h_out", "c_out")}
+    export_onnx(_LSTMDecoder(model), (torch.zeros(2, 1, dtype=torch.int64), *state), path,
+                ["y", "h", "c"], ["decoder_out", "h_out", "c_out"], axes, metadata)
+
+
+def export(exp_dir: PathLike, out_dir: PathLike | None = None,
+           checkpoint: PathLike | None = None, chunk_size: int | None = None) -> Path:
+    """Write `encoder.onnx`, `decoder.onnx`, `joiner.onnx`, `tokens.txt` and
+    `export.json` of an RNN-T experiment; with `chunk_size`, also `streaming.onnx` (the
+    encoder chunk by chunk, projected for the joiner, state in and out)."""
+    model, tokenizer, path = load_experiment_model(exp_dir, "rnnt", checkpoint)
+    predictor = model.predictor
+    stateless = isinstance(predictor, StatelessPredictor)
+    metadata: dict[str, Any] = {
+        "family": "rnnt", "model_type": "transducer", "framework": "cat",
+        "vocab_size": int(model.num_classes), "blank_id": BLANK, "checkpoint": path.name,
+        "predictor": "stateless" if stateless else "lstm",
+        "context_size": predictor.context_size if stateless else 1,
+        "joiner_dim": int(model.joiner.enc_proj.out_features),
+        **feature_metadata(model.encoder)}
+    if not stateless:
+        metadata.update(lstm_layers=predictor.lstm.num_layers,
+                        lstm_hidden=predictor.lstm.hidden_size)
+    dim, joiner_dim = metadata["feature_dim"], metadata["joiner_dim"]
+    streaming = StreamingEncoder(model.encoder, chunk_size) if chunk_size else None
+    if streaming is not None:
+        metadata.update(streaming_metadata(streaming))
+
+    def write(directory: Path) -> dict[str, Any]:
+        example = (torch.randn(2, 100, dim), torch.tensor([100, 80], dtype=torch.int64))
+        export_onnx(_Encoder(model), example, directory / "encoder.onnx", ["x", "x_lens"],
+                    ["encoder_out", "encoder_out_lens"],
+                    {"x": {0: "N", 1: "T"}, "x_lens": {0: "N"},
+                     "encoder_out": {0: "N", 1: "T_out"}, "encoder_out_lens": {0: "N"}},
+                    metadata)
+        _export_decoder(model, directory / "decoder.onnx", metadata)
+        export_onnx(_Joiner(model), (torch.randn(2, joiner_dim), torch.randn(2, joiner_dim)),
+                    directory / "joiner.onnx", ["encoder_out", "decoder_out"], ["logit"],
+                    {"encoder_out": {0: "N"}, "decoder_out": {0: "N"}, "logit": {0: "N"}},
+                    metadata)
+        if streaming is not None:
+            export_streaming(model.joiner.enc_proj, streaming, directory / STREAMING_NAME,
+                             "encoder_out", metadata)
+        write_tokens(tokenizer, directory / TOKENS_NAME)
+        return metadata
+
+    return write_export(out_dir or Path(exp_dir) / EXPORT_NAME, write)
+
+
+class OnnxRnntDecoder:
+    """Greedy RNN-T decoding of features with an export in onnxruntime: the search of
+    `cat.rnnt.search.rnnt_greedy_search` (at most `MAX_SYMBOLS_PER_FRAME` per frame)."""
+
+    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
+        export_dir = Path(export_dir)
+        self.meta = load_export_metadata(export_dir)
+        self.encoder = onnx_session(export_dir / "encoder.onnx", num_threads)
+        self.decoder = onnx_session(export_dir / "decoder.onnx", num_threads)
+        self.joiner = onnx_session(export_dir / "joiner.onnx", num_threads)
+        self.stateless = self.meta["predictor"] == "stateless"
+        self.context_size = int(self.meta["context_size"])
+
+    def _initial(self) -> tuple[list[int], dict[str, np.ndarray]]:
+        if self.stateless:
+            return [-1] * (self.context_size - 1) + [BLANK], {}
+        shape = (1, int(self.meta["lstm_layers"]), int(self.meta["lstm_hidden"]))
+        zeros = np.zeros(shape, np.float32)
+        return [BLANK], {"h": zeros, "c": zeros}
+
+    def _step(self, context: list[int], state: dict[str, np.ndarray]
+              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        y = np.array([context[-self.context_size:]], dtype=np.int64)
+        outputs = self.decoder.run(None, {"y": y, **state})
+        if self.stateless:
+            return outputs[0], state
+        return outputs[0], {"h": outputs[1], "c": outputs[2]}
+
+    def start(self) -> Hypothesis:
+        """The empty history: its tokens, decoder state and decoder output."""
+        context, state = self._initial()
+        decoder_out, state = self._step(context, state)
+        return context, state, decoder_out
+
+    def decode_encoded(self, encoder_out: np.ndarray, hyp: Hypothesis | None = None
+                       ) -> tuple[list[int], Hypothesis]:
+        """Search encoder frames [T', J] after `hyp` (default: the empty history):
+        (new tokens, the hypothesis after them)."""
+        context, state, decoder_out = hyp if hyp is not None else self.start()
+        tokens: list[int] = []
+        for frame in encoder_out:
+            for _ in range(MAX_SYMBOLS_PER_FRAME):
+                logit = self.joiner.run(None, {"encoder_out": frame[None],
+                                               "decoder_out": decoder_out})[0]
+                best = int(logit[0].argmax())
+                if best == BLANK:
+                    break
+                tokens.append(best)
+                context = [*context, best]
+                decoder_out, state = self._step(context, state)
+        return tokens, (context, state, decoder_out)
+
+    def decode(self, feats: np.ndarray) -> list[int]:
+        """Token ids of one utterance's features [T, D]."""
+        encoder_out, lengths = self.encoder.run(
+            None, {"x": feats[None].astype(np.float32), "x_lens": np.array([len(feats)])})
+        return self.decode_encoded(encoder_out[0, :int(lengths[0])])[0]
+
+
+class OnnxRnntChunkSearch:
+    """Greedy search of `streaming.onnx`'s chunks with the export's decoder and joiner,
+    carried over chunks."""
+
+    def __init__(self, decoder: OnnxRnntDecoder) -> None:
+        self.decoder = decoder
+        self.tokens: list[int] = []
+        self.hyp = decoder.start()
+
+    def step(self, encoder_out: torch.Tensor) -> None:
+        new, self.hyp = self.decoder.decode_encoded(encoder_out.numpy(), self.hyp)
+        self.tokens.extend(new)
+
+
+if __name__ == "__main__":
+    sys.exit(export_main("rnnt", export))

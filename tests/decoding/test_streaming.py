@@ -1,0 +1,180 @@
+"""Streaming recognition (`cat.decoding.streaming`, `cat.ctc.stream`, `cat.rnnt.stream`):
+audio in pieces of any size gives the hypotheses of the chunk-masked model's full
+forward, partial results grow, and bad inputs are clear errors."""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from cat.ctc import export as ctc_export
+from cat.ctc.stream import CtcChunkSearch
+from cat.decoding.export import OnnxChunkEncoder
+from cat.decoding.searcher import load_model
+from cat.decoding.streaming import (
+    StreamingError,
+    StreamingRecognizer,
+    _chunk_encoder,
+    decode_utterance,
+)
+from cat.features.fbank import compute_fbank
+from cat.models.registry import build_model
+from cat.models.streaming import StreamingEncoder
+from cat.rnnt import export as rnnt_export
+from cat.rnnt.search import rnnt_greedy_search
+from cat.rnnt.stream import RnntChunkSearch
+from cat.testing.audio_experiment import write_audio_experiment
+from cat.testing.training import tiny_model_config
+from cat.training.cli import train
+
+SEARCHES = {"ctc": CtcChunkSearch, "rnnt": RnntChunkSearch}
+
+
+class _Ids:
+    """A tokenizer whose text is the token ids."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_model_config(kind, 80)
+    config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=8,
+                                       time_reduction_factor=2)
+    model = build_model(config, num_classes=12)
+    head = model.head if kind == "ctc" else model.joiner.out
+    with torch.no_grad():  # a blank-light random model: tokens on most frames
+        head.bias[0] -= 1.0
+    return model.eval()
+
+
+def _audio(seconds: float = 2.3) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    envelope = np.repeat(rng.uniform(0.01, 0.3, int(seconds * 10)), 1600)
+    return (rng.normal(size=len(envelope)) * envelope).astype(np.float32)
+
+
+def _reference(kind: str, model, samples: np.ndarray, chunk_size: int) -> list[int]:
+    """The chunk-masked model's full forward, greedy search."""
+    feats = torch.from_numpy(compute_fbank(samples, 16000))[None]
+    lengths = torch.tensor([feats.size(1)])
+    model.encoder.set_decode_chunk_size(chunk_size)
+    try:
+        with torch.no_grad():
+            if kind == "ctc":
+                return model.decode(feats, lengths, method="greedy")[0]
+            out, out_lens = model.encoder(feats, lengths)
+            return rnnt_greedy_search(model.predictor, model.joiner, out, out_lens)[0]
+    finally:
+        model.encoder.set_decode_chunk_size(0)
+
+
+def _recognizer(kind: str, model, chunk_size: int) -> StreamingRecognizer:
+    encoder = StreamingEncoder(model.encoder, chunk_size)
+    return StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
+                               SEARCHES[kind](model, chunk_size), _Ids())
+
+
+@pytest.mark.parametrize("kind", ["ctc", "rnnt"])
+@pytest.mark.parametrize("chunk_size", [2, 8])
+def test_streaming_equals_the_chunk_masked_forward(kind, chunk_size):
+    model, samples = _model(kind), _audio()
+    expected = _reference(kind, model, samples, chunk_size)
+    assert len(expected) >= 5
+    recognizer = _recognizer(kind, model, chunk_size)
+    partials = [recognizer.accept_waveform(16000, samples[start:start + 4000])
+                for start in range(0, len(samples), 4000)]
+    assert recognizer.finish() == " ".join(map(str, expected))
+    # Partial results come before the end and only grow.
+    assert any(partials[:-2]) and all(b.startswith(a) for a, b in pairwise(partials))
+
+
+@pytest.mark.parametrize("kind", ["ctc", "rnnt"])
+def test_any_piece_sizes_give_the_one_piece_result(kind):
+    model, samples = _model(kind), _audio()
+    one = _recognizer(kind, model, 4)
+    one.accept_waveform(16000, samples)
+    expected = one.finish()
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        recognizer, start = _recognizer(kind, model, 4), 0
+        while start < len(samples):
+            size = int(rng.integers(1, 5000))
+            recognizer.accept_waveform(16000, samples[start:start + size])
+            start += size
+        assert recognizer.finish() == expected
+
+
+def test_latencies():
+    model, samples = _model("ctc"), _audio()
+    result = decode_utterance(_recognizer("ctc", model, 4), samples, 16000, 0.1)
+    assert result.seconds == pytest.approx(2.3)
+    # The first token comes with the first chunks, long before the end of the audio.
+    assert 0.3 < result.first_token_latency < 1.5
+    assert 0.0 <= result.final_latency < 1.0
+
+
+def test_audio_at_another_sample_rate():
+    recognizer = _recognizer("ctc", _model("ctc"), 4)
+    with pytest.raises(StreamingError, match="audio at 8000 Hz: the model takes 16000 Hz "
+                                             "audio; resample it first"):
+        recognizer.accept_waveform(8000, _audio()[:8000])
+
+
+@pytest.fixture(scope="module", params=["ctc", "rnnt"])
+def chunk_experiment(request, tmp_path_factory):
+    """(kind, experiment, checkpoint) of a tiny chunk-trained model (stateless predictor),
+    one epoch, blank bias lowered so that greedy search emits tokens."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"stream-{kind}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        experiment = write_audio_experiment(root, kind=kind, epochs=1)
+        config_path = experiment.exp_dir / "config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=8)
+        if kind == "rnnt":
+            config["decoder"] = {"type": "StatelessPredictor",
+                                 "kwargs": {"embed_dim": 8, "context_size": 2}}
+        config_path.write_text(json.dumps(config), encoding="utf-8")
+        train("exp/tiny", f"cat.{kind}.train")
+    state = torch.load(next((root / "exp/tiny/check").glob("ckpt-*.pt")), map_location="cpu")
+    state["model"]["head.bias" if kind == "ctc" else "joiner.out.bias"][0] -= \
+        3.0 if kind == "ctc" else 1.0
+    checkpoint = root / "exp/tiny/lowered-blank.pt"
+    torch.save(state, checkpoint)
+    return kind, experiment, checkpoint
+
+
+@pytest.mark.slow
+def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp_path,
+                                                           monkeypatch):
+    kind, experiment, checkpoint = chunk_experiment
+    monkeypatch.chdir(experiment.root)
+    family = ctc_export if kind == "ctc" else rnnt_export
+    out = family.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert (meta["chunk_size"], meta["stride"], meta["frames_per_chunk"]) == (4, 16, 19)
+    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    emitted = 0
+    for key, path in sorted(experiment.test_audio().items()):
+        samples, rate = soundfile.read(str(path), dtype="float32")
+        expected = _reference(kind, model, samples, 4)
+        emitted += len(expected)
+        search = (ctc_export.OnnxCtcChunkSearch() if kind == "ctc"
+                  else rnnt_export.OnnxRnntChunkSearch(rnnt_export.OnnxRnntDecoder(out)))
+        recognizer = StreamingRecognizer(OnnxChunkEncoder(out), 16, search, tokenizer)
+        for start in range(0, len(samples), 1234):
+            recognizer.accept_waveform(rate, samples[start:start + 1234])
+        recognizer.finish()
+        assert search.tokens == expected, key
+    assert emitted >= 10
+    with pytest.raises(ValueError, match="chunk size 9: this model was trained on chunks"):
+        family.export("exp/tiny", tmp_path / "export9", checkpoint, chunk_size=9)

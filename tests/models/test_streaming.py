@@ -1,0 +1,100 @@
+"""Chunk-by-chunk encoding (`cat.models.streaming.StreamingEncoder`) equals the full
+forward of the chunk-masked encoder; chunk training options and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cat.models.encoder import ConformerNet, chunk_attention_mask
+from cat.models.streaming import StreamingEncoder
+
+
+def _encoder(time_reduction: int, left_chunks: int, conv_norm: str = "batchnorm"
+             ) -> ConformerNet:
+    torch.manual_seed(0)
+    encoder = ConformerNet(80, 16, 2, 2, kernel_size=5, dropout=0.0, subsampling_channels=4,
+                           time_reduction_factor=time_reduction, global_cmvn=True,
+                           conv_norm=conv_norm, causal_conv=True, max_chunk_size=8,
+                           left_chunks=left_chunks)
+    encoder.normalizer.set_stats(torch.randn(80), torch.rand(80) + 0.5)
+    if conv_norm == "batchnorm":
+        for cell in encoder.cells:  # running statistics that are not the identity
+            cell.conv.norm.running_mean.normal_()
+            cell.conv.norm.running_var.uniform_(0.5, 2.0)
+    return encoder.eval()
+
+
+def _stream(encoder: ConformerNet, chunk_size: int, feats: torch.Tensor) -> torch.Tensor:
+    streaming = StreamingEncoder(encoder, chunk_size)
+    attn_cache, conv_cache = streaming.initial_state()
+    outputs, start = [], 0
+    while feats.size(1) - start >= 7:
+        out, attn_cache, conv_cache = streaming(
+            feats[:, start:start + streaming.frames_per_chunk], attn_cache, conv_cache)
+        outputs.append(out)
+        start += streaming.stride
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize(("time_reduction", "left_chunks", "conv_norm"),
+                         [(1, -1, "batchnorm"), (2, -1, "layernorm"), (2, 2, "batchnorm")])
+@pytest.mark.parametrize("chunk_size", [1, 3, 8])
+def test_chunks_equal_the_chunk_masked_forward(time_reduction, left_chunks, conv_norm,
+                                               chunk_size):
+    encoder = _encoder(time_reduction, left_chunks, conv_norm)
+    feats = torch.randn(1, 173, 80)
+    encoder.set_decode_chunk_size(chunk_size)
+    with torch.no_grad():
+        masked, lengths = encoder(feats, torch.tensor([173]))
+        streamed = _stream(encoder, chunk_size, feats)
+        encoder.set_decode_chunk_size(0)
+        full, _ = encoder(feats, torch.tensor([173]))
+    assert streamed.shape == masked.shape == (1, int(lengths[0]), 16)
+    torch.testing.assert_close(streamed, masked, atol=1e-5, rtol=1e-5)
+    # The chunk mask matters: full context gives other outputs.
+    assert (full - masked).abs().max() > 1e-3
+
+
+def test_chunk_mask():
+    mask = chunk_attention_mask(5, 2, -1, torch.device("cpu"))
+    assert (~mask).int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0],
+                                      [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    limited = chunk_attention_mask(5, 1, 1, torch.device("cpu"))
+    assert (~limited[4]).int().tolist() == [0, 0, 0, 1, 1]
+
+
+def test_chunk_training_draws_chunk_sizes():
+    encoder = _encoder(1, -1).train()
+    torch.manual_seed(1)
+    sizes = [encoder._chunk_size() for _ in range(400)]
+    assert 0 in sizes and set(sizes) <= set(range(9)) and len(set(sizes)) == 9
+    assert 150 < sizes.count(0) < 250  # full_context_prob 0.5
+    assert encoder.eval()._chunk_size() == 0
+
+
+def test_chunk_sizes_the_model_was_not_trained_for():
+    encoder = _encoder(1, -1)
+    with pytest.raises(ValueError, match=r"chunk size 9: this model was trained on chunks of 1 "
+                                         r"to 8 frames \(encoder.kwargs.max_chunk_size\)"):
+        StreamingEncoder(encoder, 9)
+    full_context = ConformerNet(80, 16, 1, 2, kernel_size=3, subsampling_channels=4)
+    with pytest.raises(ValueError, match="trained with full context only"):
+        full_context.set_decode_chunk_size(4)
+    with pytest.raises(ValueError, match="needs causal_conv"):
+        ConformerNet(80, 16, 1, 2, kernel_size=3, max_chunk_size=4)
+
+
+@pytest.mark.parametrize("name", ["synth-ctc-stream", "synth-rnnt-stream", "ctc-stream",
+                                  "rnnt-stream"])
+def test_recipe_stream_configs(name):
+    from pathlib import Path
+
+    from cat.core.config import load_config
+
+    config = load_config(Path(__file__).resolve().parents[2] / f"egs/aishell/exp/{name}"
+                         / "config.json")
+    kwargs = config["encoder"]["kwargs"]
+    assert kwargs["causal_conv"] and kwargs["max_chunk_size"] == 25
+    if "decoder" in config:  # sherpa-onnx's transducer type needs a stateless predictor
+        assert config["decoder"]["type"] == "StatelessPredictor"
