@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("pinyin", help="lexicon of the transcripts' words, from pypinyin")
     build.add_argument("--text", nargs="+", required=True, help="Kaldi text files")
-    build.add_argument("--out", required=True)
+    build.add_argument("--out", required=True, help="lexicon file to write (word phone ...)")
     args = parser.parse_args(argv)
     setup_logging()
     entries, unreadable = pinyin_lexicon(args.text)
