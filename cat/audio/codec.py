@@ -288,7 +288,10 @@ def decode_ogg_opus(data: bytes | bytearray | memoryview, sample_rate: int | Non
     at `sample_rate` if Opus decodes at it, else at libsndfile's rate
     (`opus_output_rate`); None for anything else, which `decode` leaves to libsndfile."""
     lib = _libopus()
-    parsed = ogg_packets(data) if lib is not None else None
+    first = 27 + data[26] if len(data) > 27 else 0
+    if lib is None or bytes(data[first:first + 8]) != _OPUS_HEAD:
+        return None  # Vorbis, FLAC in Ogg, or no libopus
+    parsed = ogg_packets(data)
     if parsed is None:
         return None
     packets, granule = parsed
