@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--speed-perturb", action="store_true",
                         help="speed factor 0.9/1.0/1.1 per utterance in every loader")
     parser.add_argument("--before", help="a checkout whose `cat` is measured as 'ours before'")
-    parser.add_argument("--workdir", help="keep the data here (default: a temporary folder)")
+    parser.add_argument("--workdir", help="keep the data here, or reuse what an earlier run "
+                        "kept there (default: a temporary folder)")
     parser.add_argument("--ours-only", action="store_true",
                         help="(internal) time ours on --workdir's data, print JSON")
     args = parser.parse_args(argv)
@@ -224,12 +225,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                                args.speed_perturb)))
         return
     try:
-        speech = make_speech(args.distinct, seed=0)
-        whole, _, seconds = write_corpus(workdir / "corpus", speech, args.utterances, 60.0)
-        tk.save(tk.train_sentencepiece([whole / "text"], "char", 0), tokenizer)
-        for fmt in FORMATS:
-            pack_audio(whole, shards / fmt, fmt, utts_per_file=args.utts_per_file, num_jobs=2)
-            _write_shar(whole, shards / fmt, workdir / "shar" / fmt, fmt, args.utts_per_file)
+        made = workdir / "corpus.json"
+        if made.exists():  # a kept --workdir: the same data again
+            seconds = json.loads(made.read_text())["seconds"]
+        else:
+            speech = make_speech(args.distinct, seed=0)
+            whole, _, seconds = write_corpus(workdir / "corpus", speech, args.utterances, 60.0)
+            tk.save(tk.train_sentencepiece([whole / "text"], "char", 0), tokenizer)
+            for fmt in FORMATS:
+                pack_audio(whole, shards / fmt, fmt, utts_per_file=args.utts_per_file,
+                           num_jobs=2)
+                _write_shar(whole, shards / fmt, workdir / "shar" / fmt, fmt,
+                            args.utts_per_file)
+            made.write_text(json.dumps({"seconds": seconds}))
         print(f"corpus: {args.utterances} utterances, {seconds / 60:.1f} min of audio "
               f"({seconds / args.utterances:.2f} s each), batches of {args.batch}, speed "
               f"perturbation {'0.9/1.0/1.1' if args.speed_perturb else 'off'}; "

@@ -277,7 +277,7 @@ def ogg_packets(data: bytes | bytearray | memoryview) -> tuple[list[bytes], int]
         if cut < start:
             pending += data[cut:start]
         position = end
-    if pending or not packets:
+    if pending or not packets or granule < 0:
         return None
     return packets, granule
 
