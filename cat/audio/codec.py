@@ -316,13 +316,13 @@ def decode_ogg_opus(data: bytes | bytearray | memoryview, sample_rate: int | Non
             return None
         max_frame = _OPUS_MAX_FRAME // factor
         out = np.empty((max(granule, 0) // factor + max_frame) * channels, np.float32)
-        filled = 0
+        filled, address = 0, out.ctypes.data
         for packet in packets[2:]:
             if (filled + max_frame) * channels > out.size:
                 out = np.concatenate([out, np.empty_like(out)])
+                address = out.ctypes.data
             count = lib.opus_decode_float(decoder, packet, len(packet),
-                                          out.ctypes.data + 4 * filled * channels,
-                                          max_frame, 0)
+                                          address + 4 * filled * channels, max_frame, 0)
             if count < 0:
                 return None
             filled += count
