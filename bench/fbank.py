@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     peer_speed = audio_seconds / peer
     print_table([
         (f"ours: read + fbank + write ark (nj={args.nj})", full, args.nj),
-        ("ours: fbank only (torchaudio kaldi.fbank)", ours, 1),
+        ("ours: fbank only (compute_fbank)", ours, 1),
         ("kaldi-native-fbank: fbank only (OnlineFbank)", peer, 1),
         ("kaldi-native-fbank: compute, frames not fetched", peer_compute, 1),
     ], audio_seconds, peer_speed)

@@ -20,8 +20,9 @@ log() { echo "$(date '+%Y-%m-%d %H:%M:%S') (install.sh:${BASH_LINENO[0]}) $*" >&
 
 # --- system packages --------------------------------------------------------
 # espeak-ng speaks the synthetic corpus; sox converts its audio; g++ and make build the
-# kenlm Python module, which PyPI has only as source.
-apt_packages=(espeak-ng sox g++ make)
+# kenlm Python module, which PyPI has only as source; libopus0 decodes Opus shards directly
+# (cat.audio.codec; without it they go through libsndfile, more slowly).
+apt_packages=(espeak-ng sox g++ make libopus0)
 # Boost builds kenlm's lmplz (tools/build_kenlm_binary.sh lmplz), which the tests check.
 $dev && apt_packages+=(libboost-program-options-dev libboost-thread-dev libboost-system-dev)
 missing=()

@@ -29,7 +29,6 @@ from cat.audio.codec import (
     AudioDecodeError,
     conversion_notes,
     decode,
-    to_float32,
     to_int16,
 )
 from cat.audio.speed import choose_factor, speed_perturb
@@ -166,7 +165,8 @@ class Judge:
         if waveform is None:
             return
         audio = self.audio
-        sample["features"] = compute_fbank(to_float32(waveform), audio.sample_rate, audio.fbank)
+        # int16 straight in: the features of to_float32(waveform), without its two passes
+        sample["features"] = compute_fbank(waveform, audio.sample_rate, audio.fbank)
 
 
 def prepare_samples(samples: Iterable[dict[str, Any]], judge: Callable[[dict[str, Any]], None]
@@ -188,28 +188,44 @@ def prepare_samples(samples: Iterable[dict[str, Any]], judge: Callable[[dict[str
 class ShuffleBuffer:
     """Stage 3: a buffer of `size` samples; each new sample replaces a random one, and
     when the input ends the rest leaves in random order. `samples` and `draining` are
-    its whole state (with the shared `rng`): see `WorkerPosition`."""
+    its whole state (with the shared `rng`): see `WorkerPosition`; `sample_ids` are the
+    ids of `samples`, kept alongside so that a position costs a copy, not a pass over
+    the buffer's samples (`restore` sets both)."""
 
     def __init__(self, size: int, rng: random.Random) -> None:
         self.size = size
         self.rng = rng
         self.samples: list[dict[str, Any]] = []
         self.draining = False
+        self._ids = np.zeros(max(size, 0), np.int64)
+
+    def sample_ids(self) -> np.ndarray:
+        """The ids of the buffered samples, in buffer order (a copy)."""
+        return self._ids[:len(self.samples)].copy()
+
+    def restore(self, samples: list[dict[str, Any]], draining: bool) -> None:
+        """Continue from a position's samples (before iterating)."""
+        self.samples, self.draining = samples, draining
+        self._ids = np.zeros(max(self.size, len(samples)), np.int64)
+        self._ids[:len(samples)] = [s["id"] for s in samples]
 
     def __call__(self, upstream: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         if self.size <= 1:
             yield from upstream
             return
-        samples = self.samples
+        samples, ids = self.samples, self._ids
         if not self.draining:
             for sample in upstream:
                 if len(samples) < self.size:
+                    ids[len(samples)] = sample["id"]
                     samples.append(sample)
                     continue
                 position = self.rng.randrange(self.size)
                 samples[position], sample = sample, samples[position]
+                ids[position] = samples[position]["id"]
                 yield sample
             self.rng.shuffle(samples)
+            ids[:len(samples)] = [s["id"] for s in samples]
             self.draining = True
         while samples:
             yield samples.pop()
@@ -245,7 +261,8 @@ class SortBatcher:
 
     Each buffer leaves whole, its batches in random order when `rng` is given (see the
     module docstring for why no batch waits for the next buffer). `buffer`, `pending`
-    (batches cut, not yet sent) and `upstream_done` are its whole state.
+    (batches cut, not yet sent) and `upstream_done` are its whole state; `buffer_ids` and
+    `pending_ids` are their sample ids, kept alongside (`restore` sets them all).
     """
 
     def __init__(self, sort_buffer: int, batch_size: int, max_frames: int,
@@ -256,12 +273,27 @@ class SortBatcher:
         self.rng = rng
         self.buffer: list[dict[str, Any]] = []
         self.pending: list[list[dict[str, Any]]] = []
+        self.pending_ids: list[np.ndarray] = []
         self.upstream_done = False
+        self._buffer_ids = np.zeros(self.sort_buffer, np.int64)
+
+    def buffer_ids(self) -> np.ndarray:
+        """The ids of the buffered samples, in buffer order (a copy)."""
+        return self._buffer_ids[:len(self.buffer)].copy()
+
+    def restore(self, buffer: list[dict[str, Any]], pending: list[list[dict[str, Any]]],
+                upstream_done: bool) -> None:
+        """Continue from a position's samples (before iterating)."""
+        self.buffer, self.pending, self.upstream_done = buffer, pending, upstream_done
+        self._buffer_ids = np.zeros(max(self.sort_buffer, len(buffer) + 1), np.int64)
+        self._buffer_ids[:len(buffer)] = [s["id"] for s in buffer]
+        self.pending_ids = [np.array([s["id"] for s in batch], np.int64) for batch in pending]
 
     def __call__(self, upstream: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
         yield from self._send()
         if not self.upstream_done:
             for sample in upstream:
+                self._buffer_ids[len(self.buffer)] = sample["id"]
                 self.buffer.append(sample)
                 if len(self.buffer) >= self.sort_buffer:
                     self._cut()
@@ -272,6 +304,7 @@ class SortBatcher:
 
     def _send(self) -> Iterator[list[dict[str, Any]]]:
         while self.pending:
+            self.pending_ids.pop(0)
             yield self.pending.pop(0)
 
     def _cut(self) -> None:
@@ -282,7 +315,9 @@ class SortBatcher:
                                self.max_frames)
         if self.rng is not None:
             self.rng.shuffle(batches)
+        ids = np.fromiter((s["id"] for s in buffer), np.int64, len(buffer))
         self.pending += [[buffer[i] for i in batch] for batch in batches]
+        self.pending_ids += [ids[batch] for batch in batches]
         self.buffer = []
 
 

@@ -99,10 +99,6 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- positions
 
 
-def _ids(samples: Iterable[dict[str, Any]]) -> np.ndarray:
-    return np.fromiter((s["id"] for s in samples), np.int64)
-
-
 class ShardStream(torch.utils.data.IterableDataset):
     """Batches of one rank's shards (see the module docstring).
 
@@ -238,8 +234,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         def position() -> WorkerPosition:
             return WorkerPosition(
-                epoch, worker, num_workers, *reader.position, _ids(shuffle.samples),
-                shuffle.draining, _ids(batcher.buffer), [_ids(b) for b in batcher.pending],
+                epoch, worker, num_workers, *reader.position, shuffle.sample_ids(),
+                shuffle.draining, batcher.buffer_ids(), list(batcher.pending_ids),
                 batcher.upstream_done, rng.getstate())
 
         stream: Iterable[Any] = prepare_samples(reader, judge)
@@ -266,9 +262,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                                  f"its verdict is {sample.get('drop') or sample.get('error')}")
             judge.finish(sample)
         reader.position = (position.shard, position.ordinal)
-        shuffle.samples = [samples[int(i)] for i in position.shuffle]
-        shuffle.draining = position.draining
-        batcher.buffer = [samples[int(i)] for i in position.sort]
-        batcher.pending = [[samples[int(i)] for i in batch] for batch in position.pending]
-        batcher.upstream_done = position.upstream_done
+        shuffle.restore([samples[int(i)] for i in position.shuffle], position.draining)
+        batcher.restore([samples[int(i)] for i in position.sort],
+                        [[samples[int(i)] for i in batch] for batch in position.pending],
+                        position.upstream_done)
         shuffle.rng.setstate(position.rng)
