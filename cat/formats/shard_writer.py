@@ -24,6 +24,7 @@ import numpy as np
 
 from cat.core.io import atomic_write
 from cat.formats.shard_format import encode_key
+from cat.formats.tables import feature_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def add_member(tar: tarfile.TarFile, name: str, data: io.BytesIO | bytes) -> Non
 
 
 def write_shard(job: ShardJob) -> dict[str, Any]:
-    """Write one shard atomically; returns `num_bytes`, `crc32` and `feat_dim`.
+    """Write one shard atomically; returns `num_bytes`, `crc32`, `feat_dim` and
+    `dropped`, the keys left out for non-finite feature values (`feature_verdict`).
 
     The tar is written with the standard library rather than webdataset's TarWriter:
     importing webdataset imports torch, which costs seconds in every worker.
@@ -88,6 +90,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     dtype = np.dtype(job.dtype)
     handles: dict[str, Any] = {}
     feat_dim = None
+    dropped: list[list[str]] = []
     try:
         with atomic_write(job.path, "wb") as raw:
             sink = ChecksumWriter(raw)
@@ -96,6 +99,10 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
                               copybufsize=1 << 20) as tar:
                 for key, location, text, frames in job.entries:
                     array = _read_features(key, location, frames, dtype, handles)
+                    verdict = feature_verdict(array)
+                    if verdict:
+                        dropped.append([key, verdict])
+                        continue
                     if feat_dim is None:
                         feat_dim = array.shape[1]
                     elif array.shape[1] != feat_dim:
@@ -111,7 +118,8 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     finally:
         for handle in handles.values():
             handle.close()
-    return {"num_bytes": sink.size, "crc32": f"{sink.crc32:08x}", "feat_dim": feat_dim}
+    return {"num_bytes": sink.size, "crc32": f"{sink.crc32:08x}", "feat_dim": feat_dim,
+            "dropped": dropped}
 
 
 def _read_features(key: str, location: str, frames: int, dtype: np.dtype,
