@@ -4,7 +4,10 @@
 (`os.sched_getaffinity`), bounded by the CPU quota of its cgroup (v2 `cpu.max`, v1
 `cpu.cfs_quota_us` / `cpu.cfs_period_us`, rounded up), the way container limits are set.
 `configure_threads` sets torch's intra-op threads from a `threads` option (0 = the usable
-CPUs shared by the processes working side by side) and returns the number chosen.
+CPUs shared by the processes working side by side) and returns the number chosen; with
+0, a `ThreadGovernor` lowers them while other processes keep the CPUs busy (and raises
+them again when they stop), from the load average, since a thread that must share its
+core with another process delays every parallel region of its siblings.
 
 `passive_waiting` sets `OMP_WAIT_POLICY=PASSIVE` (unless the user set a policy): OpenMP
 worker threads then sleep between parallel regions instead of spinning. With the default
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -122,6 +126,52 @@ def choose_threads(threads: int, processes: int = 1, cpus: int | None = None) ->
         return threads
     cpus = usable_cpus() if cpus is None else cpus
     return max(1, cpus // max(1, processes))
+
+
+def threads_for_load(usable: int, current: int, load: float) -> int:
+    """Threads for a process that runs `current` busy threads now, on `usable` CPUs, when
+    the 1-minute load average is `load` (its own threads included): the CPUs the other
+    processes leave free, at least 1. On a busy machine a thread that has to share its
+    core holds up every parallel region of the others (`bench/threads.py`)."""
+    others = max(0.0, load - current)
+    # A busy loader worker or a short job leaves a fraction: not a CPU taken.
+    return max(1, min(usable, usable - math.floor(others + 0.25)))
+
+
+class ThreadGovernor:
+    """Re-chooses torch's threads from the load while a process runs (`threads` 0 only).
+
+    `check()` is cheap; it looks at the load average at most every `interval` seconds and
+    returns the new number of threads when it changed, else None.
+    """
+
+    def __init__(self, threads: int, processes: int = 1, interval: float = 30.0,
+                 load: Callable[[], float] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.auto = threads <= 0
+        self.usable = choose_threads(0, processes)
+        self.threads = choose_threads(threads, processes)
+        self.interval = interval
+        self._load = load or (lambda: os.getloadavg()[0])
+        self._clock = clock or time.monotonic
+        self._last = self._clock()  # the load average shows this process after a while
+
+    def check(self) -> int | None:
+        """Set and return the threads the load asks for, when they changed."""
+        now = self._clock()
+        if not self.auto or now - self._last < self.interval:
+            return None
+        self._last = now
+        wanted = threads_for_load(self.usable, self.threads, self._load())
+        if wanted == self.threads:
+            return None
+        import torch
+
+        torch.set_num_threads(wanted)
+        self.threads = wanted
+        return wanted
 
 
 def configure_threads(threads: int = 0, processes: int = 1) -> int:

@@ -39,9 +39,21 @@ filter, seed); when any of it changed, `--resume` stops with an error naming the
 and `--resume-restart-epoch` starts the interrupted epoch again from its beginning
 instead (its utterances trained so far are counted as retrained).
 
+Resume also compares what decides an update (config.json, and `grad_accum`, `grad_norm`,
+`amp`) with what the checkpoint recorded, and stops naming the changed keys unless
+`--resume-allow-config-change` is given (then the changes are logged).
+
+No success without training: an update skipped for a non-finite gradient norm counts
+its utterances as skipped, not trained; more than `max_skipped_updates` of an epoch's
+updates skipped (checked at the epoch's end, or where training stops within it), or a
+non-finite dev loss, stops training with `NonFiniteTrainingError` before a checkpoint
+is written (`cat.training.report`). With `threads` 0 a `ThreadGovernor`
+(`cat.core.threads`) lowers the torch threads while other processes keep the CPUs busy.
+
 Coverage: at the end of every epoch, `exp/<name>/log/coverage.jsonl` gets a line with
 the utterances trained, dropped per reason, lost in corrupt shards, cut by the epoch's
-end (and the share of the epoch this is), retrained, and the lengths of the cut ones
+end (and the share of the epoch this is), retrained, skipped (with their updates), and
+the lengths of the cut ones
 (histogram and mean against the corpus mean), so any epoch can be audited afterwards.
 
 Usage:
@@ -53,6 +65,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +76,7 @@ from tqdm import tqdm
 from cat.core import config as config_module
 from cat.core.config import Experiment
 from cat.core.io import atomic_write
+from cat.core.threads import ThreadGovernor
 from cat.training import setup
 from cat.training.checkpoint import CheckpointManager, load_checkpoint, load_model_state
 from cat.training.distributed import DistributedContext, set_threads
@@ -150,6 +164,7 @@ class Manager:
         self.watchdog: Watchdog | NoWatchdog = NoWatchdog()
 
         self.threads = set_threads(self.options.threads, context)
+        self.thread_governor = ThreadGovernor(self.options.threads, context.local_world_size)
         self.model, self.num_classes = setup.build_model(experiment, context)
         self.feat_dim = int(experiment.config["encoder"]["kwargs"]["idim"])
         self.train_data, self.dev_data = setup.build_data(self.options, self.model,
@@ -354,6 +369,11 @@ class Manager:
                 self.skipped["utterances"] += sum(len(batch) for batch in batches)
             self.step += 1
             self.watchdog.beat(self.step)
+            threads = self.thread_governor.check()
+            if threads is not None:
+                logger.info("step %d: %d torch thread(s) now (load average %.1f on %d usable "
+                            "CPUs; train.option.threads 0)", self.step, threads,
+                            os.getloadavg()[0], self.thread_governor.usable)
             progress.update()
             interval["wait"] += wait
             interval["utts"] += totals.utterances
