@@ -15,7 +15,7 @@ kills itself. Prints the median step time of `--steps` updates after a warm-up, 
 ratios loaded/idle and before/after. The machine's own load counts too: quote `uptime`.
 
 Usage:
-    python bench/threads.py --steps 5 --hogs 2
+    python bench/threads.py --steps 3 --hogs 2
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,8 +97,10 @@ def measure(args: argparse.Namespace, loaded: bool) -> dict[tuple[str, int], flo
 
 
 def main() -> None:
+    # A kill (e.g. `timeout`) ends the bench through `finally`, which kills the hogs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--hogs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--frames", type=int, default=500)
