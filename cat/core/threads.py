@@ -128,14 +128,16 @@ def choose_threads(threads: int, processes: int = 1, cpus: int | None = None) ->
     return max(1, cpus // max(1, processes))
 
 
-def threads_for_load(usable: int, current: int, load: float) -> int:
-    """Threads for a process that runs `current` busy threads now, on `usable` CPUs, when
-    the 1-minute load average is `load` (its own threads included): the CPUs the other
-    processes leave free, at least 1. On a busy machine a thread that has to share its
-    core holds up every parallel region of the others (`bench/threads.py`)."""
-    others = max(0.0, load - current)
+def threads_for_load(cpus: int, current: int, load: float, processes: int = 1) -> int:
+    """Threads per process for `processes` processes side by side (ranks), each running
+    `current` busy threads now, on `cpus` usable CPUs, when the 1-minute load average is
+    `load` (their threads included): the CPUs the other processes leave free, shared, at
+    least 1. On a busy machine a thread that has to share its core holds up every
+    parallel region of its siblings (`bench/threads.py`)."""
+    others = max(0.0, load - current * processes)
     # A busy loader worker or a short job leaves a fraction: not a CPU taken.
-    return max(1, min(usable, usable - math.floor(others + 0.25)))
+    free = cpus - math.floor(others + 0.25)
+    return max(1, min(cpus // max(1, processes), free // max(1, processes)))
 
 
 class ThreadGovernor:
@@ -151,8 +153,9 @@ class ThreadGovernor:
         import time
 
         self.auto = threads <= 0
-        self.usable = choose_threads(0, processes)
-        self.threads = choose_threads(threads, processes)
+        self.processes = processes
+        self.usable = usable_cpus()
+        self.threads = choose_threads(threads, processes, self.usable)
         self.interval = interval
         self._load = load or (lambda: os.getloadavg()[0])
         self._clock = clock or time.monotonic
@@ -164,7 +167,7 @@ class ThreadGovernor:
         if not self.auto or now - self._last < self.interval:
             return None
         self._last = now
-        wanted = threads_for_load(self.usable, self.threads, self._load())
+        wanted = threads_for_load(self.usable, self.threads, self._load(), self.processes)
         if wanted == self.threads:
             return None
         import torch

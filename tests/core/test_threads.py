@@ -64,6 +64,8 @@ def test_threads_follow_the_load_of_other_processes():
     assert threads_for_load(2, current=1, load=3.0) == 1
     assert threads_for_load(2, current=1, load=1.3) == 2      # they stopped
     assert threads_for_load(16, current=8, load=12.0) == 12
+    assert threads_for_load(16, current=8, load=16.3, processes=2) == 8  # two ranks
+    assert threads_for_load(16, current=8, load=20.0, processes=2) == 6
 
 
 def test_governor_rechecks_at_most_every_interval(monkeypatch):
