@@ -43,6 +43,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import operator
 import os
 import subprocess
@@ -95,11 +96,28 @@ def _unknown_keys_message(error: jsonschema.ValidationError) -> str:
     return f"{'; '.join(parts)}; allowed keys: {', '.join(allowed) or '(none)'}"
 
 
+def _non_finite_paths(value: Any, path: list[Any]) -> Iterable[tuple[list[Any], float]]:
+    """(path, value) of every NaN or infinite number in a JSON value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite_paths(item, [*path, key])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite_paths(item, [*path, index])
+
+
 def check_against_schema(instance: Any, schema: dict[str, Any], source: str) -> None:
     """Validate `instance` against a draft 2020-12 `schema`; raise ConfigError listing all errors.
 
     Unknown keys are reported with their path, the allowed keys and a close match.
     """
+    non_finite = list(_non_finite_paths(instance, []))
+    if non_finite:
+        # JSON readers accept NaN and Infinity, and they pass every numeric bound.
+        raise ConfigError("\n".join(f"{source}: {_json_path(path)}: {value!r} is not a "
+                                     "finite number" for path, value in non_finite))
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(instance),
                     key=lambda e: ([str(p) for p in e.absolute_path], e.message))

@@ -35,6 +35,7 @@ from cat.core.config import (
     tokenizer_file,
 )
 from cat.core.io import PathLike, atomic_write
+from cat.core.threads import configure_threads
 from cat.lm.scorer import ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import build_model
@@ -182,7 +183,7 @@ class Searcher:
                  options: DecodeOptions, device: str,
                  specs: Sequence[FusionSpec | None] = ()) -> None:
         if device == "cpu":
-            torch.set_num_threads(1)
+            configure_threads(1)  # processes (--nj) are the unit of parallelism
         self.device = torch.device(device)
         self.options = options
         self.model, self.tokenizer = load_model(exp_dir, checkpoint, kind, self.device)

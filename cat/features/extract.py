@@ -69,6 +69,7 @@ from cat.core.io import (
     write_table,
 )
 from cat.core.process import process_pool
+from cat.core.threads import configure_threads
 from cat.features.fbank import (
     AudioError,
     FbankOptions,
@@ -304,7 +305,7 @@ def _run_job_logged(job: Job) -> dict:
     files = JobFiles.of(Path(job.feat_dir), job.index)
     threads = torch.get_num_threads()
     # Jobs are the unit of parallelism: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
+    configure_threads(1)
     try:
         with _job_log(files.log):
             try:

@@ -61,6 +61,7 @@ from cat.formats.tables import (
     FrameRange,
     UtteranceTable,
     as_path_list,
+    feature_verdict,
     load_utterances,
     transcript_verdict,
 )
@@ -135,6 +136,7 @@ def write_map_pack(
             if unk and len(unk_examples) < 5:
                 unk_examples.append(key)
     table = table.select(keep)
+    table = _drop_non_finite(table, labels, drops)
 
     drops.write(dropped_log_path(out))
     if not len(table):
@@ -164,6 +166,35 @@ def write_map_pack(
               "num_tokens": num_tokens, "num_unk": num_unk}
     counts.update({f"dropped_{reason}": n for reason, n in drops.counts().items()})
     return counts
+
+
+def _drop_non_finite(table: UtteranceTable, labels: list[list[int]], drops: DropLog
+                     ) -> UtteranceTable:
+    """`table` without utterances whose features hold NaN or infinite values (dropped as
+    `non_finite`); `labels` is cut alike. Reads every matrix once."""
+    handles: dict[str, Any] = {}
+    keep = []
+    try:
+        for index in range(len(table)):
+            location = table.location(index)
+            try:
+                matrix = kaldiio.load_mat(location, fd_dict=handles)
+            except Exception as error:  # kaldiio signals bad data with asserts and OS errors
+                raise ValueError(f"{location}: cannot read the features of "
+                                 f"{table.keys[index]!r}: {type(error).__name__}: {error}"
+                                 ) from error
+            verdict = feature_verdict(matrix)
+            if verdict:
+                drops.add(table.keys[index], *verdict.split(" ", 1))
+            else:
+                keep.append(index)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    if len(keep) < len(table):
+        labels[:] = [labels[i] for i in keep]
+        return table.select(keep)
+    return table
 
 
 def _pack_arrays(table: UtteranceTable, labels: list[list[int]]) -> dict[str, np.ndarray]:

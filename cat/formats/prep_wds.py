@@ -165,6 +165,21 @@ def pack_data(
     pending, records = reuse_finished(folders, previous)
     write_pending(pending, num_jobs, records, write_shard, _record_of,
                   _work_seconds(pending, dtype))
+    # Utterances the shard writer left out (non-finite features): in the drop log too.
+    non_finite = {}
+    for folder in folders:
+        for job in folder.jobs:
+            written = set(records[job.path]["keys"])
+            for key, _, _, _ in job.entries:
+                if key not in written:
+                    non_finite[key] = records[job.path].get("dropped", {}).get(key, "")
+        if non_finite:
+            kept = [i for i, key in enumerate(folder.table.keys) if key not in non_finite]
+            folder.table = folder.table.select(kept)
+    for key, verdict in sorted(non_finite.items()):
+        drops.add(key, "non_finite", verdict.partition(" ")[2])
+    if non_finite:
+        drops.write(d_out / DROPPED_NAME)
     for folder in folders:
         dims = {records[job.path]["feat_dim"] for job in folder.jobs}
         if len(dims) > 1:
@@ -200,11 +215,13 @@ def _work_seconds(pending: list[ShardJob], dtype: str) -> float | None:
 
 
 def _record_of(job: ShardJob, result: dict[str, Any]) -> dict[str, Any]:
-    frames = [entry[3] for entry in job.entries]
-    return {"num_utts": len(job.entries), "num_frames": sum(frames),
+    dropped = dict(result.get("dropped", []))
+    entries = [entry for entry in job.entries if entry[0] not in dropped]
+    frames = [entry[3] for entry in entries]
+    return {"num_utts": len(entries), "num_frames": sum(frames),
             "num_bytes": result["num_bytes"], "crc32": result["crc32"],
-            "feat_dim": result["feat_dim"], "keys": [entry[0] for entry in job.entries],
-            "frames": frames}
+            "feat_dim": result["feat_dim"], "keys": [entry[0] for entry in entries],
+            "frames": frames, "dropped": dropped}
 
 
 # --------------------------------------------------------------------------- CLI

@@ -31,6 +31,7 @@ from zlib_ng.zlib_ng import crc32
 
 from cat.core.io import atomic_write
 from cat.formats.shard_format import encode_key
+from cat.formats.tables import feature_verdict
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class TarStream:
 
 
 def write_shard(job: ShardJob) -> dict[str, Any]:
-    """Write one shard atomically; returns `num_bytes`, `crc32` and `feat_dim`.
+    """Write one shard atomically; returns `num_bytes`, `crc32`, `feat_dim` and
+    `dropped`, the keys left out for non-finite feature values (`feature_verdict`).
 
     The tar is written here (`TarStream`) rather than by webdataset's TarWriter:
     importing webdataset imports torch, which costs seconds in every worker.
@@ -162,11 +164,16 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     dtype = np.dtype(job.dtype)
     handles: dict[str, Any] = {}
     feat_dim = None
+    dropped: list[list[str]] = []
     try:
         with atomic_write(job.path, "wb") as raw:
             tar = TarStream(raw.fileno())
             for key, location, text, frames in job.entries:
                 array = _read_features(key, location, frames, dtype, handles)
+                verdict = feature_verdict(array)
+                if verdict:
+                    dropped.append([key, verdict])
+                    continue
                 if feat_dim is None:
                     feat_dim = array.shape[1]
                 elif array.shape[1] != feat_dim:
@@ -181,7 +188,8 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     finally:
         for handle in handles.values():
             handle.close()
-    return {"num_bytes": tar.size, "crc32": f"{tar.crc32:08x}", "feat_dim": feat_dim}
+    return {"num_bytes": tar.size, "crc32": f"{tar.crc32:08x}", "feat_dim": feat_dim,
+            "dropped": dropped}
 
 
 def _npy_header(array: np.ndarray) -> bytes:

@@ -11,7 +11,9 @@ shards (`cat.formats.prep_wds`), and by the loaders:
 * `load_utterances`: features and transcripts joined by utterance id, never by line
   order, with `no_label`, `no_features` and `empty_label` drops;
 * `transcript_verdict`: why a transcript is not trained (`empty_label`, `no_tokens`,
-  `all_unk`), the one rule of the map-style packer and the streaming loader.
+  `all_unk`), the one rule of the map-style packer and the streaming loader;
+  `feature_verdict`: features with NaN or infinite values (`non_finite`), the rule of
+  both packers and both loaders.
 
 Usage:
     drops = DropLog()
@@ -318,6 +320,17 @@ def _frames_from_headers(keys: list[str], entries: dict[str, tuple[int, int]],
                     raise ValueError(f"{path}:{offset}: cannot read the matrix header of "
                                      f"utterance {key!r}: {error}") from None
     return frames
+
+
+def feature_verdict(feats: np.ndarray) -> str:
+    """Why a feature matrix is not trained: `non_finite nan=<n> inf=<n>` when it holds NaN
+    or infinite values (they would make the CMVN statistics, the loss and every gradient
+    non-finite); "" when it is fine. The packers and both loaders decide with it."""
+    finite = np.isfinite(feats)
+    if finite.all():
+        return ""
+    nan = int(np.isnan(feats).sum())
+    return f"non_finite nan={nan} inf={int(feats.size - finite.sum()) - nan}"
 
 
 def transcript_verdict(text: str, ids: Sequence[int] | None = None) -> str:

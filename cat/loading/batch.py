@@ -38,7 +38,7 @@ import torch
 
 from cat.core.io import PathLike
 from cat.formats.mappack import MapPack
-from cat.formats.tables import FrameRange
+from cat.formats.tables import FrameRange, feature_verdict
 
 
 class Utterance(NamedTuple):
@@ -275,6 +275,12 @@ class PackDataset(torch.utils.data.Dataset):
             raise ValueError(f"{self.pack.path}: utterance {self.pack.key(index)!r} has "
                              f"features of shape {features.shape}, but {self.feat_dim_source} "
                              f"is {self.feat_dim}")
+        reason = feature_verdict(features)
+        if reason:
+            # Packs of this version never hold them (stage 2 drops them as non_finite).
+            raise ValueError(f"{self.pack.path}: utterance {self.pack.key(index)!r} has "
+                             f"non-finite features ({reason.partition(' ')[2]}); pack it "
+                             "again (stage 2 drops such utterances as 'non_finite')")
         return Utterance(self.pack.key(index), features, self.pack.label(index))
 
     def filter_reasons(self, length_filter: LengthFilter) -> np.ndarray:

@@ -33,7 +33,7 @@ from cat.audio.codec import (
 )
 from cat.audio.speed import choose_factor, speed_perturb
 from cat.features.fbank import compute_fbank, num_frames
-from cat.formats.tables import transcript_verdict
+from cat.formats.tables import feature_verdict, transcript_verdict
 from cat.loading.batch import (
     LengthFilter,
     StreamEvents,
@@ -68,7 +68,8 @@ class Judge:
     on the bytes; a pooled buffer under them is kept as `buffer`), or an audio member
     into `waveform` (int16: the audio decoded, resampled and speed-perturbed as `audio`
     says, by a factor drawn from the `seed`, `epoch` and key); tokenizes `txt` into
-    `label` ids (int32); then the verdict: `transcript_verdict`, and the `LengthFilter` on
+    `label` ids (int32); then the verdict: `feature_verdict` (`non_finite` features),
+`transcript_verdict`, and the `LengthFilter` on
     the frame count. `finish` turns a waveform into fbank `features`, late, so that the
     shuffle buffer holds 16-bit audio rather than float features. The first failed check
     decides: a sample to leave out carries `drop` (its reason), one that is an error
@@ -131,6 +132,13 @@ class Judge:
         if features.shape[1] != self.feat_dim:
             sample["error"] = (f"{where} has {features.shape[1]}-dim features, but "
                                f"{self.feat_dim_source} is {self.feat_dim}")
+            return None
+        reason = feature_verdict(features)
+        if reason:  # counted as a drop, never trained (or an error when strict)
+            if self.strict:
+                sample["error"] = f"{where}: {reason} (strict_shards is set)"
+            else:
+                sample["drop"] = reason
             return None
         sample["features"] = features
         return len(features)

@@ -136,3 +136,22 @@ def write_feature_corpus(
         utt2num_frames = directory / "utt2num_frames"
         write_table(utt2num_frames, ((key, len(features[key])) for key in keys))
     return FeatureCorpus(directory, feats_scp, text, utt2num_frames, features, texts)
+
+
+def poison_features(feats_scp: PathLike, key: str, value: float = float("nan"),
+                    position: tuple[int, int] = (0, 0)) -> None:
+    """Set one value of utterance `key`'s (uncompressed float32) matrix to `value`, in its
+    ark in place, so that packs and scp entries written before still point at it."""
+    entries = dict(line.split(" ", 1) for line in
+                   Path(feats_scp).read_text(encoding="utf-8").splitlines())
+    ark, _, offset = entries[key].strip().rpartition(":")
+    matrix = kaldiio.load_mat(entries[key].strip())
+    if matrix.dtype != np.float32:
+        raise ValueError(f"{key}: only float32 matrices can be poisoned, not {matrix.dtype}")
+    # "\0B" "FM " then rows and columns, each a size byte and an int32.
+    start = int(offset) + 2 + 3 + 10 + 4 * (position[0] * matrix.shape[1] + position[1])
+    with open(ark, "r+b") as f:
+        f.seek(start)
+        f.write(np.float32(value).tobytes())
+    if np.isnan(value) != np.isnan(kaldiio.load_mat(entries[key].strip())[position]):
+        raise AssertionError(f"{key}: poisoning {ark} at {start} failed")

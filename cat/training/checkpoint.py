@@ -67,14 +67,28 @@ LIST_FORMAT = "cat-checkpoint-list"
 SELECT_MODES = ("best", "last")
 
 
-def _load_error(error: Exception) -> str:
-    """The cause of a failed weights-only `torch.load`, without torch's advice to unpickle
-    the file with `weights_only=False` (which would run any code it holds)."""
+def _load_error(path: PathLike, error: Exception) -> str:
+    """Why a weights-only `torch.load` failed, in our words: never torch's advice to load
+    the file with `weights_only=False`, which would run any code its pickle holds."""
     text = str(error)
-    cause = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n\n|$)", text, re.DOTALL)
+    found = re.search(r"GLOBAL\s+([\w.]+)", text)
+    if isinstance(error, pickle.UnpicklingError) and found:
+        return (f"{path}: refused: not a plain checkpoint, it holds pickled Python objects "
+                f"other than tensors and plain data (it refers to {found.group(1)}); loading "
+                "them could run code, so it is not loaded. Use a checkpoint written by this "
+                "toolkit (cat.training.checkpoint), or re-save the model's state dict alone "
+                "from a trusted copy")
+    cause = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:\n|$)", text)
     if cause:
-        return f"not a weights-only torch.save file: {cause.group(1).strip()}"
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        detail = f"not a weights-only torch.save file: {cause.group(1)}"
+    else:
+        paragraphs = [part.strip() for part in re.split(r"\n\s*\n", text) if part.strip()]
+        kept = [part for part in paragraphs
+                if not re.search(r"weights.only|Check the documentation", part, re.IGNORECASE)]
+        detail = "; ".join(kept) or type(error).__name__
+        if isinstance(error, pickle.UnpicklingError):
+            detail = f"not a weights-only torch.save file: {detail}"
+    return f"{path}: not a readable checkpoint ({detail})"
 
 
 def save_checkpoint(path: PathLike, state: dict[str, Any]) -> None:
@@ -90,7 +104,7 @@ def load_checkpoint(path: PathLike, map_location: str | torch.device = "cpu") ->
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise ValueError(f"{path}: not a readable checkpoint ({_load_error(error)})") from None
+        raise ValueError(_load_error(path, error)) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} file")
     if state.get("version") != CHECKPOINT_VERSION:
@@ -105,7 +119,7 @@ def read_model_state(path: PathLike) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} does not exist") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        raise ValueError(f"{path}: not a readable checkpoint ({_load_error(error)})") from None
+        raise ValueError(_load_error(path, error)) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         raise ValueError(f"{path}: not a checkpoint dict with a 'model' state dict")
     state = checkpoint["model"]

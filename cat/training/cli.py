@@ -5,7 +5,8 @@ of a torchrun job, or alone): it loads and checks `hyper-p.json` and `config.jso
 joins the process group, and runs the `Manager`.
 
 Usage:
-    python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch]
+    python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch |
+                                        --resume-allow-config-change]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ MODEL_NAMES = {"cat.ctc.train": "CTC", "cat.rnnt.train": "RNN-T"}
 
 
 def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
-          restart_epoch: bool = False) -> None:
+          restart_epoch: bool = False, allow_config_change: bool = False) -> None:
     """Stage 3 for `exp_dir` (see the module docstring); call once per process."""
     experiment = config_module.load_experiment(exp_dir, expected_bin)
     kind = model_kind(experiment.config)
@@ -51,7 +52,8 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
     if not context.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        manager = Manager(experiment, context, resume or restart_epoch, restart_epoch)
+        manager = Manager(experiment, context, resume or restart_epoch or allow_config_change,
+                          restart_epoch, allow_config_change)
         try:
             manager.run()
         finally:
@@ -71,6 +73,11 @@ def run_cli(train_bin: str, argv: list[str] | None = None) -> None:
     parser.add_argument("--resume-restart-epoch", action="store_true",
                         help="continue from the latest checkpoint, but start its epoch again "
                              "from the beginning (when the data or its settings changed)")
+    parser.add_argument("--resume-allow-config-change", action="store_true",
+                        help="continue from the latest checkpoint although config.json or "
+                             "the update settings of hyper-p.json (grad_accum, grad_norm, amp) "
+                             "changed since it was written (the changes are logged)")
     args = parser.parse_args(argv)
     setup_logging()
-    train(args.exp_dir, train_bin, args.resume, args.resume_restart_epoch)
+    train(args.exp_dir, train_bin, args.resume, args.resume_restart_epoch,
+          args.resume_allow_config_change)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cat.core.threads import configure_threads
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIST_TIMEOUT = datetime.timedelta(minutes=5)  # train.option.dist_timeout_seconds
@@ -98,10 +100,6 @@ def shutdown_distributed() -> None:
 
 
 def set_threads(threads: int, context: DistributedContext) -> int:
-    """Torch CPU threads: `threads`, or the usable cores shared by the local ranks."""
-    if threads <= 0:
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        threads = max(1, cores // context.local_world_size)
-    torch.set_num_threads(threads)
-    return threads
+    """Torch CPU threads: `threads`, or the usable CPUs (affinity and cgroup quota) shared
+    by the local ranks (`cat.core.threads`)."""
+    return configure_threads(threads, processes=context.local_world_size)

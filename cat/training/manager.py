@@ -39,9 +39,21 @@ filter, seed); when any of it changed, `--resume` stops with an error naming the
 and `--resume-restart-epoch` starts the interrupted epoch again from its beginning
 instead (its utterances trained so far are counted as retrained).
 
+Resume also compares what decides an update (config.json, and `grad_accum`, `grad_norm`,
+`amp`) with what the checkpoint recorded, and stops naming the changed keys unless
+`--resume-allow-config-change` is given (then the changes are logged).
+
+No success without training: an update skipped for a non-finite gradient norm counts
+its utterances as skipped, not trained; more than `max_skipped_updates` of an epoch's
+updates skipped (checked at the epoch's end, or where training stops within it), or a
+non-finite dev loss, stops training with `NonFiniteTrainingError` before a checkpoint
+is written (`cat.training.report`). With `threads` 0 a `ThreadGovernor`
+(`cat.core.threads`) lowers the torch threads while other processes keep the CPUs busy.
+
 Coverage: at the end of every epoch, `exp/<name>/log/coverage.jsonl` gets a line with
 the utterances trained, dropped per reason, lost in corrupt shards, cut by the epoch's
-end (and the share of the epoch this is), retrained, and the lengths of the cut ones
+end (and the share of the epoch this is), retrained, skipped (with their updates), and
+the lengths of the cut ones
 (histogram and mean against the corpus mean), so any epoch can be audited afterwards.
 
 Usage:
@@ -53,6 +65,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -63,11 +76,19 @@ from tqdm import tqdm
 from cat.core import config as config_module
 from cat.core.config import Experiment
 from cat.core.io import atomic_write
+from cat.core.threads import ThreadGovernor
 from cat.training import setup
 from cat.training.checkpoint import CheckpointManager, load_checkpoint, load_model_state
 from cat.training.distributed import DistributedContext, set_threads
 from cat.training.monitor import Monitor, plot_scalars
-from cat.training.report import DataChangedError, check_epoch, epoch_record, write_coverage
+from cat.training.report import (
+    DataChangedError,
+    check_dev_loss,
+    check_epoch,
+    check_skipped,
+    epoch_record,
+    write_coverage,
+)
 from cat.training.train_data import StreamTrainData
 from cat.training.update import Updater
 from cat.training.watchdog import NoWatchdog, Watchdog, start_watchdog
@@ -75,11 +96,51 @@ from cat.training.watchdog import NoWatchdog, Watchdog, start_watchdog
 logger = logging.getLogger(__name__)
 
 
+# train.option keys that change what an update computes (the others either decide the
+# data, checked by the data's identity, or only when to stop, log and checkpoint).
+UPDATE_OPTIONS = ("grad_accum", "grad_norm", "amp")
+
+
+class ConfigChangedError(RuntimeError):
+    """`--resume` found the training settings changed since the checkpoint."""
+
+
+def training_settings(experiment: Experiment) -> dict[str, Any]:
+    """What decides an update, recorded in checkpoints: config.json, and the train.option
+    keys of UPDATE_OPTIONS."""
+    return {"config.json": experiment.config,
+            "hyper-p.json": {f"train.option.{key}": getattr(experiment.options, key)
+                             for key in UPDATE_OPTIONS}}
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: value}
+
+
+def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'file: key: old -> new' for each setting that differs."""
+    changes = []
+    for name in sorted(set(recorded) | set(current)):
+        old = _flatten(recorded.get(name, {}), "")
+        new = _flatten(current.get(name, {}), "")
+        for key in sorted(set(old) | set(new)):
+            if old.get(key, "(absent)") != new.get(key, "(absent)"):
+                changes.append(f"{name}: {key}: {old.get(key, '(absent)')!r} -> "
+                               f"{new.get(key, '(absent)')!r}")
+    return changes
+
+
 class Manager:
     """Owns one training run (see the module docstring)."""
 
     def __init__(self, experiment: Experiment, context: DistributedContext,
-                 resume: bool = False, restart_epoch: bool = False) -> None:
+                 resume: bool = False, restart_epoch: bool = False,
+                 allow_config_change: bool = False) -> None:
         self.experiment = experiment
         self.options = experiment.options
         self.context = context
@@ -92,13 +153,18 @@ class Manager:
         # This rank's data state to continue the first epoch after a resume.
         self.resume_state: dict[str, Any] | None = None
         self.restart_epoch = restart_epoch
+        self.allow_config_change = allow_config_change
         self.in_epoch = False
         self.epoch_start_step = 0
         self.retrained = 0
         self.last_checkpoint_step = -1
+        # This rank's updates skipped for a non-finite gradient in the epoch, and their
+        # utterances (taken, not trained).
+        self.skipped = {"updates": 0, "utterances": 0}
         self.watchdog: Watchdog | NoWatchdog = NoWatchdog()
 
         self.threads = set_threads(self.options.threads, context)
+        self.thread_governor = ThreadGovernor(self.options.threads, context.local_world_size)
         self.model, self.num_classes = setup.build_model(experiment, context)
         self.feat_dim = int(experiment.config["encoder"]["kwargs"]["idim"])
         self.train_data, self.dev_data = setup.build_data(self.options, self.model,
@@ -126,7 +192,8 @@ class Manager:
         return {"kind": self.train_data.kind, "seed": self.options.seed, "epoch": self.epoch,
                 "epoch_seed": [self.options.seed, self.epoch],
                 "world_size": self.context.world_size, "identity": self.train_data.identity(),
-                "epoch_start_step": self.epoch_start_step, "ranks": ranks}
+                "epoch_start_step": self.epoch_start_step, "ranks": ranks,
+                "skipped": self.context.gather(dict(self.skipped)) if self.in_epoch else None}
 
     def _rng_state(self) -> dict[str, Any]:
         device = self.context.device
@@ -137,6 +204,8 @@ class Manager:
         """Evaluate on dev, then write a checkpoint of the current position (all ranks)."""
         self.watchdog.pause()  # evaluation and writing may take long
         dev_loss = self.evaluate()
+        # on every rank alike; between epochs, self.epoch is already the next one
+        check_dev_loss(dev_loss, self.epoch if self.in_epoch else self.epoch - 1, self.step)
         data = self._data_record()
         rng = self.context.gather(self._rng_state())
         if self.context.is_main:
@@ -146,6 +215,7 @@ class Manager:
                 "dev_loss": dev_loss, "data": data, "rng": rng,
                 "meta": {"num_classes": self.num_classes,
                          "train_bin": self.experiment.train_bin,
+                         "settings": training_settings(self.experiment),
                          "elapsed_seconds": self.elapsed()},
             }
             path = self.checkpoints.save(state, self.epoch, self.step, dev_loss)
@@ -163,6 +233,7 @@ class Manager:
         state = load_checkpoint(path)
         load_model_state(self.model, state["model"], path,
                          self.exp_dir / config_module.CONFIG_NAME)
+        self._check_settings(state["meta"].get("settings"), path)
         self.updater.load(state)
         self.step = int(state["step"])
         self.epoch = int(state["epoch"])
@@ -176,6 +247,23 @@ class Manager:
                 torch.cuda.set_rng_state(rng[self.context.rank]["cuda"], device)
         logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
 
+    def _check_settings(self, recorded: dict[str, Any] | None, path: Path) -> None:
+        """Stop (or, with --resume-allow-config-change, log) when the training settings
+        differ from those the checkpoint was trained with."""
+        if recorded is None:
+            return  # a checkpoint written before settings were recorded
+        changes = setting_changes(recorded, training_settings(self.experiment))
+        if not changes:
+            return
+        listed = "; ".join(changes)
+        if not self.allow_config_change:
+            raise ConfigChangedError(
+                f"{path}: the training settings changed since this checkpoint was written: "
+                f"{listed}. Restore them, or resume with --resume-allow-config-change to "
+                "continue with the new settings")
+        logger.warning("%s: resuming with changed training settings "
+                       "(--resume-allow-config-change): %s", path, listed)
+
     def _resume_data(self, data: dict[str, Any], path: Path) -> dict[str, Any] | None:
         """This rank's state to continue the checkpoint's epoch (None: from its start)."""
         ranks = data.get("ranks")
@@ -184,6 +272,9 @@ class Manager:
             return None
         changes = self.train_data.identity_changes(data.get("identity"))
         if not changes:
+            skipped = data.get("skipped")
+            if skipped and len(skipped) == self.context.world_size:
+                self.skipped = dict(skipped[self.context.rank])
             return ranks[self.context.rank]
         trained = sum(int(r["trained"] if "trained" in r else r["progress"]["trained"])
                       for r in ranks)
@@ -250,6 +341,8 @@ class Manager:
         data.start_epoch(epoch, self.resume_state)
         if self.resume_state is None and not self.retrained:
             self.epoch_start_step = self.step
+        if self.resume_state is None:
+            self.skipped = {"updates": 0, "utterances": 0}
         self.resume_state = None
         self.in_epoch = True
         self.model.train()
@@ -270,9 +363,17 @@ class Manager:
                 break
             stats = self.updater.update(batches, totals.normalizer)
             for batch in batches:
-                data.note(batch, trained=True)
+                data.note(batch, trained=True)  # taken: the epoch's position moves on
+            if stats["skipped"]:
+                self.skipped["updates"] += 1
+                self.skipped["utterances"] += sum(len(batch) for batch in batches)
             self.step += 1
             self.watchdog.beat(self.step)
+            threads = self.thread_governor.check()
+            if threads is not None:
+                logger.info("step %d: %d torch thread(s) now (load average %.1f on %d usable "
+                            "CPUs; train.option.threads 0)", self.step, threads,
+                            os.getloadavg()[0], self.thread_governor.usable)
             progress.update()
             interval["wait"] += wait
             interval["utts"] += totals.utterances
@@ -281,6 +382,9 @@ class Manager:
                 self._log_interval(interval, stats)
             stopped = self._stop_reason() or ("time budget reached" if totals.out_of_time
                                               else None)
+            if stopped:  # within the epoch: its updates so far
+                check_skipped(epoch, self.step - self.epoch_start_step,
+                              self.skipped["updates"], self.options.max_skipped_updates)
             if stopped or (self.options.check_freq and self.step % self.options.check_freq == 0):
                 began = time.perf_counter()
                 self.save_checkpoint()
@@ -305,7 +409,9 @@ class Manager:
 
     def _finish_epoch(self, epoch: int, steps: int) -> None:
         summary = {**self.train_data.summary(), "updates": steps,
-                   "cut_lengths": self.train_data.cut_profile()}
+                   "cut_lengths": self.train_data.cut_profile(),
+                   "skipped": self.skipped["utterances"],
+                   "skipped_updates": self.skipped["updates"]}
         summaries = self.context.gather(summary)
         if isinstance(self.train_data, StreamTrainData):
             self.train_data.last_steps = steps
@@ -314,6 +420,8 @@ class Manager:
         record = epoch_record(epoch, steps, summaries, self.retrained)
         if self.context.is_main:
             self._report_epoch(record)
+        check_skipped(epoch, steps, record["skipped_updates"],
+                      self.options.max_skipped_updates)  # on every rank alike
         if self.train_data.kind == "stream":
             check_epoch(record, self.options.bad_shard_limit)  # on every rank alike
         self.retrained = 0
@@ -333,10 +441,12 @@ class Manager:
         write_coverage(self.log_dir / "coverage.jsonl", coverage)
         dropped, cut = record["dropped"], record["not_trained"]
         details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
-        logger.info("epoch %d: %d updates, %d utterances trained; dropped: %s; lost in "
+        logger.info("epoch %d: %d updates, %d utterances trained; skipped (%d updates with a "
+                    "non-finite gradient): %d; dropped: %s; lost in "
                     "corrupt shards: %d, in unavailable shards: %d; not trained (epoch cut at "
                     "the first rank out of data): %s; retrained: %d", epoch, record["steps"],
-                    record["trained"], details, record["corrupt_missing"],
+                    record["trained"], record["skipped_updates"], record["skipped"], details,
+                    record["corrupt_missing"],
                     record["unavailable_missing"],
                     "unknown" if cut is None else f"{cut} ({record['cut_fraction']:.2%})",
                     record["retrained"])

@@ -2,11 +2,12 @@
 
 `epoch_record` sums the ranks' summaries of an epoch (`log/epoch-<EEE>.json`);
 `write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained, dropped per
-reason, lost, cut by the epoch's end and its lengths, retrained, compressed shards a
-resume read again from their start, kept utterances per note: audio resampled or
-down-mixed, transcripts with `<unk>` tokens); `check_epoch` stops
-training when an epoch trained nothing or more of its shards failed than
-`bad_shard_limit` allows.
+reason, lost, cut by the epoch's end and its lengths, retrained, skipped with an update
+skipped for a non-finite gradient, compressed shards a resume read again from their
+start, kept utterances per note: audio resampled or down-mixed, transcripts with `<unk>`
+tokens); `check_epoch` stops training when an epoch trained nothing or more of its shards
+failed than `bad_shard_limit` allows, `check_skipped` when more of its updates were
+skipped than `max_skipped_updates` allows, `check_dev_loss` at a non-finite dev loss.
 
 Usage:
     record = epoch_record(epoch, steps, summaries)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 class DataChangedError(RuntimeError):
     """`--resume` found that what decides the interrupted epoch's data changed."""
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced non-finite numbers: too many skipped updates, or a NaN dev loss."""
 
 
 def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
@@ -56,8 +62,12 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
         cut_lengths = {"count": count, "mean_frames": frames / count if count else None,
                        "histogram": {name: sum(p["histogram"][name] for p in profiles)
                                      for name in profiles[0]["histogram"]}}
+    # Utterances of updates skipped for a non-finite gradient were taken, not trained.
+    skipped = sum(s.get("skipped", 0) for s in summaries)
     return {"epoch": epoch, "steps": steps, "expected": total,
-            "trained": sum(s["trained"] for s in summaries), "dropped": dropped,
+            "trained": sum(s["trained"] for s in summaries) - skipped, "dropped": dropped,
+            "skipped": skipped,
+            "skipped_updates": max((s.get("skipped_updates", 0) for s in summaries), default=0),
             "corrupt_missing": sum(s.get("corrupt_missing", 0) for s in summaries),
             "unavailable_missing": sum(s.get("unavailable_missing", 0) for s in summaries),
             "not_trained": cut,
@@ -92,6 +102,25 @@ def check_epoch(record: dict[str, Any], bad_shard_limit: float) -> None:
                            f"{', ...' if len(urls) > 3 else ''}; storage: {storage_of(urls)})")
     raise DataUnavailableError(f"{why}: {'; '.join(details) or 'no shard failed'} (see "
                                f"log/epoch-{epoch:03d}.json)")
+
+
+def check_skipped(epoch: int, steps: int, skipped_updates: int, limit: float) -> None:
+    """Raise NonFiniteTrainingError when more than `limit` of an epoch's `steps` updates
+    were skipped for a non-finite gradient norm."""
+    if skipped_updates and skipped_updates > limit * steps:
+        raise NonFiniteTrainingError(
+            f"epoch {epoch}: {skipped_updates} of its {steps} updates were skipped for a "
+            f"non-finite gradient norm, more than train.option.max_skipped_updates={limit:g}: "
+            "the model is not training (non-finite features, CMVN statistics or learning "
+            "rate?); see log/drops and the training log")
+
+
+def check_dev_loss(dev_loss: float, epoch: int, step: int) -> None:
+    """Raise NonFiniteTrainingError for a non-finite dev loss (no checkpoint is written)."""
+    if not math.isfinite(dev_loss):
+        raise NonFiniteTrainingError(
+            f"epoch {epoch}, step {step}: the dev loss is {dev_loss}: the model diverged or "
+            "was fed non-finite numbers; no checkpoint was written for this step")
 
 
 def write_coverage(path: Path, record: dict[str, Any]) -> None:

@@ -118,16 +118,35 @@ def init_feature_stats(model: torch.nn.Module, train_data: MapTrainData | Stream
     total = np.zeros(feat_dim)
     squares = np.zeros(feat_dim)
     frames = 0
-    for feats in train_data.feature_samples(max_utts):
+    culprits = []  # utterances whose values make the sums non-finite
+    for name, feats in train_data.feature_samples(max_utts):
         feats = np.asarray(feats, dtype=np.float64)
-        total += feats.sum(axis=0)
-        squares += np.square(feats).sum(axis=0)
+        sums, sum_squares = feats.sum(axis=0), np.square(feats).sum(axis=0)
+        if not (np.isfinite(sums).all() and np.isfinite(sum_squares).all()):
+            culprits.append(f"{name} ({_non_finite_text(feats)})")
+        total += sums
+        squares += sum_squares
         frames += feats.shape[0]
     if frames == 0:
         raise ValueError(f"trset {train_data.options.trset}: no features to compute the "
                          "global CMVN statistics from")
     mean = total / frames
     std = np.sqrt(np.maximum(squares / frames - np.square(mean), 0.0))
+    if culprits or not (np.isfinite(mean).all() and np.isfinite(std).all()):
+        raise ValueError(
+            f"trset {train_data.options.trset}: the global CMVN statistics are not finite, "
+            f"caused by {len(culprits)} utterance(s): {'; '.join(culprits[:5]) or 'unknown'}"
+            f"{'; ...' if len(culprits) > 5 else ''}. Remove or repack them (stage 2 drops "
+            "non-finite features as 'non_finite')")
     normalizer.set_stats(torch.as_tensor(mean, dtype=torch.float32),
                          torch.as_tensor(std, dtype=torch.float32))
     logger.info("global CMVN from %d frames of training data", frames)
+
+
+def _non_finite_text(feats: np.ndarray) -> str:
+    """'3 NaN, 1 inf values' (or 'values too large to square') of a feature matrix."""
+    nan, inf = int(np.isnan(feats).sum()), int(np.isinf(feats).sum())
+    if not nan and not inf:
+        return "values too large to sum"
+    return ", ".join(part for part in (f"{nan} NaN" if nan else "",
+                                       f"{inf} infinite" if inf else "") if part) + " values"

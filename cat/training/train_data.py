@@ -236,12 +236,14 @@ class MapTrainData:
                         "listed in %s", len(self.filtered), len(self.dataset),
                         log_dir / "drops" / "filtered-train.txt")
 
-    def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
-        """Feature matrices of up to `max_utts` utterances drawn with the run's seed."""
-        count = len(self.dataset.pack)
+    def feature_samples(self, max_utts: int) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, feature matrix) of up to `max_utts` utterances drawn with the run's seed;
+        the name is the pack and the utterance id."""
+        pack = self.dataset.pack
+        count = len(pack)
         rng = np.random.default_rng(self.options.seed)
         for index in np.sort(rng.choice(count, min(count, max_utts), replace=False)):
-            yield self.dataset.pack.features(int(index))
+            yield f"{self.options.trset[0]}: {pack.key(int(index))}", pack.features(int(index))
 
     def identity(self) -> dict[str, Any]:
         """What decides the epochs' batches (compared on resume)."""
@@ -328,9 +330,9 @@ class MapTrainData:
 
 
 def sample_features(shards: ShardList, max_utts: int, seed: int, strict: bool,
-                    audio: AudioConfig | None = None) -> Iterator[np.ndarray]:
-    """Feature matrices of about `max_utts` utterances drawn with `seed` from all shards
-    (the global CMVN statistics are computed from them).
+                    audio: AudioConfig | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(shard:member, feature matrix) of about `max_utts` utterances drawn with `seed` from
+    all shards (the global CMVN statistics are computed from them).
 
     Shards are taken in a seeded random order, so every length group is represented by
     its share of the shards, and up to `max_utts / min(shards, 32)` utterances are read
@@ -348,13 +350,14 @@ def sample_features(shards: ShardList, max_utts: int, seed: int, strict: bool,
             for name, data in read_shard(url, shards.timeout):
                 extension = name.rpartition(".")[2]
                 if extension == "npy":
-                    features.append(decode_npy(data))
+                    features.append((f"{url}:{name}", decode_npy(data)))
                 elif extension in AUDIO_TYPES:
                     if audio is None:
                         raise ValueError(f"shard {url} holds {extension} audio, but "
                                          "train.option.audio is not set")
                     waveform, _ = decode(data, f"{url}:{name}", audio.sample_rate)
-                    features.append(compute_fbank(waveform, audio.sample_rate, audio.fbank))
+                    features.append((f"{url}:{name}",
+                                     compute_fbank(waveform, audio.sample_rate, audio.fbank)))
                 else:
                     continue
                 if len(features) >= min(per_shard, max_utts - taken):
@@ -400,8 +403,9 @@ class StreamTrainData:
         self.logs = _EpochLogs(log_dir, context.rank)
         self._tokenizer_digest = _file_digest(options.tokenizer)
 
-    def feature_samples(self, max_utts: int) -> Iterator[np.ndarray]:
-        """Feature matrices of about `max_utts` utterances (`sample_features`)."""
+    def feature_samples(self, max_utts: int) -> Iterator[tuple[str, np.ndarray]]:
+        """(shard:member, feature matrix) of about `max_utts` utterances
+        (`sample_features`)."""
         return sample_features(self.shards, max_utts, self.options.seed,
                                self.options.strict_shards, audio_config(self.options, False))
 

@@ -12,7 +12,8 @@ update's micro-batches on all ranks, and each micro-batch back-propagates
 (divides by world_size), so the update's gradient is the exact mean over every
 utterance (or token) of the update on every rank, whatever the batch sizes.
 Non-final micro-batches run under `no_sync`. Gradients are clipped to `grad_norm`, an
-update with a non-finite gradient norm is skipped (and counted), AMP (float16 autocast +
+update with a non-finite gradient norm is skipped (counted; its utterances count as
+skipped, not trained, and too many stop training: `Manager`), AMP (float16 autocast +
 GradScaler) is used on GPU only, and the learning rate follows the scheduler per update.
 
 Usage:
@@ -139,17 +140,20 @@ class Updater:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.options.grad_norm if self.options.grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if math.isfinite(grad_norm) or self.amp:
+        skipped = not math.isfinite(grad_norm) and not self.amp
+        if not skipped:
             # With AMP the scaler skips non-finite updates itself and lowers its scale.
             self.scaler.step(self.optimizer)
         else:
             self.skipped += 1
-            logger.warning("non-finite gradient norm; update skipped")
+            logger.warning("non-finite gradient norm; update skipped (its utterances are "
+                           "counted as skipped, not trained)")
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.lr
         self.scheduler.step()
-        return {"loss": loss_sum / max(normalizer_sum, 1e-12), "grad_norm": grad_norm, "lr": lr}
+        return {"loss": loss_sum / max(normalizer_sum, 1e-12), "grad_norm": grad_norm, "lr": lr,
+                "skipped": skipped}
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable[Batch]) -> float:

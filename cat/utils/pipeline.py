@@ -13,7 +13,9 @@
   `torchrun` with `--nproc` > 1); an interrupted run is resumed from its last checkpoint.
 * `decode` (stage 4): averages checkpoints (`inference.avgmodel`), decodes every
   `data.test` set with `inference.infer` and scores it with `cat.utils.wer`; the table of
-  results goes to `exp/<name>/RESULTS.md`.
+  results goes to `exp/<name>/RESULTS.md`. When every hypothesis of a set is empty or
+  one token repeated (a model that outputs only blanks), RESULTS.md says it is not a
+  result and the stage fails, naming the checkpoint and its updates.
 * `feature-dirs` (for stage 1): prints the feature dirs (`data/fbank/<set>`) that
   `data.train`, `data.dev` and `data.test` name, one per line, so that stage 1 extracts
   only what the experiment reads: with audio shards (`data.shards.audio`) `data.train`
@@ -44,7 +46,7 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +194,7 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
     unit = "char" if er.get("cer", True) else "word"
     checkpoint = select_checkpoint(plan)
     rows = []
+    degenerate = []
     for test in plan.section("test"):
         name = set_name(test)
         out = plan.exp_dir / "decode" / name
@@ -214,11 +217,51 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
         rtf = json.loads((out / "decode.log").read_text(encoding="utf-8"))["rtf"]
         logger.info("%s: %s", name, summary.replace("\n", " | "))
         rows.append((name, result, rtf))
+        if is_degenerate(hyps.values()):
+            degenerate.append(name)
     table = _results_table(plan, checkpoint, options, unit, rows)
+    problem = None
+    if degenerate:
+        updates = trained_updates(plan.exp_dir)
+        problem = (f"the model {checkpoint} (trained for {updates} updates) is degenerate: "
+                   f"every hypothesis of {', '.join(degenerate)} is empty or one token "
+                   "repeated, so these figures measure no trained model (too few updates, "
+                   "or non-finite training?)")
+        table += f"\n**Not a result**: {problem}.\n"
     path = plan.exp_dir / "RESULTS.md"
     with atomic_write(path) as f:
         f.write(table)
+    if problem:
+        raise DegenerateModelError(f"{problem}; see {path}")
     return path
+
+
+class DegenerateModelError(RuntimeError):
+    """Stage 4 decoded only empty (or one-token) hypotheses for a test set."""
+
+
+def is_degenerate(hyps: Iterable[str]) -> bool:
+    """True when every hypothesis is empty or repeats one token, the same one for all
+    (e.g. a CTC model that outputs only blanks); False for an empty set."""
+    tokens: set[str] = set()
+    count = 0
+    for hyp in hyps:
+        count += 1
+        tokens.update(hyp.split() if " " in hyp.strip() else hyp.strip())
+        if len(tokens) > 1:
+            return False
+    return count > 0
+
+
+def trained_updates(exp_dir: Path) -> int | str:
+    """Optimizer updates of the experiment's latest checkpoint ('unknown' without one)."""
+    from cat.training.checkpoint import CheckpointManager
+
+    try:
+        records = CheckpointManager(exp_dir / "check").records
+    except (OSError, ValueError):
+        return "unknown"
+    return max((int(r["step"]) for r in records), default="unknown")
 
 
 def _results_table(plan: Plan, checkpoint: Path, options: Any, unit: str,

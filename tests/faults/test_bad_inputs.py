@@ -17,9 +17,11 @@ import sys
 import tarfile
 from pathlib import Path
 
+import kaldiio
 import numpy as np
 import pytest
 import soundfile
+import torch
 
 from cat.core import config as config_module
 from cat.core.config import ConfigError
@@ -47,7 +49,7 @@ from cat.testing.audio import (
     synth_waveform,
     write_kaldi_data_dir,
 )
-from cat.testing.features import write_feature_corpus
+from cat.testing.features import poison_features, write_feature_corpus
 from cat.testing.release import make_aishell_release
 from cat.testing.shards import (
     claim_member_size,
@@ -60,7 +62,11 @@ from cat.testing.uio import UioUtterance, synth_wav, write_uio_shard
 from cat.text import tokenizer as tk
 from cat.training.checkpoint import CheckpointManager, CheckpointMismatchError
 from cat.training.cli import train
-from cat.training.report import DataChangedError
+from cat.training.manager import ConfigChangedError
+from cat.training.report import DataChangedError, NonFiniteTrainingError
+from cat.training.update import Updater
+from cat.utils import pipeline
+from cat.utils.pipeline import DegenerateModelError
 
 NAME = "exp/tiny"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -451,6 +457,31 @@ def test_pickle_as_tokenizer_file(tmp_path):
     with pytest.raises(tk.TokenizerFileError,
                        match=r"tokenizer\.tknz: not a tokenizer file \(not UTF-8 JSON"):
         tk.load(path)
+
+
+def test_non_finite_feature_value_map_pack(corpus, tokenizer_file, tmp_path):
+    poison_features(corpus.feats_scp, corpus.keys[3])
+    poison_features(corpus.feats_scp, corpus.keys[5], float("inf"), (2, 1))
+    counts = mappack.write_map_pack(corpus.feats_scp, corpus.text, tokenizer_file,
+                                    tmp_path / "train.npz")
+    assert counts["dropped_non_finite"] == 2 and counts["num_utts"] == len(corpus.keys) - 2
+    dropped = _dropped(mappack.dropped_log_path(tmp_path / "train.npz"))
+    assert dropped == {corpus.keys[3]: "non_finite nan=1 inf=0",
+                       corpus.keys[5]: "non_finite nan=0 inf=1"}
+
+
+def test_non_finite_feature_value_shards(corpus, tmp_path):
+    poison_features(corpus.feats_scp, corpus.keys[3])
+    summary = prep_wds.pack_data(corpus.feats_scp, corpus.text, tmp_path / "wds",
+                                 utts_per_file=4)
+    assert summary.dropped == {"non_finite": 1}
+    assert summary.num_utts == {".": len(corpus.keys) - 1}
+    assert _dropped(tmp_path / "wds" / shard_format.DROPPED_NAME) == {
+        corpus.keys[3]: "non_finite nan=1 inf=0"}
+    index = [json.loads(line) for line in
+             (tmp_path / "wds/index.jsonl").read_text(encoding="utf-8").splitlines()[1:]]
+    assert sum(line["num_utts"] for line in index) == len(corpus.keys) - 1
+    assert corpus.keys[3] not in {key for line in index for key in line["keys"]}
 
 
 # --------------------------------------------------------------------------- stage 3
@@ -884,6 +915,130 @@ def test_resume_after_the_model_config_changed(trained_copy):
         train(NAME, "cat.ctc.train", resume=True)
 
 
+def _global_cmvn(config):
+    config["encoder"]["kwargs"]["global_cmvn"] = True
+
+
+def test_non_finite_feature_value_training(experiment):
+    # A pack written before the value went bad (packing now drops it as non_finite).
+    key = sorted(experiment.train.features)[7]
+    poison_features(experiment.train.feats_scp, key)
+    _set_config(experiment, _global_cmvn)
+    with pytest.raises(ValueError, match=rf"the global CMVN statistics are not finite, caused "
+                                         rf"by 1 utterance\(s\): exp/tiny/pack/train\.npz: "
+                                         rf"{key} \(1 NaN values\)"):
+        train(NAME, "cat.ctc.train")
+    assert not CheckpointManager(experiment.exp_dir / "check").records
+    _set_config(experiment, lambda config: config["encoder"]["kwargs"].pop("global_cmvn"))
+    with pytest.raises(ValueError, match=rf"pack/train\.npz: utterance '{key}' has non-finite "
+                                         r"features \(nan=1 inf=0\); pack it again"):
+        train(NAME, "cat.ctc.train")
+
+
+def test_non_finite_feature_value_streaming(experiment):
+    key = sorted(experiment.train.features)[7]
+    poison_features(experiment.train.feats_scp, key)
+    # Shards another tool wrote with the bad value in them (ours drop it when packing).
+    for shard in experiment.train_shards:
+        shard.unlink()
+    for index, keys in enumerate(np.array_split(sorted(experiment.train.features), 8)):
+        write_raw_shard(experiment.root / f"data/wds/train/data-{index:05d}.tar",
+                        [(k, _load_mat(experiment.train.feats_scp, k),
+                          experiment.train.transcripts[k]) for k in keys])
+    (experiment.root / "data/wds/train/index.jsonl").unlink()
+    shard_index.index_folder(experiment.root / "data/wds/train")
+    experiment.use_shards()
+    train(NAME, "cat.ctc.train")
+    record = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text(encoding="utf-8"))
+    assert record["dropped"].get("non_finite") == 1
+    drops = (experiment.exp_dir / "log/drops/epoch-001.rank-0.txt").read_text(encoding="utf-8")
+    assert f"{key} non_finite nan=1 inf=0" in drops
+
+
+def _load_mat(feats_scp: Path, key: str) -> np.ndarray:
+    scp = dict(line.split(" ", 1) for line in feats_scp.read_text(encoding="utf-8").splitlines())
+    return kaldiio.load_mat(scp[key].strip())
+
+
+def test_nan_learning_rate(experiment):
+    _set_config(experiment, lambda config: config["scheduler"]["kwargs"].update(
+        peak_lr=float("nan")))
+    with pytest.raises(ConfigError, match=r"exp/tiny/config\.json: scheduler\.kwargs\.peak_lr: "
+                                          r"nan is not a finite number"):
+        train(NAME, "cat.ctc.train")
+    _set_config(experiment, lambda config: config["scheduler"]["kwargs"].update(peak_lr=0))
+    with pytest.raises(ConfigError, match=r"scheduler\.kwargs\.peak_lr: 0 is less than or equal "
+                                          r"to the minimum of 0"):
+        train(NAME, "cat.ctc.train")
+
+
+def _non_finite_gradients(monkeypatch, every: int = 1) -> None:
+    """Every `every`-th update gets a non-finite gradient norm."""
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def clip_or_nan(parameters, max_norm):
+        norm = clip(parameters, max_norm)
+        calls.append(1)
+        return torch.tensor(float("nan")) if len(calls) % every == 0 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_or_nan)
+
+
+def test_updates_skipped_for_a_non_finite_gradient(experiment, monkeypatch):
+    _non_finite_gradients(monkeypatch)
+    with pytest.raises(NonFiniteTrainingError, match=r"epoch 1: 10 of its 10 updates were "
+                                                     r"skipped for a non-finite gradient norm, "
+                                                     r"more than train\.option\."
+                                                     r"max_skipped_updates=0\.05"):
+        train(NAME, "cat.ctc.train")
+    assert not CheckpointManager(experiment.exp_dir / "check").records
+    coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text(
+        encoding="utf-8"))
+    assert (coverage["trained"], coverage["skipped"], coverage["skipped_updates"]) == (0, 40, 10)
+    # Within the limit, the skipped utterances are counted, the others trained.
+    shutil.rmtree(experiment.exp_dir / "log")
+    monkeypatch.undo()
+    monkeypatch.chdir(experiment.root)
+    _non_finite_gradients(monkeypatch, every=5)
+    experiment.set_options(max_skipped_updates=0.2)
+    train(NAME, "cat.ctc.train")
+    coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text(
+        encoding="utf-8"))
+    assert (coverage["trained"], coverage["skipped"], coverage["skipped_updates"]) == (32, 8, 2)
+
+
+def test_non_finite_dev_loss(experiment, monkeypatch):
+    monkeypatch.setattr(Updater, "evaluate", lambda self, loader: float("nan"))
+    with pytest.raises(NonFiniteTrainingError, match=r"epoch 1, step 10: the dev loss is nan: "
+                                                     r"the model diverged or was fed non-finite "
+                                                     r"numbers; no checkpoint was written"):
+        train(NAME, "cat.ctc.train")
+    assert not CheckpointManager(experiment.exp_dir / "check").records
+
+
+def test_resume_after_the_learning_rate_or_grad_accum_changed(trained_copy, caplog):
+    config_path = trained_copy / NAME / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["scheduler"]["kwargs"]["peak_lr"] = 0.001
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    hyper = json.loads((trained_copy / NAME / "hyper-p.json").read_text(encoding="utf-8"))
+    hyper["train"]["option"].update(grad_accum=2, epochs=2)
+    (trained_copy / NAME / "hyper-p.json").write_text(json.dumps(hyper), encoding="utf-8")
+    with pytest.raises(ConfigChangedError, match=r"ckpt-e002-s00000010\.pt: the training "
+                                                 r"settings changed since this checkpoint was "
+                                                 r"written: config\.json: scheduler\.kwargs\."
+                                                 r"peak_lr: 0\.003 -> 0\.001; hyper-p\.json: "
+                                                 r"train\.option\.grad_accum: 1 -> 2\. .*"
+                                                 r"--resume-allow-config-change"):
+        train(NAME, "cat.ctc.train", resume=True)
+    train(NAME, "cat.ctc.train", allow_config_change=True)
+    assert "resuming with changed training settings (--resume-allow-config-change): " \
+           "config.json: scheduler.kwargs.peak_lr: 0.003 -> 0.001" in caplog.text
+    assert CheckpointManager(trained_copy / NAME / "check").latest().name == \
+        "ckpt-e003-s00000015.pt"
+
+
 def test_resume_without_a_checkpoint(experiment):
     with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in exp/tiny/check"):
         train(NAME, "cat.ctc.train", resume=True)
@@ -931,6 +1086,44 @@ def test_decode_scp_id_with_whitespace(trained_copy):
                                          r"<ark path>:<byte offset>' is expected"):
         _decode(trained_copy, _latest(trained_copy))
     assert not (trained_copy / "decode/hyp").exists()
+
+
+def test_pickle_payload_as_checkpoint(trained_copy):
+    path = trained_copy / "model.pt"
+    marker = trained_copy / "payload-ran"
+    torch.save({"format": "cat-checkpoint", "model": _Payload(str(marker))}, path)
+    with pytest.raises(ValueError) as error:
+        _decode(trained_copy, path)
+    message = str(error.value)
+    assert re.match(r".*model\.pt: refused: not a plain checkpoint, it holds pickled Python "
+                    r"objects other than tensors and plain data \(it refers to \S+\); loading them "
+                    r"could run code, so it is not loaded", message)
+    assert "weights_only" not in message and not marker.exists()
+
+
+class _Payload:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_decode_a_checkpoint_that_outputs_only_blanks(trained_copy):
+    check = trained_copy / NAME / "check"
+    for path in check.glob("ckpt-*.pt"):
+        state = torch.load(path, weights_only=True)
+        state["model"]["head.weight"].zero_()
+        state["model"]["head.bias"].fill_(-10.0)
+        state["model"]["head.bias"][0] = 10.0  # blank
+        torch.save(state, path)
+    with pytest.raises(DegenerateModelError, match=r"the model exp/tiny/.*\.pt \(trained for "
+                                                   r"10 updates\) is degenerate: every "
+                                                   r"hypothesis of dev is empty or one token "
+                                                   r"repeated"):
+        pipeline.decode(NAME)
+    results = (trained_copy / NAME / "RESULTS.md").read_text(encoding="utf-8")
+    assert "**Not a result**: the model" in results and "(trained for 10 updates)" in results
 
 
 # --------------------------------------------------------------------------- the catalogue

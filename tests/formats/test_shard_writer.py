@@ -60,7 +60,7 @@ def test_shards_are_the_bytes_tarfile_writes(tmp_path, dtype):
     written = (tmp_path / "data-00000.tar").read_bytes()
     assert written == expected
     assert result == {"num_bytes": len(expected), "crc32": f"{zlib.crc32(expected):08x}",
-                      "feat_dim": 5}
+                      "feat_dim": 5, "dropped": []}
     with tarfile.open(tmp_path / "data-00000.tar") as tar:
         names = tar.getnames()
         assert names[0] == f"{encode_key(order[0])}.npy" and len(names) == 2 * len(order)
