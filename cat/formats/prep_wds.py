@@ -163,8 +163,9 @@ def pack_data(
                          f"see {d_out / DROPPED_NAME})")
 
     pending, records = reuse_finished(folders, previous)
+    # The estimate reads one matrix: only when workers are possible at all.
     write_pending(pending, num_jobs, records, write_shard, _record_of,
-                  _work_seconds(pending, dtype))
+                  lambda: _work_seconds(pending, dtype))
     # Utterances the shard writer left out (non-finite features): in the drop log too.
     non_finite = {}
     for folder in folders:

@@ -63,6 +63,9 @@ DEFAULT_FMT = "data-%05d.tar"
 #: an idle machine, several on a loaded one), and how many times that in work it must get.
 WORKER_START_SECONDS = 2.0
 WORKER_PAYS_FACTOR = 4
+#: Set to 1, every job of `--nj` gets its worker whatever the work and the load (the
+#: process drills need the workers; a user who knows the machine better may want them).
+START_WORKERS_VARIABLE = "CAT_PACK_START_WORKERS"
 # Records of shards finished by an interrupted run, so a re-run can keep them.
 PARTS_DIR = ".parts"
 # Fields of a shard's index line before its long lists (see cat.formats.shard_format).
@@ -233,13 +236,20 @@ def usable_cpus() -> int:
     return max(1, min(cpus, math.floor(idle)))
 
 
-def plan_workers(num_jobs: int, num_tasks: int, work_seconds: float | None) -> int:
+def plan_workers(num_jobs: int, num_tasks: int,
+                 work_seconds: float | Callable[[], float | None] | None) -> int:
     """Worker processes to start beside this one (which writes shards too): at most
     `num_jobs - 1`, one fewer than the usable CPUs, one fewer than the shards, and, when
     the work is known (`work_seconds` of one core), only as many as it pays for: a worker
     takes about WORKER_START_SECONDS to start (spawn, imports), so each must get several
-    times that in work."""
+    times that in work. `CAT_PACK_START_WORKERS=1` starts them all regardless."""
+    if os.environ.get(START_WORKERS_VARIABLE) == "1":
+        return max(0, min(num_jobs, num_tasks) - 1)
     extra = min(num_jobs, num_tasks, usable_cpus()) - 1
+    if extra <= 0:
+        return 0
+    if callable(work_seconds):  # estimated only when workers are possible
+        work_seconds = work_seconds()
     if work_seconds is not None:
         extra = min(extra, math.floor(work_seconds / (WORKER_PAYS_FACTOR
                                                       * WORKER_START_SECONDS)) - 1)
@@ -247,7 +257,8 @@ def plan_workers(num_jobs: int, num_tasks: int, work_seconds: float | None) -> i
 
 
 def run_jobs(jobs: list[Any], num_jobs: int, write: Callable[[Any], dict[str, Any]],
-             work_seconds: float | None = None) -> Iterator[tuple[Any, dict[str, Any]]]:
+             work_seconds: float | Callable[[], float | None] | None = None
+             ) -> Iterator[tuple[Any, dict[str, Any]]]:
     """Yield `(job, write(job))` as shards complete.
 
     This process writes shards from the front of the list; the workers that
@@ -286,11 +297,12 @@ def run_jobs(jobs: list[Any], num_jobs: int, write: Callable[[Any], dict[str, An
 def write_pending(pending: list[Any], num_jobs: int, records: dict[str, dict[str, Any]],
                   write: Callable[[Any], dict[str, Any]],
                   record_of: Callable[[Any, dict[str, Any]], dict[str, Any]],
-                  work_seconds: float | None = None) -> None:
+                  work_seconds: float | Callable[[], float | None] | None = None) -> None:
     """Write the pending shards; each one's record (`record_of(job, result)`) is saved
     in `.parts/` as soon as it is complete, and added to `records`. `work_seconds`: the
-    estimated single-core seconds of the whole work (None: unknown), which decides how
-    many worker processes pay (`plan_workers`)."""
+    estimated single-core seconds of the whole work (None: unknown; or a function giving
+    them, called only when workers are possible), which decides how many worker
+    processes pay (`plan_workers`)."""
     with tqdm(total=len(pending), unit="shard", desc="packing", disable=None) as progress:
         for job, result in run_jobs(pending, num_jobs, write, work_seconds):
             path = Path(job.path)

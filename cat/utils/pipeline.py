@@ -231,7 +231,10 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
     path = plan.exp_dir / "RESULTS.md"
     with atomic_write(path) as f:
         f.write(table)
-    if problem:
+    if problem and er.get("allow_degenerate"):
+        logger.warning("%s; see %s (inference.er.allow_degenerate: recorded, not stopped)",
+                       problem, path)
+    elif problem:
         raise DegenerateModelError(f"{problem}; see {path}")
     return path
 

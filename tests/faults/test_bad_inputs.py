@@ -1124,6 +1124,14 @@ def test_decode_a_checkpoint_that_outputs_only_blanks(trained_copy):
         pipeline.decode(NAME)
     results = (trained_copy / NAME / "RESULTS.md").read_text(encoding="utf-8")
     assert "**Not a result**: the model" in results and "(trained for 10 updates)" in results
+    # Pipeline smoke tests opt in to recording it: marked, warned, stage 4 ends normally.
+    hyper_path = trained_copy / NAME / "hyper-p.json"
+    hyper = json.loads(hyper_path.read_text(encoding="utf-8"))
+    hyper.setdefault("inference", {}).setdefault("er", {})["allow_degenerate"] = True
+    hyper_path.write_text(json.dumps(hyper), encoding="utf-8")
+    assert pipeline.decode(NAME) == Path(NAME) / "RESULTS.md"
+    assert "**Not a result**: the model" in (trained_copy / NAME / "RESULTS.md").read_text(
+        encoding="utf-8")
 
 
 # --------------------------------------------------------------------------- the catalogue
