@@ -24,7 +24,7 @@ from cat.core.config import ConfigError
 from cat.crf.loss import CtcCrfLoss
 from cat.ctc.model import CTCModel
 from cat.graph.denominator import load_den_graph
-from cat.models.heads import check_batch, on_device
+from cat.models.heads import batch_loss, check_batch, on_device
 from cat.models.specaug import SpecAugment
 
 
@@ -62,16 +62,8 @@ class CRFModel(CTCModel):
         log_probs, lengths = self.log_probs(feats, feat_lens)
         with torch.autocast(device_type=log_probs.device.type, enabled=False):
             losses, infeasible = self._loss(log_probs.float(), lengths, labels, label_lens)
-        loss_sum = losses.sum()
-        num_tokens = int(label_lens.sum())
-        normalizer = float(labels.size(0) if self.loss_normalization == "utterance"
-                           else max(num_tokens, 1))
-        loss = loss_sum / normalizer
-        stats = {"loss": float(loss.detach()), "loss_sum": float(loss_sum.detach()),
-                 "normalizer": normalizer, "num_utts": float(labels.size(0)),
-                 "num_tokens": float(num_tokens), "num_frames": float(lengths.sum()),
-                 "num_infeasible": float(infeasible.sum())}
-        return loss, stats
+        return batch_loss(losses, labels, label_lens, lengths, infeasible,
+                          self.loss_normalization)
 
 
 def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,

@@ -36,7 +36,13 @@ from torch import nn
 from cat.core.config import ConfigError
 from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
 from cat.lm.scorer import ShallowFusion
-from cat.models.heads import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
+from cat.models.heads import (
+    LOSS_NORMALIZATIONS,
+    batch_loss,
+    check_batch,
+    init_blank_bias,
+    on_device,
+)
 from cat.models.specaug import SpecAugment
 
 
@@ -104,16 +110,8 @@ class CTCModel(nn.Module):
             log_probs.transpose(0, 1), labels, lengths, label_lens, blank=0,
             reduction="none", zero_infinity=True)
         infeasible = lengths < ctc_min_frames(labels, label_lens)
-        loss_sum = losses.sum()
-        num_tokens = int(label_lens.sum())
-        normalizer = float(labels.size(0) if self.loss_normalization == "utterance"
-                           else max(num_tokens, 1))
-        loss = loss_sum / normalizer
-        stats = {"loss": float(loss.detach()), "loss_sum": float(loss_sum.detach()),
-                 "normalizer": normalizer, "num_utts": float(labels.size(0)),
-                 "num_tokens": float(num_tokens), "num_frames": float(lengths.sum()),
-                 "num_infeasible": float(infeasible.sum())}
-        return loss, stats
+        return batch_loss(losses, labels, label_lens, lengths, infeasible,
+                          self.loss_normalization)
 
     @torch.no_grad()
     def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor

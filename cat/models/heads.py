@@ -62,3 +62,20 @@ def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:
     with torch.no_grad():
         head.bias.zero_()
         head.bias[0] = math.log(blank_prob / (1.0 - blank_prob) * num_tokens)
+
+
+def batch_loss(losses: torch.Tensor, labels: torch.Tensor, label_lens: torch.Tensor,
+               lengths: torch.Tensor, infeasible: torch.Tensor, loss_normalization: str
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The batch's loss from per-utterance `losses`, divided by its utterances or label
+    tokens (`loss_normalization`), and the statistics the trainer logs and sums."""
+    loss_sum = losses.sum()
+    num_tokens = int(label_lens.sum())
+    normalizer = float(labels.size(0) if loss_normalization == "utterance"
+                       else max(num_tokens, 1))
+    loss = loss_sum / normalizer
+    stats = {"loss": float(loss.detach()), "loss_sum": float(loss_sum.detach()),
+             "normalizer": normalizer, "num_utts": float(labels.size(0)),
+             "num_tokens": float(num_tokens), "num_frames": float(lengths.sum()),
+             "num_infeasible": float(infeasible.sum())}
+    return loss, stats

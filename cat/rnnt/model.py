@@ -40,7 +40,13 @@ from torch import nn
 
 from cat.core.config import ConfigError
 from cat.lm.scorer import ShallowFusion
-from cat.models.heads import LOSS_NORMALIZATIONS, check_batch, init_blank_bias, on_device
+from cat.models.heads import (
+    LOSS_NORMALIZATIONS,
+    batch_loss,
+    check_batch,
+    init_blank_bias,
+    on_device,
+)
 from cat.models.registry import build_component
 from cat.models.specaug import SpecAugment
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
@@ -202,16 +208,8 @@ class TransducerModel(nn.Module):
             logits.float().contiguous(), labels.int().contiguous(),
             lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none")
         losses = losses.masked_fill(infeasible, 0.0)
-        loss_sum = losses.sum()
-        num_tokens = int(label_lens.sum())
-        normalizer = float(labels.size(0) if self.loss_normalization == "utterance"
-                           else max(num_tokens, 1))
-        loss = loss_sum / normalizer
-        stats = {"loss": float(loss.detach()), "loss_sum": float(loss_sum.detach()),
-                 "normalizer": normalizer, "num_utts": float(labels.size(0)),
-                 "num_tokens": float(num_tokens), "num_frames": float(lengths.sum()),
-                 "num_infeasible": float(infeasible.sum())}
-        return loss, stats
+        return batch_loss(losses, labels, label_lens, lengths, infeasible,
+                          self.loss_normalization)
 
     @torch.no_grad()
     def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor

@@ -40,6 +40,7 @@ import fsspec
 from braceexpand import braceexpand
 from fsspec.registry import known_implementations, registry
 
+from cat.storage.patterns import expand_each
 from cat.storage.stores import StoreError, TransientStoreError, UnavailableStoreError
 
 logger = logging.getLogger(__name__)
@@ -245,18 +246,7 @@ class FsspecStore:
 
     def expand(self, patterns: str | Sequence[str]) -> list[str]:
         """Brace-expand and glob patterns against the store (`cat.storage.stores`)."""
-        if isinstance(patterns, str):
-            patterns = [patterns]
-        urls: list[str] = []
-        origin: dict[str, str] = {}
-        for pattern in patterns:
-            for url in self._expand_one(pattern):
-                if url in origin:
-                    raise ValueError(f"object {url} is listed twice (patterns "
-                                     f"{origin[url]!r} and {pattern!r})")
-                origin[url] = pattern
-                urls.append(url)
-        return urls
+        return expand_each(patterns, self._expand_one)
 
     def _expand_one(self, pattern: str) -> list[str]:
         found: list[str] = []

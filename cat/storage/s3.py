@@ -88,6 +88,7 @@ import botocore.exceptions
 from botocore import UNSIGNED
 from braceexpand import braceexpand
 
+from cat.storage.patterns import expand_each
 from cat.storage.stores import StoreError
 
 logger = logging.getLogger(__name__)
@@ -323,18 +324,7 @@ class S3Store:
 
     def expand(self, patterns: str | Sequence[str]) -> list[str]:
         """Brace-expand and glob `s3://` patterns against the bucket (module docstring)."""
-        if isinstance(patterns, str):
-            patterns = [patterns]
-        urls: list[str] = []
-        origin: dict[str, str] = {}
-        for pattern in patterns:
-            for url in self._expand_one(pattern):
-                if url in origin:
-                    raise ValueError(f"object {url} is listed twice (patterns "
-                                     f"{origin[url]!r} and {pattern!r})")
-                origin[url] = pattern
-                urls.append(url)
-        return urls
+        return expand_each(patterns, self._expand_one)
 
     def _expand_one(self, pattern: str) -> list[str]:
         bucket, _ = split_s3_url(pattern)
