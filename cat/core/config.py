@@ -261,7 +261,8 @@ def load_hyper_schema() -> dict[str, Any]:
         return json.load(f)
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """A JSON file; a missing file or invalid JSON is an error naming the file (and line)."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -281,7 +282,7 @@ def validate_hyper(hyper: Any, source: str = HYPER_NAME) -> None:
 
 def load_hyper(path: PathLike) -> dict[str, Any]:
     """Read and validate a `hyper-p.json`."""
-    hyper = _read_json(Path(path))
+    hyper = read_json(Path(path))
     validate_hyper(hyper, str(path))
     return hyper
 

@@ -65,6 +65,7 @@ from cat.formats.shard_format import (
     read_index_counts,
 )
 from cat.loading.tar import UNINDEXED_MEMBER_LIMIT
+from cat.storage.patterns import expand_each
 from cat.storage.stores import index_url, is_store_url, object_name, store_for
 
 logger = logging.getLogger(__name__)
@@ -89,22 +90,17 @@ def expand_shard_patterns(patterns: Sequence[str] | str,
                           timeout: float = HTTP_TIMEOUT_SECONDS) -> list[str]:
     """Brace-expand, glob and sort shard patterns, read `.list` files (see the module
     docstring)."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    shards: list[str] = []
-    origin: dict[str, str] = {}
-    for pattern in patterns:
-        for shard in _expand_one(pattern, timeout):
-            if _url_path(shard).endswith(COMPRESSED_SUFFIXES):
-                raise ValueError(f"shard {shard} (from {pattern!r}) is not gzip-compressed "
-                                 "but compressed otherwise; the loader reads plain and "
-                                 "gzip-compressed (.tar.gz, .tgz) tar shards: decompress it "
-                                 "(or recompress it with gzip) and index the folder")
-            if shard in origin:
-                raise ValueError(f"shard {shard} is listed twice (patterns "
-                                 f"{origin[shard]!r} and {pattern!r})")
-            origin[shard] = pattern
-            shards.append(shard)
+    return expand_each(patterns, lambda pattern: _checked(pattern, timeout))
+
+
+def _checked(pattern: str, timeout: float) -> list[str]:
+    shards = _expand_one(pattern, timeout)
+    for shard in shards:
+        if _url_path(shard).endswith(COMPRESSED_SUFFIXES):
+            raise ValueError(f"shard {shard} (from {pattern!r}) is not gzip-compressed "
+                             "but compressed otherwise; the loader reads plain and "
+                             "gzip-compressed (.tar.gz, .tgz) tar shards: decompress it "
+                             "(or recompress it with gzip) and index the folder")
     return shards
 
 

@@ -20,7 +20,7 @@ def expand_each(patterns: str | Sequence[str], expand_one: Callable[[str], list[
     for pattern in patterns:
         for url in expand_one(pattern):
             if url in origin:
-                raise ValueError(f"object {url} is listed twice (patterns "
+                raise ValueError(f"shard {url} is listed twice (patterns "
                                  f"{origin[url]!r} and {pattern!r})")
             origin[url] = pattern
             urls.append(url)

@@ -50,6 +50,7 @@ from cat.core.config import (
     HYPER_NAME,
     ConfigError,
     load_config_schema,
+    read_json,
     validate_config,
     validate_hyper,
 )
@@ -828,16 +829,6 @@ def count_model_parameters(config: dict[str, Any], num_classes: int) -> int:
         return count_parameters(build_model(config, num_classes))
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist") from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") \
-            from None
-
 
 def write_experiment(migration: Migration, new_exp: Path, report: str, force: bool) -> None:
     """Write NEW_EXP (hyper-p.json, config.json, migration.txt) as a whole, then rename."""
@@ -872,9 +863,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip building the model to count its parameters")
     args = parser.parse_args(argv)
     metainfo_path = args.metainfo or find_metainfo(args.old_exp)
-    metainfo = _read(metainfo_path) if metainfo_path else None
-    migration = migrate(_read(args.old_exp / HYPER_NAME), _read(args.old_exp / CONFIG_NAME),
-                        args.new_exp.as_posix(), metainfo)
+    metainfo = read_json(metainfo_path) if metainfo_path else None
+    migration = migrate(read_json(args.old_exp / HYPER_NAME),
+                        read_json(args.old_exp / CONFIG_NAME), args.new_exp.as_posix(),
+                        metainfo)
     parameters = None
     if not args.no_count and migration.num_classes:
         parameters = count_model_parameters(migration.config, migration.num_classes)
