@@ -1,4 +1,4 @@
-"""The CTC-CRF loss: batched forward-backward over weighted acceptors in the log semiring.
+"""The CTC-CRF loss: batched forward-backward over weighted acceptors, CPU and CUDA.
 
 For log-potentials `x` [B, T, V] (the network's log-softmax output, blank = 0), a label
 sequence `y` and the denominator graph `D` = CTC topology o token LM
@@ -10,11 +10,18 @@ sequence `y` and the denominator graph `D` = CTC topology o token LM
                  = -(1 + lamb) * num_ctc - log P_LM(y) + log Z_den
 
 `log P_LM(y)` does not depend on `x`; it is kept so that the loss is the CRF's negative
-log-likelihood. Both path sums run on one engine (`GraphLogSum`): the CTC graph of each
-label sequence (a padded batch of 2U+1-state graphs) and the shared denominator graph
-(one arc list for the whole batch). The backward pass recomputes the backward variables
-frame by frame and scatters each arc's occupancy onto the frame's label, so memory stays
-at the forward variables, O(frames x states) per utterance, plus one frame of arcs.
+log-likelihood. `GraphLogSum` computes both path sums with an explicit backward from
+forward-backward occupancies, so memory stays at the forward variables, O(frames x
+states) per utterance:
+
+* the numerator over the CTC graph of each label sequence (a padded batch of 2U+1-state
+  graphs) in the log semiring, per arc (`Arcs`);
+* the denominator, one graph shared by the batch, as a transition matrix over states that
+  are each entered by one label (`DenMatrix`): a frame is a sparse matrix product and a
+  product with the frame's emissions, in the probability semiring with per-frame scales;
+  the gradient is each state's posterior summed onto its label. Its cost is the graph's
+  arcs x the batch per frame, so the graph's size decides the speed
+  (`cat.graph.denominator`, bench/crf_loss.py).
 
 Utterances whose label sequence has no path (too few frames, or a token the LM never
 emits) get loss 0 and no gradient; `infeasible` reports them.
@@ -22,15 +29,18 @@ emits) get loss 0 and no gradient; `infeasible` reports them.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
 from cat.graph.denominator import DenGraph, Fsa
 
 NEG_INF = float("-inf")
-# The shared (denominator) graph in the probability semiring with per-frame scales; False
-# runs it in the log semiring like the CTC graphs (bench/crf_loss.py compares the two).
-SCALED_DENOMINATOR = True
+# The shared denominator graph: "matrix" (`DenMatrix`, probability semiring with per-frame
+# scales, sparse matrix products) or "arcs" (the log-semiring arc engine of the numerator;
+# exact and about two orders of magnitude slower: tests and bench/crf_loss.py compare them).
+DENOMINATOR = "matrix"
 
 
 def _scatter_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
@@ -132,90 +142,128 @@ def _occupancies(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs, alphas: tor
     return grad
 
 
-def _forward_scaled(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_forward` in the probability semiring with a scale per frame (the graph's forward
-    variables divided by their maximum, the log of the scales kept apart): for a graph
-    shared by the batch, where it saves the per-arc exp / log of the log semiring.
-    Returns (scaled alphas [T+1, B, S], log scales [T+1, B], log Z [B])."""
+class DenMatrix:
+    """A shared graph whose states are each entered by one label (the denominator: CTC
+    topology o token LM, where a blank state is entered by blank and a token state by its
+    token) as a transition matrix: one frame of the forward pass is then
+    `alpha' = (W^T alpha) * emission[label of each state]`, a sparse matrix product over
+    the batch instead of per-arc gathers and scatters.
+
+    Runs in the probability semiring with a scale per frame (the forward variables are
+    divided by their maximum, the logs of the divisors kept apart), as Kaldi's chain
+    denominator does; `W` holds exp(arc weight), parallel arcs summed.
+    """
+
+    def __init__(self, fsa: Fsa, device: torch.device, dtype: torch.dtype) -> None:
+        states = fsa.num_states
+        label = np.full(states, -1, np.int64)
+        label[fsa.dst] = fsa.label
+        if np.any(label[fsa.dst] != fsa.label):
+            raise ValueError("the graph has a state entered by two labels; DenMatrix needs "
+                             "one label per state (CTC topology o an acceptor has it)")
+        label[label < 0] = 0  # never entered: no mass reaches it
+        self.num_states, self.start = states, int(fsa.start)
+        self.state_label = torch.as_tensor(label, device=device)
+        values = torch.as_tensor(np.exp(fsa.weight), dtype=dtype, device=device)
+        src = torch.as_tensor(fsa.src, device=device)
+        dst = torch.as_tensor(fsa.dst, device=device)
+
+        def csr(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            # int32 indices: the sparse kernels take them as they are (int64 ones are
+            # converted on every product)
+            with warnings.catch_warnings():
+                for message in ("Sparse CSR tensor support", "Sparse invariant checks"):
+                    warnings.filterwarnings("ignore", message=message)
+                coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), values,
+                                              (states, states), check_invariants=True)
+                matrix = coo.coalesce().to_sparse_csr()
+                return torch.sparse_csr_tensor(matrix.crow_indices().int(),
+                                               matrix.col_indices().int(), matrix.values(),
+                                               matrix.shape)
+        self.to_dst = csr(dst, src)   # W^T: row = destination state
+        self.to_src = csr(src, dst)   # W:   row = source state
+        final = torch.as_tensor(fsa.final, dtype=dtype, device=device)
+        self.final_peak = final.max()
+        self.final = torch.exp(final - self.final_peak)
+
+    def emission(self, x_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp(x_t - peak) per state [S, B], peak [B]) for one frame x_t [B, V]."""
+        peak = x_t.max(dim=1).values
+        return torch.exp(x_t - peak[:, None]).index_select(1, self.state_label).t(), peak
+
+
+def _den_forward(x: torch.Tensor, lengths: torch.Tensor, den: DenMatrix
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scaled forward variables [T+1, S, B], log Z [B]) of the shared graph `den`."""
     batch, frames, _ = x.shape
-    src, dst, label, _ = arcs.expanded(batch)
-    arc_weight = torch.exp(arcs.weight)
-    alphas = x.new_zeros((frames + 1, batch, arcs.num_states))
-    alphas[0].scatter_(1, arcs.start.expand(batch)[:, None], 1.0)
-    scales = x.new_zeros((frames + 1, batch))
+    alphas = x.new_zeros((frames + 1, den.num_states, batch))
+    alphas[0, den.start] = 1.0
+    log_scale = x.new_zeros(batch)
     for t in range(frames):
-        peak_x = x[:, t].max(dim=1).values
-        emit = torch.exp(x[:, t] - peak_x[:, None])
-        mass = alphas[t].gather(1, src) * arc_weight * emit.gather(1, label)
-        new = torch.zeros_like(alphas[t]).scatter_add_(1, dst, mass)
-        norm = new.max(dim=1).values
+        emit, peak = den.emission(x[:, t])
+        new = (den.to_dst @ alphas[t]) * emit
+        norm = new.max(dim=0).values
         norm = torch.where(norm > 0, norm, torch.ones_like(norm))
         live = t < lengths
-        alphas[t + 1] = torch.where(live[:, None], new / norm[:, None], alphas[t])
-        scales[t + 1] = torch.where(live, scales[t] + peak_x + torch.log(norm), scales[t])
-    with torch.no_grad():
-        total = (alphas[frames] * torch.exp(arcs.final)).sum(dim=1)
-    log_z = torch.log(total) + scales[frames]
-    return alphas, scales, log_z
+        alphas[t + 1] = torch.where(live[None, :], new / norm, alphas[t])
+        log_scale = log_scale + torch.where(live, peak + torch.log(norm),
+                                            torch.zeros_like(norm))
+    total = (alphas[frames] * den.final[:, None]).sum(dim=0)
+    return alphas, torch.log(total) + log_scale + den.final_peak
 
 
-def _occupancies_scaled(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs,
-                        alphas: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
-    """`_occupancies` from `_forward_scaled`'s alphas: per frame, each arc's share of
-    alpha x arc x beta, normalised over the frame's arcs (their posteriors sum to 1)."""
-    batch, frames, _ = x.shape
-    src, dst, label, _ = arcs.expanded(batch)
-    arc_weight = torch.exp(arcs.weight)
+def _den_occupancies(x: torch.Tensor, lengths: torch.Tensor, den: DenMatrix,
+                     alphas: torch.Tensor, log_z: torch.Tensor) -> torch.Tensor:
+    """d log Z / d x [B, T, V] from `_den_forward`'s alphas: per frame, the posterior of
+    each state (alpha x beta, normalised over the frame's states) summed onto its label."""
+    batch, frames, classes = x.shape
     grad = torch.zeros_like(x)
-    final = arcs.final.expand(batch, -1)
-    beta = torch.exp(final - final.max(dim=1, keepdim=True).values)
+    beta = den.final[:, None].expand(-1, batch).clone()
     ok = torch.isfinite(log_z)
     for t in range(frames - 1, -1, -1):
         live = t < lengths
-        emit = torch.exp(x[:, t] - x[:, t].max(dim=1, keepdim=True).values)
-        ahead = arc_weight * emit.gather(1, label) * beta.gather(1, dst)
-        share = alphas[t].gather(1, src) * ahead
-        total = share.sum(dim=1, keepdim=True)
-        use = (live & ok)[:, None] & (total > 0)
-        post = torch.where(use, share / torch.where(total > 0, total, torch.ones_like(total)),
-                           torch.zeros_like(share))
-        grad[:, t].scatter_add_(1, label, post)
-        new = torch.zeros_like(beta).scatter_add_(1, src, ahead)
-        norm = new.max(dim=1, keepdim=True).values
+        share = alphas[t + 1] * beta
+        total = share.sum(dim=0)
+        use = live & ok & (total > 0)
+        post = share / torch.where(use, total, torch.ones_like(total))
+        post = torch.where(use[None, :], post, torch.zeros_like(post))
+        grad[:, t] = post.new_zeros(classes, batch).index_add_(0, den.state_label, post).t()
+        emit, _ = den.emission(x[:, t])
+        new = den.to_src @ (emit * beta)
+        norm = new.max(dim=0).values
         new = new / torch.where(norm > 0, norm, torch.ones_like(norm))
-        beta = torch.where(live[:, None], new, beta)
+        beta = torch.where(live[None, :], new, beta)
     return grad
 
 
 class GraphLogSum(torch.autograd.Function):
-    """log Z [B] of acceptors over the frames of x (see `_forward`), with an explicit
-    backward from forward-backward occupancies."""
+    """log Z [B] of acceptors over the frames of x, with an explicit backward from
+    forward-backward occupancies: `Arcs` (per-utterance or shared graphs) in the log
+    semiring, a `DenMatrix` in the probability semiring with per-frame scales."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs) -> torch.Tensor:
-        # A graph shared by the batch (the denominator) is large: probability semiring
-        # with per-frame scales; per-utterance CTC graphs stay in the log semiring.
-        ctx.scaled = SCALED_DENOMINATOR and arcs.src.size(0) == 1
-        if ctx.scaled:
-            alphas, _, log_z = _forward_scaled(x.detach(), lengths, arcs)
+    def forward(ctx, x: torch.Tensor, lengths: torch.Tensor, graph: Arcs | DenMatrix
+                ) -> torch.Tensor:
+        if isinstance(graph, DenMatrix):
+            alphas, log_z = _den_forward(x.detach(), lengths, graph)
         else:
-            alphas, log_z = _forward(x.detach(), lengths, arcs)
+            alphas, log_z = _forward(x.detach(), lengths, graph)
         ctx.save_for_backward(x, lengths, alphas, log_z)
-        ctx.arcs = arcs
+        ctx.graph = graph
         return log_z
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, lengths, alphas, log_z = ctx.saved_tensors
-        occupancies = _occupancies_scaled if ctx.scaled else _occupancies
-        occupancy = occupancies(x.detach(), lengths, ctx.arcs, alphas, log_z)
+        occupancies = _den_occupancies if isinstance(ctx.graph, DenMatrix) else _occupancies
+        occupancy = occupancies(x.detach(), lengths, ctx.graph, alphas, log_z)
         return occupancy * grad_out[:, None, None], None, None
 
 
-def graph_log_sum(x: torch.Tensor, lengths: torch.Tensor, arcs: Arcs) -> torch.Tensor:
-    """Differentiable log partition function of `arcs` over x [B, T, V]."""
-    return GraphLogSum.apply(x, lengths, arcs)
+def graph_log_sum(x: torch.Tensor, lengths: torch.Tensor, graph: Arcs | DenMatrix
+                  ) -> torch.Tensor:
+    """Differentiable log partition function of `graph` over x [B, T, V]."""
+    return GraphLogSum.apply(x, lengths, graph)
 
 
 class CtcCrfLoss(torch.nn.Module):
@@ -230,13 +278,18 @@ class CtcCrfLoss(torch.nn.Module):
         super().__init__()
         self.graph = graph
         self.lamb = float(lamb)
-        self._arcs: dict[tuple, Arcs] = {}
+        self._den: dict[tuple, Arcs | DenMatrix] = {}
 
-    def den_arcs(self, device: torch.device, dtype: torch.dtype) -> Arcs:
-        key = (str(device), dtype)
-        if key not in self._arcs:
-            self._arcs[key] = Arcs.shared(self.graph.den, device, dtype)
-        return self._arcs[key]
+    def den_graph(self, device: torch.device, dtype: torch.dtype) -> Arcs | DenMatrix:
+        """The denominator on `device` (built once per device and dtype): a `DenMatrix`,
+        or with DENOMINATOR = "arcs" the log-semiring arc engine (exact and slow; for
+        tests and bench/crf_loss.py)."""
+        key = (str(device), dtype, DENOMINATOR)
+        if key not in self._den:
+            self._den[key] = (Arcs.shared(self.graph.den, device, dtype)
+                              if DENOMINATOR == "arcs"
+                              else DenMatrix(self.graph.den, device, dtype))
+        return self._den[key]
 
     def lm_log_probs(self, labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
         rows = labels.tolist()
@@ -253,7 +306,7 @@ class CtcCrfLoss(torch.nn.Module):
         lengths = lengths.to(x.device)
         labels, label_lens = labels.to(x.device), label_lens.to(x.device)
         num = graph_log_sum(x, lengths, ctc_graphs(labels, label_lens, x.dtype))
-        den = graph_log_sum(x, lengths, self.den_arcs(x.device, x.dtype))
+        den = graph_log_sum(x, lengths, self.den_graph(x.device, x.dtype))
         lm = self.lm_log_probs(labels, label_lens).to(device=x.device, dtype=x.dtype)
         infeasible = ~(torch.isfinite(num) & torch.isfinite(den) & torch.isfinite(lm))
         losses = den - (1.0 + self.lamb) * num - lm
