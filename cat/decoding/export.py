@@ -3,8 +3,8 @@ metadata a runtime needs, `tokens.txt`, writing a directory of models atomically
 sherpa-onnx recognizers over an export.
 
 An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family
-(`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), a
-`tokens.txt` (`<piece> <id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx
+(`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), their
+TorchScript traces (`model.pt`, ...; not for `streaming.onnx`), a `tokens.txt` (`<piece> <id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx
 reads) and `export.json` (the same metadata as the models carry, for reading without
 onnx). The models take stage 1's features: 80-dim Kaldi fbank of audio at 16 kHz scaled
 to the int16 range (`cat.features.fbank`: 25 ms windows every 10 ms, `snip_edges`, mel
@@ -99,9 +99,11 @@ def write_tokens(tokenizer: Any, path: PathLike) -> None:
 def export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: PathLike,
                 input_names: list[str], output_names: list[str],
                 dynamic_axes: Mapping[str, Mapping[int, str]],
-                metadata: Mapping[str, Any]) -> None:
+                metadata: Mapping[str, Any], torchscript: bool = True) -> None:
     """Trace `module` on `args` into the ONNX file `path` with `metadata` (values as
-    strings, what sherpa-onnx's model readers parse)."""
+    strings, what sherpa-onnx's model readers parse); with `torchscript`, the same trace
+    as TorchScript next to it (`model.onnx` -> `model.pt`, `torch.jit.load`; the metadata
+    in its extra file `metadata.json`)."""
     import onnx
 
     with warnings.catch_warnings():
@@ -111,6 +113,11 @@ def export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: P
         torch.onnx.export(module.eval(), args, str(path), input_names=input_names,
                           output_names=output_names, dynamic_axes=dict(dynamic_axes),
                           opset_version=OPSET, dynamo=False)
+        if torchscript:
+            with torch.no_grad():
+                traced = torch.jit.trace(module, args, check_trace=False)
+            extra = {"metadata.json": json.dumps(dict(metadata), ensure_ascii=False)}
+            torch.jit.save(traced, str(Path(path).with_suffix(".pt")), _extra_files=extra)
     model = onnx.load(str(path))
     for key, value in metadata.items():
         entry = model.metadata_props.add()
@@ -264,7 +271,7 @@ def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
     export_onnx(_Step(), example, path, ["x", "attn_cache", "conv_cache"],
                 [output_name, "attn_cache_out", "conv_cache_out"],
                 {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
-                 "attn_cache_out": {2: "L_out"}}, metadata)
+                 "attn_cache_out": {2: "L_out"}}, metadata, torchscript=False)
 
 
 class OnnxChunkEncoder:

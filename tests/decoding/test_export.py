@@ -99,6 +99,33 @@ def test_onnxruntime_gives_pytorch_hypotheses(recipe, tmp_path):
         np.testing.assert_allclose(got[0], expected, atol=1e-4)
 
 
+def test_torchscript_export_equals_pytorch(recipe, tmp_path):
+    # The TorchScript trace written next to each ONNX model, on inputs of other lengths
+    # than the trace's example (a batch of three).
+    variant, experiment, checkpoint = recipe
+    kind = variant.split("-")[0]
+    out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
+    model, _ = load_model(experiment.exp_dir, checkpoint, kind, torch.device("cpu"))
+    feats = dict(kaldiio.load_scp(str(experiment.test_features / "feats.scp")))
+    matrices = [torch.from_numpy(np.array(feats[key])) for key in sorted(feats)[:3]]
+    x = torch.nn.utils.rnn.pad_sequence(matrices, batch_first=True)
+    lengths = torch.tensor([len(m) for m in matrices])
+    extra = {"metadata.json": ""}
+    traced = torch.jit.load(str(out / ("model.pt" if kind == "ctc" else "encoder.pt")),
+                            _extra_files=extra)
+    assert json.loads(extra["metadata.json"])["family"] == kind
+    with torch.no_grad():
+        if kind == "ctc":
+            expected, expected_lens = model.log_probs(x, lengths)
+        else:  # encoder.onnx / .pt hold the joiner's projection of the encoder's output
+            encoder_out, expected_lens = model.encoder(x, lengths)
+            expected = model.joiner.project_encoder(encoder_out)
+        got, got_lens = traced(x, lengths)
+    assert got_lens.tolist() == expected_lens.tolist()
+    for i, n in enumerate(expected_lens.tolist()):
+        torch.testing.assert_close(got[i, :n], expected[i, :n], atol=1e-5, rtol=0)
+
+
 def test_sherpa_onnx_gives_pytorch_hypotheses_from_audio(recipe, tmp_path):
     variant, experiment, checkpoint = recipe
     kind = variant.split("-")[0]
@@ -131,7 +158,9 @@ def test_export_command_uses_stage_4_checkpoint(recipe, capsys):
     out = experiment.exp_dir / "export"
     assert capsys.readouterr().out.strip() == str(Path(EXP) / "export")
     names = ["model.onnx"] if kind == "ctc" else ["encoder.onnx", "decoder.onnx", "joiner.onnx"]
-    assert sorted(p.name for p in out.iterdir()) == sorted([*names, "export.json", "tokens.txt"])
+    traced = [name.replace(".onnx", ".pt") for name in names]
+    assert sorted(p.name for p in out.iterdir()) == \
+        sorted([*names, *traced, "export.json", "tokens.txt"])
     assert not (experiment.exp_dir / "export.tmp").exists()
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert meta["checkpoint"] == "avg-best-2.pt" and meta["family"] == kind
