@@ -5,8 +5,38 @@ The CTC-CRF denominator is the log partition function over every frame path of
 (CTC topology o token LM). It is a sum over paths in the log semiring, so the LM must give
 each token string its probability exactly once. An ARPA back-off model written as an FST
 with epsilon back-off arcs does not: a string reaches the same history both by the n-gram
-arc and by the back-off arc and is counted twice. This module therefore expands the
-back-off:
+arc and by the back-off arc and is counted twice. This module builds the LM as an
+epsilon-free deterministic acceptor instead, with one of two estimators
+(`build_den_graph(estimator=...)`, `trainer.den_lm_estimator`).
+
+**chain** (the default, CAT's): the un-smoothed phone LM of Kaldi's `chain-est-phone-lm
+--ngram-order 4 --no-prune-ngram-order 3 --num-extra-lm-states 1000`, which CAT's
+`prep_den_lm.sh` runs. Kaldi avoids smoothing to keep the number of transitions small:
+a state has arcs only for the tokens the transcripts hold after it.
+
+* **States** are histories (the last `order - 1` symbols of `<s> t1 .. ti`) seen in the
+  training transcripts: every one shorter than `no_prune_order` (3: all unigram and
+  bigram histories), `<s>`, and the `extra_states` most frequent longer ones (ties: the
+  shorter, then by token ids, oldest first, `<s>` after every token). Kaldi keeps the
+  long histories whose removal loses the most likelihood; this rule keeps the most
+  frequent ones, so the state set is not guaranteed to be Kaldi's.
+  A history never occurs more often than its prefix or its suffix, so the kept set is
+  closed under both, and the longest kept suffix of (state, token) is the longest kept
+  suffix of the whole history.
+* **Counts**: each sentence `<s> t1 .. tn </s>` walks the acceptor: at each position the
+  state is the longest kept suffix of the history (a pruned history's counts go to it),
+  the pair (state, next symbol) is counted, and the token leads to the longest kept
+  suffix of (state, token). `p(w | s) = c(s, w) / c(s)` with `</s>` counted as a symbol
+  (the final weight); pairs never seen have no arc (probability 0; nothing backs off),
+  and states the walk never reaches are dropped.
+* **Exact**: the acceptor is deterministic and each state's arcs and final weight sum to
+  1 (every state reaches a final one), so the path sum of a string is its probability,
+  the product of the ML ratios along its one path, and the mass over all strings is 1.
+  A string has at most one path; every training sentence has one.
+
+**kneser-ney**: the project's Kneser-Ney estimator (`cat.lm.ngram`) with the back-off
+expanded, an arc for every token at every state (about 17 times the chain graph's arcs
+for AISHELL's phones; bench/README.md):
 
 * **States** are the LM's contexts that predict something of their own: the empty
   context, `<s>`, and every n-gram of order < N that is the prefix of a higher-order
@@ -29,7 +59,7 @@ emission) gives states (LM state, blank) and (LM state, last token).
 
 Usage::
 
-    den = build_den_graph(label_sequences, num_classes=V, order=4)
+    den = build_den_graph(label_sequences, num_classes=V, order=4, extra_states=1000)
     save_den_graph(den, "exp/crf/den_lm.npz", units=tokenizer_pieces)
     den = load_den_graph("exp/crf/den_lm.npz", num_classes=V, units=tokenizer_pieces)
 """
@@ -217,23 +247,20 @@ def _history_codes(label_seqs: Iterable[Sequence[int]], num_classes: int, order:
     if float(base) ** order >= 2.0 ** 62:
         raise ValueError(f"order {order} over {num_classes} classes: histories do not fit "
                          f"64-bit codes; lower the order")
-    parts, lengths = [], []
-    for seq in label_seqs:
-        arr = np.asarray(seq, np.int64)
-        if arr.size and (arr.min() < 1 or arr.max() >= num_classes):
-            bad = arr[(arr < 1) | (arr >= num_classes)][0]
-            raise ValueError(f"label {bad} is outside 1..{num_classes - 1}")
-        parts.append(arr)
-        lengths.append(arr.size + 1)
+    parts = [np.asarray(seq, np.int64) for seq in label_seqs]
     if not parts:
         raise ValueError("no label sequences to estimate the token LM from")
-    lengths_a = np.asarray(lengths, np.int64)
+    tokens = np.concatenate(parts)
+    bad = tokens[(tokens < 1) | (tokens >= num_classes)]
+    if bad.size:
+        raise ValueError(f"label {bad[0]} is outside 1..{num_classes - 1}")
+    lengths_a = np.asarray([part.size + 1 for part in parts], np.int64)
     starts = np.cumsum(lengths_a) - lengths_a
     symbols = np.empty(int(lengths_a.sum()), np.int64)
     symbols[starts] = num_classes  # <s>
     body = np.ones(symbols.size, bool)
     body[starts] = False
-    symbols[body] = np.concatenate(parts) if parts else []
+    symbols[body] = tokens
     nexts = np.zeros(symbols.size, np.int64)  # </s> after a sentence's last position
     last = starts + lengths_a - 1
     follows = np.ones(symbols.size, bool)
