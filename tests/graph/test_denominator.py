@@ -131,3 +131,18 @@ def test_estimator_is_checked():
         build_den_graph(CORPUS, 4, estimator="witten-bell")
     with pytest.raises(ValueError, match=r"label 4 is outside 1\.\.3"):
         build_den_graph([[1, 4]], 4)
+
+
+@pytest.mark.parametrize("no_prune_order", [1, 2, 3])
+def test_ties_keep_the_shorter_history_so_the_walk_and_the_arcs_agree(no_prune_order):
+    # Every history of these sentences occurs equally often: the kept set stays closed
+    # under prefixes and suffixes only if ties go to the shorter history.
+    sentences = [[1, 2, 3, 4], [1, 2, 3, 4], [4, 3, 2, 1], [4, 3, 2, 1]]
+    for extra_states in range(12):
+        lm = chain_lm_acceptor(sentences, 5, 5, no_prune_order, extra_states)
+        assert abs(total_mass(lm) - 1.0) < 1e-9
+        reference = reference_lm(sentences, 5, no_prune_order, extra_states)
+        graph = DenGraph(5, lm, lm, {})
+        for sentence in [*sentences, [1, 2, 1], [4, 3, 4]]:
+            got, expected = graph.lm_log_prob(sentence), reference(sentence)
+            assert got == expected or abs(got - expected) < 1e-9, (extra_states, sentence)
