@@ -313,8 +313,8 @@ def chain_lm_acceptor(label_seqs: Iterable[Sequence[int]], num_classes: int, ord
         keep[:] = True
     else:
         # The most frequent longer histories; ties go to the shorter one, then the
-        # smaller code. A history never outnumbers its prefix or its suffix and wins the
-        # ties with them, so the kept set stays closed under prefixes and suffixes, and
+        # smaller code. A history never outnumbers its prefix or its suffix, which win
+        # ties against it, so the kept set stays closed under prefixes and suffixes, and
         # then the longest kept suffix of (state, token) is the longest kept suffix of
         # the whole history: the walk below and the arcs agree.
         longer = np.flatnonzero(~keep)
@@ -331,7 +331,7 @@ def chain_lm_acceptor(label_seqs: Iterable[Sequence[int]], num_classes: int, ord
     dest = _longest_kept_suffix((state[token] * base + nexts[token]) % top, kept, base, order)
     after = np.flatnonzero(token) + 1
     if not np.array_equal(dest, state[after]):
-        raise AssertionError("chain LM: the arcs' destinations disagree with the walk")
+        raise RuntimeError("chain LM: the arcs' destinations disagree with the walk")
     states, state_id = np.unique(state, return_inverse=True)
     pair, first, pair_count = np.unique(state_id * base + nexts, return_index=True,
                                         return_counts=True)
