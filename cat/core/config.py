@@ -150,8 +150,8 @@ def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
             raise ConfigError(f"{source}: trainer.den_lm: CTC-CRF (trainer.use_crf) needs "
                               f"its denominator graph")
         return "crf"
-    unused = [key for key in ("lamb", "den_lm", "den_lm_order", "den_lm_extra_states")
-              if key in crf]
+    unused = [key for key in ("lamb", "den_lm", "den_lm_order", "den_lm_extra_states",
+                              "den_lm_estimator") if key in crf]
     if unused:
         raise ConfigError(f"{source}: trainer.{unused[0]}: only used by CTC-CRF; set "
                           f"trainer.use_crf to true or remove it")

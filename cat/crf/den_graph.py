@@ -1,16 +1,17 @@
 """Build an experiment's CTC-CRF denominator graph (stage 2; CAT's `prep_den_lm.sh`).
 
 The training transcripts are encoded with the experiment's tokenizer (phones for a
-lexicon tokenizer); a token n-gram (order 4 by default, as CAT's) is estimated on them
-with the project's Kneser-Ney estimator (histories of 3 tokens or more: the 1,000 most
-frequent, as Kaldi's phone LM keeps them for CAT) and composed with the CTC topology
-(`cat.graph.denominator`). Transcripts holding `<unk>` (a character no lexicon entry
-covers) are left out of the LM and counted. The graph goes to `trainer.den_lm` of
-`config.json`; its size is logged and kept in the file's header.
+lexicon tokenizer); a token n-gram (order 4 by default, as CAT's) is estimated on them,
+by default with the un-smoothed rule of Kaldi's `chain-est-phone-lm` that CAT uses
+(`--estimator chain`; histories of 3 tokens or more: the 1,000 most frequent), or with
+the project's Kneser-Ney estimator, back-off expanded (`--estimator kneser-ney`), and
+composed with the CTC topology (`cat.graph.denominator`). Transcripts holding `<unk>`
+(a character no lexicon entry covers) are left out of the LM and counted. The graph goes
+to `trainer.den_lm` of `config.json`; its size is logged and kept in the file's header.
 
 Usage:
     python -m cat.crf.den_graph --tokenizer exp/crf/tokenizer.tknz \
-        --text data/fbank/train/text --out exp/crf/den_lm.npz [--order 4]
+        --text data/fbank/train/text --out exp/crf/den_lm.npz [--order 4] [--estimator chain]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cat.core.io import PathLike, setup_logging
-from cat.graph.denominator import DenGraph, build_den_graph, save_den_graph
+from cat.graph.denominator import ESTIMATORS, DenGraph, build_den_graph, save_den_graph
 from cat.text.tokenizer import UNK_ID, iter_transcripts
 from cat.text.tokenizer import load as load_tokenizer
 
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 def build_for_tokenizer(tokenizer_file: PathLike, text_files: Sequence[PathLike],
                         out: PathLike, order: int = 4,
-                        extra_states: int | None = 1000) -> DenGraph:
+                        extra_states: int | None = 1000, estimator: str = "chain"
+                        ) -> DenGraph:
     """Encode `text_files` with the tokenizer, build the graph, write it to `out`."""
     tokenizer = load_tokenizer(tokenizer_file)
     sequences, with_unk, empty = [], 0, 0
@@ -47,7 +49,7 @@ def build_for_tokenizer(tokenizer_file: PathLike, text_files: Sequence[PathLike]
                        "left out (%d used)", with_unk, empty, len(sequences))
     units = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     graph = build_den_graph(sequences, tokenizer.vocab_size, order=order, units=units,
-                            extra_states=extra_states)
+                            extra_states=extra_states, estimator=estimator)
     graph.info.update({"left_out_unk": with_unk, "left_out_empty": empty})
     save_den_graph(graph, out)
     logger.info("denominator graph %s: %s (%.1f MB)", out, graph.info,
@@ -67,9 +69,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="order of the token n-gram (trainer.den_lm_order)")
     parser.add_argument("--extra-states", type=int, default=1000,
                         help="histories of 3+ tokens kept (the most frequent)")
+    parser.add_argument("--estimator", choices=ESTIMATORS, default="chain",
+                        help="token LM estimator (trainer.den_lm_estimator)")
     args = parser.parse_args(argv)
     setup_logging()
-    build_for_tokenizer(args.tokenizer, args.text, args.out, args.order, args.extra_states)
+    build_for_tokenizer(args.tokenizer, args.text, args.out, args.order, args.extra_states,
+                        args.estimator)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
                 specaug: SpecAugment | None, source: str = "config.json") -> CRFModel:
     """The CTC-CRF model of `config` (`ctc` and `trainer` sections) around `encoder`."""
     trainer = {k: v for k, v in config.get("trainer", {}).items()
-               if k not in ("use_crf", "den_lm_order", "den_lm_extra_states")}  # stage 2's
+               if k not in ("use_crf", "den_lm_order", "den_lm_extra_states",
+                            "den_lm_estimator")}  # stage 2's
     try:
         return CRFModel(encoder, num_classes, specaug, **{**config["ctc"], **trainer})
     except ValueError as error:

@@ -5,8 +5,38 @@ The CTC-CRF denominator is the log partition function over every frame path of
 (CTC topology o token LM). It is a sum over paths in the log semiring, so the LM must give
 each token string its probability exactly once. An ARPA back-off model written as an FST
 with epsilon back-off arcs does not: a string reaches the same history both by the n-gram
-arc and by the back-off arc and is counted twice. This module therefore expands the
-back-off:
+arc and by the back-off arc and is counted twice. This module builds the LM as an
+epsilon-free deterministic acceptor instead, with one of two estimators
+(`build_den_graph(estimator=...)`, `trainer.den_lm_estimator`).
+
+**chain** (the default, CAT's): the un-smoothed phone LM of Kaldi's `chain-est-phone-lm
+--ngram-order 4 --no-prune-ngram-order 3 --num-extra-lm-states 1000`, which CAT's
+`prep_den_lm.sh` runs. Kaldi avoids smoothing to keep the number of transitions small:
+a state has arcs only for the tokens the transcripts hold after it.
+
+* **States** are histories (the last `order - 1` symbols of `<s> t1 .. ti`) seen in the
+  training transcripts: every one shorter than `no_prune_order` (3: all unigram and
+  bigram histories), `<s>`, and the `extra_states` most frequent longer ones (ties: the
+  shorter, then by token ids, oldest first, `<s>` after every token). Kaldi keeps the
+  long histories whose removal loses the most likelihood; this rule keeps the most
+  frequent ones, so the state set is not guaranteed to be Kaldi's.
+  A history never occurs more often than its prefix or its suffix, so the kept set is
+  closed under both, and the longest kept suffix of (state, token) is the longest kept
+  suffix of the whole history.
+* **Counts**: each sentence `<s> t1 .. tn </s>` walks the acceptor: at each position the
+  state is the longest kept suffix of the history (a pruned history's counts go to it),
+  the pair (state, next symbol) is counted, and the token leads to the longest kept
+  suffix of (state, token). `p(w | s) = c(s, w) / c(s)` with `</s>` counted as a symbol
+  (the final weight); pairs never seen have no arc (probability 0; nothing backs off),
+  and states the walk never reaches are dropped.
+* **Exact**: the acceptor is deterministic and each state's arcs and final weight sum to
+  1 (every state reaches a final one), so the path sum of a string is its probability,
+  the product of the ML ratios along its one path, and the mass over all strings is 1.
+  A string has at most one path; every training sentence has one.
+
+**kneser-ney**: the project's Kneser-Ney estimator (`cat.lm.ngram`) with the back-off
+expanded, an arc for every token at every state (about 17 times the chain graph's arcs
+for AISHELL's phones; bench/README.md):
 
 * **States** are the LM's contexts that predict something of their own: the empty
   context, `<s>`, and every n-gram of order < N that is the prefix of a higher-order
@@ -29,7 +59,7 @@ emission) gives states (LM state, blank) and (LM state, last token).
 
 Usage::
 
-    den = build_den_graph(label_sequences, num_classes=V, order=4)
+    den = build_den_graph(label_sequences, num_classes=V, order=4, extra_states=1000)
     save_den_graph(den, "exp/crf/den_lm.npz", units=tokenizer_pieces)
     den = load_den_graph("exp/crf/den_lm.npz", num_classes=V, units=tokenizer_pieces)
 """
@@ -201,6 +231,127 @@ def token_lm_acceptor(model: NGramModel, num_classes: int,
                final=probs[:, eos].copy())
 
 
+# ------------------------------------------------------------ the chain (Kaldi) token LM
+
+ESTIMATORS = ("chain", "kneser-ney")
+
+
+def _history_codes(label_seqs: Iterable[Sequence[int]], num_classes: int, order: int
+                   ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every predicting position of the sentences `<s> t1 .. tn` (n + 1 per sentence):
+    `codes[L, p]` is the history of length L (0 .. order - 1) ending at position p as an
+    integer (digits in base B = num_classes + 1, the newest symbol lowest; tokens are
+    1 .. V - 1, `<s>` is V; -1 where the sentence is shorter than L), and `nexts[p]` the
+    symbol that follows (a token, or 0 for `</s>`)."""
+    base = num_classes + 1
+    if float(base) ** order >= 2.0 ** 62:
+        raise ValueError(f"order {order} over {num_classes} classes: histories do not fit "
+                         f"64-bit codes; lower the order")
+    parts = [np.asarray(seq, np.int64) for seq in label_seqs]
+    if not parts:
+        raise ValueError("no label sequences to estimate the token LM from")
+    tokens = np.concatenate(parts)
+    bad = tokens[(tokens < 1) | (tokens >= num_classes)]
+    if bad.size:
+        raise ValueError(f"label {bad[0]} is outside 1..{num_classes - 1}")
+    lengths_a = np.asarray([part.size + 1 for part in parts], np.int64)
+    starts = np.cumsum(lengths_a) - lengths_a
+    symbols = np.empty(int(lengths_a.sum()), np.int64)
+    symbols[starts] = num_classes  # <s>
+    body = np.ones(symbols.size, bool)
+    body[starts] = False
+    symbols[body] = tokens
+    nexts = np.zeros(symbols.size, np.int64)  # </s> after a sentence's last position
+    last = starts + lengths_a - 1
+    follows = np.ones(symbols.size, bool)
+    follows[last] = False
+    nexts[follows] = symbols[1:][follows[:-1]]
+    offset = np.arange(symbols.size) - np.repeat(starts, lengths_a)
+    codes = np.full((order, symbols.size), -1, np.int64)
+    codes[0] = 0
+    for length in range(1, order):
+        prev = np.concatenate([[-1], codes[length - 1][:-1]])
+        valid = offset >= length - 1
+        codes[length][valid] = prev[valid] * base + symbols[valid] if length > 1 \
+            else symbols[valid]
+    return codes, nexts, base
+
+
+def _longest_kept_suffix(code: np.ndarray, kept: np.ndarray, base: int, order: int
+                         ) -> np.ndarray:
+    """Per history code (of length <= order - 1), its longest suffix in sorted `kept`."""
+    out = np.full(code.shape, -1, np.int64)
+    for length in range(order - 1, -1, -1):
+        suffix = code % base ** length if length else np.zeros_like(code)
+        pos = np.minimum(np.searchsorted(kept, suffix), len(kept) - 1)
+        hit = (out < 0) & (kept[pos] == suffix)
+        out[hit] = suffix[hit]
+    return out
+
+
+def chain_lm_acceptor(label_seqs: Iterable[Sequence[int]], num_classes: int, order: int = 4,
+                      no_prune_order: int = 3, extra_states: int | None = 1000) -> Fsa:
+    """The deterministic acceptor of the un-smoothed maximum-likelihood token LM of
+    `label_seqs` (token ids 1 .. num_classes - 1), as Kaldi's `chain-est-phone-lm` builds
+    it for CAT (see the module docstring): states are the histories seen of fewer than
+    `no_prune_order` symbols plus the `extra_states` most frequent longer ones (None: all),
+    arcs only for the (state, token) pairs the transcripts hold, weighted by their
+    relative counts."""
+    if order < 1 or no_prune_order < 1:
+        raise ValueError(f"order {order}, no_prune_order {no_prune_order}: both must be "
+                         f"at least 1")
+    codes, nexts, base = _history_codes(label_seqs, num_classes, order)
+    # Histories and how often each predicts something; codes of length L lie in
+    # [B^(L-1), B^L), so sorting by code sorts by length first.
+    seen, counts = np.unique(codes[codes >= 0], return_counts=True)
+    length = np.zeros(seen.size, np.int64)
+    for n in range(1, order):
+        length[seen >= base ** (n - 1)] = n
+    keep = length < no_prune_order
+    keep |= seen == num_classes  # the <s> state (a history of length 1)
+    if extra_states is None:
+        keep[:] = True
+    else:
+        # The most frequent longer histories; ties go to the shorter one, then the
+        # smaller code. A history never outnumbers its prefix or its suffix, which win
+        # ties against it, so the kept set stays closed under prefixes and suffixes, and
+        # then the longest kept suffix of (state, token) is the longest kept suffix of
+        # the whole history: the walk below and the arcs agree.
+        longer = np.flatnonzero(~keep)
+        ranked = longer[np.lexsort((seen[longer], length[longer], -counts[longer]))]
+        keep[ranked[:extra_states]] = True
+    kept = seen[keep]
+    # The walk: the state at each position, and the one its symbol leads to.
+    whole = codes[0]
+    for n in range(1, order):
+        whole = np.where(codes[n] >= 0, codes[n], whole)
+    state = _longest_kept_suffix(whole, kept, base, order)
+    token = nexts > 0
+    top = base ** (order - 1) if order > 1 else 1
+    dest = _longest_kept_suffix((state[token] * base + nexts[token]) % top, kept, base, order)
+    after = np.flatnonzero(token) + 1
+    if not np.array_equal(dest, state[after]):
+        raise RuntimeError("chain LM: the arcs' destinations disagree with the walk")
+    states, state_id = np.unique(state, return_inverse=True)
+    pair, first, pair_count = np.unique(state_id * base + nexts, return_index=True,
+                                        return_counts=True)
+    pair_state, pair_symbol = pair // base, pair % base
+    total = np.bincount(pair_state, weights=pair_count, minlength=states.size)
+    log_ratio = np.log(pair_count) - np.log(total[pair_state])
+    final = np.full(states.size, -np.inf)
+    is_end = pair_symbol == 0
+    final[pair_state[is_end]] = log_ratio[is_end]
+    arcs = ~is_end
+    dest_of = np.full(state.size, -1, np.int64)
+    dest_of[token] = np.searchsorted(states, dest)
+    start = int(np.searchsorted(states, state[0]))
+    return Fsa(num_states=int(states.size), start=start,
+               src=pair_state[arcs].astype(np.int64),
+               dst=dest_of[first[arcs]].astype(np.int64),
+               label=pair_symbol[arcs].astype(np.int64), weight=log_ratio[arcs],
+               final=final)
+
+
 def ctc_compose(lm: Fsa, num_classes: int) -> Fsa:
     """CTC topology o `lm`: blank states (s, blank) are 0 .. S-1; a token state (s, k) is
     entered by emitting k into LM state s. Labels are token ids, blank = 0."""
@@ -242,23 +393,34 @@ def units_digest(units: Sequence[str]) -> str:
 def build_den_graph(label_seqs: Iterable[Sequence[int]], num_classes: int, order: int = 4,
                     units: Sequence[str] | None = None,
                     discount_fallback: tuple[float, float, float] | None = (0.5, 1.0, 1.5),
-                    extra_states: int | None = None) -> DenGraph:
-    """Estimate a token `order`-gram on `label_seqs` (token ids, blank never) with the
-    project's Kneser-Ney estimator and build the denominator graph."""
-    sentences = [[str(t) for t in seq] for seq in label_seqs]
-    for seq in sentences:
-        for token in seq:
-            if not 0 < int(token) < num_classes:
-                raise ValueError(f"label {token} is outside 1..{num_classes - 1}")
-    if not sentences:
+                    extra_states: int | None = None, estimator: str = "chain") -> DenGraph:
+    """Estimate a token `order`-gram on `label_seqs` (token ids, blank never) and build the
+    denominator graph. `estimator`: "chain", the un-smoothed LM of Kaldi's
+    `chain-est-phone-lm` as CAT runs it (histories of 3 symbols or more: the
+    `extra_states` most frequent; None keeps them all), or "kneser-ney", the project's
+    estimator with its back-off expanded (`discount_fallback` applies to it only)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator {estimator!r}: expected one of {', '.join(ESTIMATORS)}")
+    seqs = [list(seq) for seq in label_seqs]
+    if not seqs:
         raise ValueError("no label sequences to estimate the token LM from")
-    model = estimate(sentences, order, discount_fallback=discount_fallback)
-    lm = token_lm_acceptor(model, num_classes, extra_states)
+    info: dict = {"estimator": estimator, "order": order, "extra_states": extra_states,
+                  "sentences": len(seqs)}
+    if estimator == "chain":
+        lm = chain_lm_acceptor(seqs, num_classes, order, extra_states=extra_states)
+        info["no_prune_order"] = 3
+    else:
+        sentences = [[str(t) for t in seq] for seq in seqs]
+        for seq in sentences:
+            for token in seq:
+                if not 0 < int(token) < num_classes:
+                    raise ValueError(f"label {token} is outside 1..{num_classes - 1}")
+        model = estimate(sentences, order, discount_fallback=discount_fallback)
+        lm = token_lm_acceptor(model, num_classes, extra_states)
+        info["ngrams"] = [len(g) for g in model.grams]
     den = ctc_compose(lm, num_classes)
-    info = {"order": order, "extra_states": extra_states, "sentences": len(sentences),
-            "ngrams": [len(g) for g in model.grams],
-            "lm_states": lm.num_states, "lm_arcs": lm.num_arcs,
-            "den_states": den.num_states, "den_arcs": den.num_arcs}
+    info.update({"lm_states": lm.num_states, "lm_arcs": lm.num_arcs,
+                 "den_states": den.num_states, "den_arcs": den.num_arcs})
     return DenGraph(num_classes, lm, den, info, units_digest(units) if units else "")
 
 

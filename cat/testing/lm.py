@@ -54,3 +54,22 @@ def write_lm_text(path: PathLike, num_sentences: int, seed: int = 0, kaldi: bool
         for number, sentence in enumerate(sentences):
             f.write(f"utt{number:07d} {sentence}\n" if kaldi else f"{sentence}\n")
     return sentences
+
+
+def token_sentences(num_sentences: int, num_classes: int, seed: int, successors: int = 6,
+                    min_len: int = 3, max_len: int = 12) -> list[list[int]]:
+    """Token-id sentences (ids 1 .. num_classes - 1) from a Markov chain where each token
+    has `successors` possible next tokens, so that, like phone transcripts, only a small
+    part of the possible n-grams occurs; reproducible from `seed`."""
+    rng = random.Random(seed)
+    table = [[rng.randrange(1, num_classes) for _ in range(successors)]
+             for _ in range(num_classes)]
+    sentences = []
+    for _ in range(num_sentences):
+        token = rng.randrange(1, num_classes)
+        sentence = [token]
+        for _ in range(rng.randint(min_len, max_len) - 1):
+            token = rng.choice(table[token])
+            sentence.append(token)
+        sentences.append(sentence)
+    return sentences

@@ -139,11 +139,13 @@ def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
     texts = feature_files(plan.section("train"), ["text"])
     order = int(trainer.get("den_lm_order", 4))
     extra = int(trainer.get("den_lm_extra_states", 1000))
-    sig = signature("den_lm", order, extra, files=[*texts, Path(tokenizer)])
+    estimator = trainer.get("den_lm_estimator", "chain")
+    sig = signature("den_lm", order, extra, estimator, files=[*texts, Path(tokenizer)])
     if is_done(out, sig):
         logger.info("%s is up to date", out)
         return
-    build_for_tokenizer(tokenizer, texts, out, order=order, extra_states=extra)
+    build_for_tokenizer(tokenizer, texts, out, order=order, extra_states=extra,
+                        estimator=estimator)
     mark_done(out, sig)
 
 

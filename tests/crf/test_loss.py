@@ -72,7 +72,7 @@ def brute_force(x, length, labels, lm_log_prob, lamb):
                                                         (3, 4, 0.5), (2, 5, 0.01)])
 def test_loss_and_gradient_equal_brute_force(order, classes, lamb):
     # classes 5: token 4 never occurs in the transcripts, so the LM gives it no arcs.
-    graph = build_den_graph(CORPUS, classes, order=order)
+    graph = build_den_graph(CORPUS, classes, order=order, estimator="kneser-ney")
     reference = reference_lm(CORPUS, order)
     torch.manual_seed(order * 10 + classes)
     lengths = torch.tensor([5, 4, 3])
@@ -98,7 +98,7 @@ def test_lm_acceptor_gives_each_string_its_normalised_probability():
     # The trap of epsilon back-off arcs: a string reached by an n-gram arc and by a
     # back-off path would be counted twice. The acceptor's path weight of every string
     # equals the model's probability, and the total mass is 1.
-    graph = build_den_graph(CORPUS, 4, order=3)
+    graph = build_den_graph(CORPUS, 4, order=3, estimator="kneser-ney")
     reference = reference_lm(CORPUS, 3)
     for n in range(4):
         for tokens in itertools.product(range(1, 4), repeat=n):
@@ -209,3 +209,23 @@ def test_pruned_histories_keep_a_normalised_smaller_graph():
     np.add.at(arcs, (lm.src, lm.dst), np.exp(lm.weight))
     total = np.linalg.solve(np.eye(lm.num_states) - arcs, np.exp(lm.final))[lm.start]
     assert abs(total - 1.0) < 1e-9
+
+
+@pytest.mark.parametrize("order", [2, 3])
+def test_chain_lm_loss_equals_brute_force(order):
+    # The chain LM gives unseen token strings probability 0 (-inf in the sum).
+    graph = build_den_graph(CORPUS, 4, order=order, estimator="chain")
+    torch.manual_seed(order)
+    x = torch.log_softmax(torch.randn(3, 5, 4, dtype=torch.float64), -1).requires_grad_(True)
+    lengths, labels = torch.tensor([5, 4, 3]), torch.tensor([[1, 2, 3], [3, 2, 0], [1, 1, 0]])
+    label_lens = torch.tensor([3, 2, 2])
+    losses, infeasible = CtcCrfLoss(graph, 0.01)(x, lengths, labels, label_lens)
+    assert not infeasible.any()
+    (grad,) = torch.autograd.grad(losses.sum(), x)
+    for b in range(3):
+        xb = x.detach()[b, :lengths[b]].clone().requires_grad_(True)
+        expected = brute_force(xb, int(lengths[b]), labels[b, :label_lens[b]].tolist(),
+                               graph.lm_log_prob, 0.01)
+        (expected_grad,) = torch.autograd.grad(expected, xb)
+        assert abs(float(losses[b].detach()) - float(expected.detach())) < 1e-5
+        assert torch.allclose(grad[b, :lengths[b]], expected_grad, atol=1e-5, rtol=0)

@@ -218,7 +218,8 @@ def test_schema_defaults_match_constructor_defaults():
         "loss_normalization": _constructor_defaults(CTCModel, 2)["loss_normalization"],
         "use_crf": False, "lamb": _constructor_defaults(CRFModel, 2)["lamb"],
         "den_lm_order": graph["order"].default,
-        "den_lm_extra_states": graph["extra_states"].default}
+        "den_lm_extra_states": graph["extra_states"].default,
+        "den_lm_estimator": graph["estimator"].default}
     assert schema_defaults("SchedulerWarmupCosine") == _constructor_defaults(
         SCHEDULERS["SchedulerWarmupCosine"], 1)
     # Every kwarg the schema allows is a constructor parameter.
