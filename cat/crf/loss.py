@@ -23,8 +23,11 @@ states) per utterance:
   arcs x the batch per frame, so the graph's size decides the speed
   (`cat.graph.denominator`, bench/crf_loss.py).
 
-Utterances whose label sequence has no path (too few frames, or a token the LM never
-emits) get loss 0 and no gradient; `infeasible` reports them.
+Utterances whose label sequence has no CTC path (too few frames) get loss 0 and no
+gradient; `infeasible` reports them. A label sequence the token LM gives probability 0
+(an n-gram the LM's text never holds, e.g. a dev transcript under the un-smoothed chain
+estimator, or a token it never saw) keeps its loss without the `log P_LM(y)` term, which
+does not depend on x: the dev loss then still compares checkpoints on every utterance.
 """
 
 from __future__ import annotations
@@ -308,7 +311,11 @@ class CtcCrfLoss(torch.nn.Module):
         num = graph_log_sum(x, lengths, ctc_graphs(labels, label_lens, x.dtype))
         den = graph_log_sum(x, lengths, self.den_graph(x.device, x.dtype))
         lm = self.lm_log_probs(labels, label_lens).to(device=x.device, dtype=x.dtype)
-        infeasible = ~(torch.isfinite(num) & torch.isfinite(den) & torch.isfinite(lm))
+        # A transcript the token LM cannot produce (an n-gram the training text lacks, in
+        # a dev set under the chain estimator) is scored without its LM term, a constant
+        # per utterance: the loss still ranks checkpoints.
+        lm = torch.where(torch.isfinite(lm), lm, torch.zeros_like(lm))
+        infeasible = ~(torch.isfinite(num) & torch.isfinite(den))
         losses = den - (1.0 + self.lamb) * num - lm
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         return torch.where(infeasible, zero, losses), infeasible

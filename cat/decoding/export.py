@@ -4,8 +4,9 @@ sherpa-onnx recognizers over an export.
 
 An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family
 (`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), their
-TorchScript traces (`model.pt`, ...; not for `streaming.onnx`), a `tokens.txt` (`<piece> <id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx
-reads) and `export.json` (the same metadata as the models carry, for reading without
+TorchScript traces (`model.pt`, ...; not for `streaming.onnx`), a `tokens.txt`
+(`<piece> <id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx reads) and
+`export.json` (the same metadata as the models carry, for reading without
 onnx). The models take stage 1's features: 80-dim Kaldi fbank of audio at 16 kHz scaled
 to the int16 range (`cat.features.fbank`: 25 ms windows every 10 ms, `snip_edges`, mel
 bins from 20 Hz to Nyquist, no dither). Global CMVN, when the model has it, is folded

@@ -111,14 +111,35 @@ def test_lm_acceptor_gives_each_string_its_normalised_probability():
 
 
 def test_infeasible_utterances_get_zero_loss_and_no_gradient():
-    graph = build_den_graph(CORPUS, 5, order=2)
+    graph = build_den_graph(CORPUS, 5, order=2, estimator="kneser-ney")
     x = torch.log_softmax(torch.randn(2, 3, 5, dtype=torch.float64), -1).requires_grad_(True)
-    labels = torch.tensor([[1, 1, 2], [4, 0, 0]])  # 1 1 2 needs 4 frames; 4 is never seen
+    labels = torch.tensor([[1, 1, 2], [4, 0, 0]])  # 1 1 2 needs 4 frames
     losses, infeasible = CtcCrfLoss(graph)(x, torch.tensor([3, 3]), labels,
                                           torch.tensor([3, 1]))
-    assert infeasible.tolist() == [True, True]
-    losses.sum().backward()
-    assert torch.all(losses == 0) and torch.all(x.grad == 0)
+    assert infeasible.tolist() == [True, False]
+    losses[0].backward()
+    assert losses[0] == 0 and torch.all(x.grad == 0)
+
+
+@pytest.mark.parametrize("estimator", ["chain", "kneser-ney"])
+def test_a_transcript_the_lm_cannot_produce_keeps_its_loss_without_the_lm_term(estimator):
+    # Token 4 never occurs in the LM's text: both estimators give it probability 0. Its
+    # loss is kept, without the LM term; a transcript the LM holds (2 2) keeps the term.
+    graph = build_den_graph(CORPUS, 5, order=2, estimator=estimator)
+    torch.manual_seed(5)
+    x = torch.log_softmax(torch.randn(2, 6, 5, dtype=torch.float64), -1).requires_grad_(True)
+    labels, label_lens = torch.tensor([[4, 0], [2, 2]]), torch.tensor([1, 2])
+    lengths = torch.tensor([6, 6])
+    assert graph.lm_log_prob([4]) == -math.inf
+    lamb = 0.01
+    losses, infeasible = CtcCrfLoss(graph, lamb)(x, lengths, labels, label_lens)
+    assert not infeasible.any()
+    num = graph_log_sum(x, lengths, ctc_graphs(labels, label_lens, x.dtype))
+    den = graph_log_sum(x, lengths, CtcCrfLoss(graph).den_graph(x.device, x.dtype))
+    lm = torch.tensor([0.0, graph.lm_log_prob([2, 2])], dtype=x.dtype)
+    assert torch.allclose(losses, den - (1 + lamb) * num - lm)
+    (grad,) = torch.autograd.grad(losses[0], x)
+    assert grad.abs().sum() > 0
 
 
 def test_gradcheck():
