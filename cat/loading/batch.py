@@ -176,7 +176,7 @@ def collate(utterances: Sequence[Utterance], events: StreamEvents | None = None,
         length = feat_lens[row]
         source = utterance.features
         if source.dtype == np.float16 and source.flags.writeable:
-            # numpy casts float16 one value at a time, torch with vector instructions (8x
+            # numpy casts float16 one value at a time, torch with vector instructions (4-8x
             # faster: bench/collate.py); torch cannot view a read-only array.
             tensor[row, :length].copy_(torch.from_numpy(source))
         else:
