@@ -110,15 +110,17 @@ def test_decode_npy_fast_path_and_fallback():
         decode_npy(b"hello")
 
 
-def test_float16_shards_batch_the_float32_values_of_their_halves(experiment, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_float16_shards_batch_the_float32_values_of_their_halves(experiment, tmp_path,
+                                                                 workers):
     corpus = experiment.root / "data/fbank/train"
     prep_wds.pack_data(corpus / "feats.scp", corpus / "text", tmp_path / "half",
                        utts_per_file=4, dtype="float16")
-    stream = _stream(experiment, patterns=str(tmp_path / "half/data-*.tar"))
+    stream = _stream(experiment, patterns=str(tmp_path / "half/data-*.tar"), workers=workers)
     stream.set_epoch(1)
     features = dict(kaldiio.load_scp(str(corpus / "feats.scp")))
     seen = []
-    for batch in stream:
+    for batch in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers):
         for row, key in enumerate(batch.keys):
             length = int(batch.feat_lens[row])
             expected = features[key].astype(np.float16).astype(np.float32)
