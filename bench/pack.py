@@ -10,13 +10,17 @@ same run and on the same (page-cached) data:
 * `pack_data` with each `--nj` (reads the arks, writes the shards atomically with fsync,
   hashes them, writes the index), by the package of `--before` (a git revision, exported
   to a temporary folder) and by this checkout's, each in a fresh process; the shards of
-  both are compared byte for byte.
+  both are compared byte for byte;
+* with `--start-workers`, also this checkout's `pack_data` with each `--nj` above 1
+  starting its workers whatever `plan_workers` would decide (`CAT_PACK_START_WORKERS=1`):
+  the multi-process path on a machine whose load would keep it from starting any.
 
 Throughput is MB/s of float32 feature bytes; each line also prints the ratio to tar.
 The best of `--repeat` runs is kept.
 
 Usage:
     python bench/pack.py --size-mb 400 --nj 1 2 --before c1bfd3f
+    python bench/pack.py --size-mb 400 --nj 1 2 --repeat 5 --start-workers
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 from timing import best_time
 
 from cat.formats import prep_wds
+from cat.formats.shard_pack import START_WORKERS_VARIABLE
 from cat.testing.features import utterance_ids, write_feature_corpus
 
 MEGABYTE = 1e6
@@ -68,8 +73,11 @@ def export_revision(revision: str, directory: Path) -> Path:
 
 
 def pack_in_child(package_root: Path, corpus, out: Path, per_file: int, num_jobs: int,
-                  repeat: int) -> float:
+                  repeat: int, start_workers: bool = False) -> float:
     env = {**os.environ, "PYTHONPATH": str(package_root)}
+    env.pop(START_WORKERS_VARIABLE, None)
+    if start_workers:
+        env[START_WORKERS_VARIABLE] = "1"
     result = subprocess.run([sys.executable, "-c", PACK_CHILD, str(package_root),
                              str(corpus.feats_scp), str(corpus.text), str(out), str(per_file),
                              str(num_jobs), str(repeat)], check=True, capture_output=True,
@@ -115,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--before", default="c1bfd3f",
                         help="git revision whose pack_data is measured as 'before'")
     parser.add_argument("--workdir", help="where to write (default: a temporary folder)")
+    parser.add_argument("--start-workers", action="store_true",
+                        help=f"also measure this checkout with every --nj above 1 starting "
+                             f"its workers ({START_WORKERS_VARIABLE}=1), labelled 'started'")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -150,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         # (tar included) alike. pack_data fsyncs every shard: "tar + sync" prices that in.
         variants = [(label, root, num_jobs) for num_jobs in args.nj
                     for label, root in (("before", before_root), ("after", REPO_ROOT))]
+        if args.start_workers:
+            variants += [("started", REPO_ROOT, num_jobs) for num_jobs in args.nj
+                         if num_jobs > 1]
         best: dict[tuple[str, int], float] = {}
         digests = {}
         for _ in range(args.repeat):
@@ -158,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 best["tar", sync] = min(seconds, best.get(("tar", sync), seconds))
             for label, root, num_jobs in variants:
                 target = workdir / f"shards-{label}"
-                seconds = pack_in_child(root, corpus, target, args.utts_per_file, num_jobs, 1)
+                seconds = pack_in_child(root, corpus, target, args.utts_per_file, num_jobs, 1,
+                                        start_workers=label == "started")
                 best[label, num_jobs] = min(seconds, best.get((label, num_jobs), seconds))
                 digests[label, num_jobs] = shard_digest(target)
                 shutil.rmtree(target, ignore_errors=True)
@@ -176,10 +191,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"ratio {rates[label, num_jobs] / tar_rate:.2f}  "
                   f"shards {digests[label, num_jobs][:12]}", flush=True)
         first = min(args.nj)
-        for label in ("before", "after"):
+        for label in ("before", "after", "started"):
             for num_jobs in sorted(args.nj)[1:]:
-                print(f"{label}: nj={first} -> nj={num_jobs}: "
-                      f"{rates[label, num_jobs] / rates[label, first]:.2f}x")
+                if (label, num_jobs) in rates:
+                    reference = rates["after" if label == "started" else label, first]
+                    print(f"{label}: nj={first} -> nj={num_jobs}: "
+                          f"{rates[label, num_jobs] / reference:.2f}x")
         for num_jobs in args.nj:
             speedup = rates["after", num_jobs] / rates["before", num_jobs]
             print(f"nj={num_jobs}: after / before {speedup:.2f}x")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import kaldiio
 import numpy as np
 import pytest
@@ -53,6 +55,48 @@ def test_collate_pads_features_and_labels():
     assert torch.equal(moved.feats, batch.feats) and moved.keys == batch.keys
     with pytest.raises(ValueError, match="empty list"):
         collate([])
+
+
+def _reference_feats(utterances):
+    """Zero-padded float32 features, built the plain way."""
+    longest = max(len(u.features) for u in utterances)
+    feats = np.zeros((len(utterances), longest, utterances[0].features.shape[1]), np.float32)
+    for row, utterance in enumerate(utterances):
+        feats[row, :len(utterance.features)] = utterance.features.astype(np.float32)
+    return feats
+
+
+def _in_buffer(array, writable=True):
+    """`array` as a view on member bytes, as the stream's `.npy` decoding gives it."""
+    data = array.tobytes()
+    return np.frombuffer(bytearray(data) if writable else data,
+                         array.dtype).reshape(array.shape)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("writable", [True, False])
+@pytest.mark.parametrize("lengths", [[1], [7, 0, 3, 7, 1], [0], [4, 4]])
+def test_collate_equals_a_plain_padding_byte_for_byte(dtype, writable, lengths):
+    rng = np.random.default_rng(len(lengths))
+    special = np.array([0.0, -0.0, 6e-8, -6e-8, 65504.0, -65504.0, np.inf, -np.inf, 1.5])
+    utterances = []
+    for index, length in enumerate(lengths):
+        values = rng.normal(scale=100, size=(length, 9))
+        values.flat[:min(values.size, len(special))] = special[:values.size]
+        utterances.append(Utterance(f"u{index}", _in_buffer(values.astype(dtype), writable),
+                                    np.arange(1, index + 2, dtype=np.int32)))
+    expected = _reference_feats(utterances)
+    slot = np.full(expected.size + 5, np.nan, np.float32)  # stale contents, as in a ring
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch refusing a read-only array
+        batches = [collate(utterances), collate(utterances, out=slot)]
+    for batch in batches:
+        assert batch.feats.dtype == torch.float32
+        assert batch.feats.numpy().tobytes() == expected.tobytes()
+        assert batch.feat_lens.tolist() == lengths
+        assert batch.labels.tolist() == [list(range(1, i + 2)) + [0] * (len(lengths) - i - 1)
+                                         for i in range(len(lengths))]
+    assert not expected.size or np.shares_memory(batches[1].feats.numpy(), slot)
 
 
 def test_label_repeats_match_a_direct_count():

@@ -8,12 +8,13 @@ import random
 import re
 import shutil
 
+import kaldiio
 import numpy as np
 import pytest
 import torch
 import webdataset as wds
 
-from cat.formats import shard_format
+from cat.formats import prep_wds, shard_format
 from cat.formats.mappack import write_map_pack
 from cat.formats.tables import FrameRange
 from cat.loading.batch import LengthFilter
@@ -107,6 +108,26 @@ def test_decode_npy_fast_path_and_fallback():
         decode_npy(buffer.getvalue()[:-4])
     with pytest.raises(ValueError, match=r"not \.npy"):
         decode_npy(b"hello")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_float16_shards_batch_the_float32_values_of_their_halves(experiment, tmp_path,
+                                                                 workers):
+    corpus = experiment.root / "data/fbank/train"
+    prep_wds.pack_data(corpus / "feats.scp", corpus / "text", tmp_path / "half",
+                       utts_per_file=4, dtype="float16")
+    stream = _stream(experiment, patterns=str(tmp_path / "half/data-*.tar"), workers=workers)
+    stream.set_epoch(1)
+    features = dict(kaldiio.load_scp(str(corpus / "feats.scp")))
+    seen = []
+    for batch in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers):
+        for row, key in enumerate(batch.keys):
+            length = int(batch.feat_lens[row])
+            expected = features[key].astype(np.float16).astype(np.float32)
+            assert batch.feats[row, :length].numpy().tobytes() == expected.tobytes()
+            assert not batch.feats[row, length:].any()
+            seen.append(key)
+    assert len(seen) == len(set(seen)) == len(experiment.train.keys) - len(INFEASIBLE)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
