@@ -58,9 +58,11 @@ from pack_audio import write_corpus
 from cat.features.extract import extract
 from cat.formats.audio_pack import pack_audio
 from cat.formats.prep_wds import pack_data
+from cat.loading.batch import collate
 from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stream import ShardStream
+from cat.loading.transport import RingLoader, SharedCollate
 from cat.testing.seaweedfs import seaweedfs_s3
 from cat.testing.shards import serve_directory_process
 from cat.text import tokenizer as tk
@@ -70,10 +72,13 @@ SPEEDS = (0.9, 1.0, 1.1)
 
 
 def _epochs(stream: ShardStream, repeats: int) -> float:
-    """Median seconds of `repeats` epochs after a warm-up, one persistent worker."""
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1,
-                                         persistent_workers=True,
-                                         worker_init_fn=lambda _: torch.set_num_threads(1))
+    """Median seconds of `repeats` epochs after a warm-up, one persistent worker handing
+    its batches over as training does (`RingLoader` over the stream's `SharedCollate`
+    rings, `cat.loading.transport`; torch's own hand-over when the stream has none)."""
+    shared = stream.collate_fn if isinstance(stream.collate_fn, SharedCollate) else None
+    loader = RingLoader(torch.utils.data.DataLoader(
+        stream, batch_size=None, num_workers=1, persistent_workers=True,
+        worker_init_fn=lambda _: torch.set_num_threads(1)), shared)
     times = []
     for epoch in range(repeats + 1):
         stream.set_epoch(epoch + 1)
@@ -86,9 +91,15 @@ def _epochs(stream: ShardStream, repeats: int) -> float:
 
 def _stream(patterns: str, tokenizer: Path, audio: AudioConfig | None, batch: int
             ) -> ShardStream:
+    """The training's stream of one worker: batches padded into a ring of shared slots
+    (as `cat.training.train_data.shared_collate` sizes them: the batch of the longest
+    utterance; prefetch 2 + 3 held by the loop)."""
     config = StreamConfig(batch_size=batch, max_frames=0, shuffle_buffer=500,
                           sort_buffer=100, audio=audio, seed=1)
-    return ShardStream(load_shard_list(patterns), str(tokenizer), config, None, 80)
+    shards = load_shard_list(patterns)
+    shared = SharedCollate(batch * shards.longest * 80 * 4, 5) if shards.longest else None
+    return ShardStream(shards, str(tokenizer), config, None, 80, num_workers=1,
+                       collate_fn=shared or collate)
 
 
 def _wenet_style(shards: list[Path], batch: int, repeats: int) -> float:
