@@ -36,9 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import best_time
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from timing import REPO_ROOT, best_time, export_revision
 
 
 def sentences(classes: int, count: int, seed: int) -> list[list[int]]:
@@ -95,15 +93,6 @@ def case(kind: str, batch: int, frames: int, classes: int, labels_len: int, orde
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return {"kind": kind, "seconds": seconds, "peak_mb": peak / 2**20, **graph.info}
-
-
-def export_revision(revision: str, directory: Path) -> Path:
-    """The `cat` package of git `revision`, exported under `directory`."""
-    directory.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, "cat"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
-    return directory
 
 
 def main() -> None:

@@ -38,14 +38,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from timing import best_time
+from timing import REPO_ROOT, best_time, export_revision
 
 from cat.formats import prep_wds
 from cat.formats.shard_pack import START_WORKERS_VARIABLE
 from cat.testing.features import utterance_ids, write_feature_corpus
 
 MEGABYTE = 1e6
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Packs in a fresh process whose `cat` comes from argv[1]; prints the best seconds.
 PACK_CHILD = """
@@ -61,15 +60,6 @@ for _ in range(int(repeat)):
     best = min(best, time.perf_counter() - start)
 print(json.dumps({"seconds": best, "module": prep_wds.__file__}))
 """
-
-
-def export_revision(revision: str, directory: Path) -> Path:
-    """The `cat` package of git `revision`, exported under `directory`."""
-    directory.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, "cat"],
-                             check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
-    return directory
 
 
 def pack_in_child(package_root: Path, corpus, out: Path, per_file: int, num_jobs: int,
