@@ -95,5 +95,6 @@ def test_grid_and_pass_names():
 
 def test_experiment_without_lm_has_nothing_to_do(tmp_path):
     hyper = json.loads((ROOT / "egs/aishell/exp/synth-ctc/hyper-p.json").read_text())
+    del hyper["inference"]["lm"]
     (tmp_path / "hyper-p.json").write_text(json.dumps(hyper))
     assert decode_lm(tmp_path) is None
