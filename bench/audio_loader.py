@@ -102,8 +102,10 @@ def _stream(patterns: str, tokenizer: Path, audio: AudioConfig | None, batch: in
                        collate_fn=shared or collate)
 
 
-def _wenet_style(shards: list[Path], batch: int, repeats: int) -> float:
-    """Median seconds of a WeNet-style pass over the opus shards (see the docstring)."""
+def _wenet_style(shards: list[Path], fmt: str, batch: int, repeats: int, perturb: bool
+                 ) -> float:
+    """Median seconds of a WeNet-style pass over the `fmt` members of `shards` (see the
+    docstring), with a speed factor per utterance when `perturb`."""
     rng = np.random.default_rng(0)
 
     def one_pass() -> None:
@@ -111,21 +113,20 @@ def _wenet_style(shards: list[Path], batch: int, repeats: int) -> float:
         for shard in shards:
             with tarfile.open(shard) as tar:
                 for member in tar:
-                    if not member.name.endswith(".opus"):
+                    if not member.name.endswith(f".{fmt}"):
                         continue
                     data = tar.extractfile(member).read()
                     samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
                     waveform = torch.from_numpy(samples).unsqueeze(0)
-                    speed = float(rng.choice(SPEEDS))
+                    speed = float(rng.choice(SPEEDS)) if perturb else 1.0
                     if speed != 1.0:
                         # as lhotse and WeNet's fallback do: the audio read as if sampled
                         # at rate * speed, resampled to rate
                         waveform = torchaudio.functional.resample(waveform,
                                                                   round(rate * speed), rate)
-                    fbank = torchaudio.compliance.kaldi.fbank(
+                    features.append(torchaudio.compliance.kaldi.fbank(
                         waveform * 32768, num_mel_bins=80, frame_length=25, frame_shift=10,
-                        dither=0.0, energy_floor=0.0, sample_frequency=rate)
-                    features.append(fbank)
+                        dither=0.0, energy_floor=0.0, sample_frequency=rate))
                     if len(features) == batch:
                         torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
                         features = []
@@ -182,8 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows.append((name, _epochs(_stream(pattern, tokenizer, audio, args.batch),
                                        args.repeats)))
         rows.append(("wenet-style opus sp (plain loop)",
-                     _wenet_style(sorted((shards / "opus").glob("data-*.tar")), args.batch,
-                                  args.repeats)))
+                     _wenet_style(sorted((shards / "opus").glob("data-*.tar")), "opus",
+                                  args.batch, args.repeats, perturb=True)))
         names = " ".join(p.name for p in sorted((shards / "opus").glob("data-*.tar")))
         with serve_directory_process(shards / "opus") as (_, url):
             pattern = f"{url}/{{{','.join(n[:-4] for n in names.split())}}}.tar"

@@ -53,13 +53,11 @@ from pathlib import Path
 os.environ.setdefault("LHOTSE_AUDIO_BACKEND", "LibsndfileBackend")
 
 import numpy as np
-import soundfile
 import torch
-import torchaudio
 
 # Sibling benchmarks: synthesis, corpus layout, the loader's set-up (bench/ is on sys.path).
 from audio_bytes import make_speech
-from audio_loader import _epochs, _stream
+from audio_loader import _epochs, _stream, _wenet_style
 from pack_audio import write_corpus
 
 from cat.formats.audio_pack import pack_audio
@@ -162,41 +160,6 @@ def _lhotse(shar: Path, batch: int, repeats: int, perturb: bool) -> float:
         count = sum(len(b["supervisions"]["text"]) for b in loader)
         times.append(time.perf_counter() - start)
         assert count > 0
-    return statistics.median(times[1:])
-
-
-def _wenet_style(shards: list[Path], fmt: str, batch: int, repeats: int, perturb: bool
-                 ) -> float:
-    rng = np.random.default_rng(0)
-
-    def one_pass() -> None:
-        features = []
-        for shard in shards:
-            with tarfile.open(shard) as tar:
-                for member in tar:
-                    if not member.name.endswith(f".{fmt}"):
-                        continue
-                    data = tar.extractfile(member).read()
-                    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
-                    waveform = torch.from_numpy(samples).unsqueeze(0)
-                    speed = float(rng.choice(SPEEDS)) if perturb else 1.0
-                    if speed != 1.0:
-                        waveform = torchaudio.functional.resample(waveform,
-                                                                  round(rate * speed), rate)
-                    features.append(torchaudio.compliance.kaldi.fbank(
-                        waveform * 32768, num_mel_bins=80, frame_length=25, frame_shift=10,
-                        dither=0.0, energy_floor=0.0, sample_frequency=rate))
-                    if len(features) == batch:
-                        torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
-                        features = []
-        if features:
-            torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
-
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -78,8 +79,9 @@ def remove_stale_temporaries(directory: PathLike, name: str | None = None) -> li
     return removed
 
 
+@functools.cache
 def _sync_file_range() -> Any:
-    """libc's `sync_file_range` (Linux), or None."""
+    """libc's `sync_file_range` (Linux), or None; looked up on first use."""
     import ctypes
 
     try:
@@ -90,7 +92,6 @@ def _sync_file_range() -> Any:
     return function
 
 
-_SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -100,8 +101,9 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     A writer of large files that calls it as it goes overlaps the disk's work with its
     own, so the `fsync` before its rename (`atomic_write`) finds little left to wait for;
     durability still comes from that `fsync`."""
-    if _SYNC_FILE_RANGE is not None and length > 0:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+    function = _sync_file_range() if length > 0 else None
+    if function is not None:
+        function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 @contextlib.contextmanager

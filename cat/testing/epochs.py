@@ -8,6 +8,10 @@ dropped, and cut (`cut_ids`). Used by the epoch-cut tests and `bench/epoch_cut.p
 the corpora below: `write_bias_corpus` (1,600 utterances of 50-1000 frames in 8 shards)
 and `longest_decile_share`, the length bias of what the epochs' ends cut.
 
+`run_epoch` runs one epoch of one stream through a DataLoader as training does (the
+batches trained, with their features or only their keys, and the epoch's progress) and
+`features_by_key` checks that no utterance was trained twice.
+
 Usage:
     streams = [ShardStream(shards, tokenizer, config, None, 80, rank, 2) for rank in (0, 1)]
     progresses = lockstep_epoch(streams, epoch=1)
@@ -15,10 +19,11 @@ Usage:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from cat.loading.batch import Batch
 from cat.loading.progress import StreamProgress
@@ -111,3 +116,48 @@ def longest_decile_share(shards: ShardList, tokenizer: Path, epochs: int, seed: 
         cut_total += len(cut)
         cut_long += sum(lengths[i] >= threshold for i in cut)
     return cut_long / max(cut_total, 1), cut_total
+
+
+def epoch_progress(stream: ShardStream, epoch: int, workers: int) -> StreamProgress:
+    """A fresh `StreamProgress` of `stream`'s `epoch` read by `workers` workers."""
+    return StreamProgress(stream.shards, [stream.worker_shards(epoch, w, max(workers, 1))
+                                          for w in range(max(workers, 1))])
+
+
+def run_epoch(stream: ShardStream, epoch: int, workers: int = 0, limit: int | None = None,
+              progress: StreamProgress | None = None, loader: Iterable[Batch] | None = None,
+              features: bool = False, on_batch: Callable[[int], None] | None = None
+              ) -> tuple[list, StreamProgress]:
+    """(the non-empty batches trained, in order, progress) of one epoch: each batch its
+    keys, or with `features` (keys, each utterance's unpadded features); stops after
+    `limit` batches; `progress` (restored from a checkpoint) resumes the epoch; `on_batch`
+    gets the number of batches so far after each one."""
+    progress = progress or epoch_progress(stream, epoch, workers)
+    stream.set_epoch(epoch, progress.positions)
+    if loader is None:
+        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
+    batches: list = []
+    for batch in loader:
+        if limit is not None and len(batches) >= limit:
+            break
+        progress.update(batch, trained=True)
+        if len(batch):
+            keys = list(batch.keys)
+            batches.append((keys, [batch.feats[i, :n].numpy()
+                                   for i, n in enumerate(batch.feat_lens)])
+                           if features else keys)
+            if on_batch is not None:
+                on_batch(len(batches))
+    return batches, progress
+
+
+def features_by_key(batches: Iterable[tuple[list[str], list[np.ndarray]]]
+                    ) -> dict[str, np.ndarray]:
+    """{key: features} of `run_epoch(..., features=True)`'s batches; an utterance trained
+    twice fails."""
+    found: dict[str, np.ndarray] = {}
+    for keys, arrays in batches:
+        for key, array in zip(keys, arrays, strict=True):
+            assert key not in found, f"{key} trained twice"
+            found[key] = array
+    return found

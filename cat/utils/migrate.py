@@ -519,17 +519,24 @@ def _migrate_specaug(specaug: dict[str, Any], record: _Recorder) -> dict[str, An
     return out
 
 
+def _component(section: dict[str, Any], name: str, cat_type_here: str, why: str,
+               record: _Recorder) -> tuple[Any, dict[str, Any]]:
+    """(CAT's type, a copy of its kwargs) of config.json's `name` section; its other keys
+    are recorded as unknown, a type other than `cat_type_here` as not mapped (`why`)."""
+    section = dict(section)
+    cat_type = section.pop("type", None)
+    kwargs = dict(section.pop("kwargs", {}))
+    record.rest(CONFIG_NAME, f"{name}.", section, f"no such {name} key here")
+    if cat_type != cat_type_here:
+        record.add("not mapped", CONFIG_NAME, f"{name}.type", f"{cat_type!r}: {why}")
+    return cat_type, kwargs
+
+
 def _migrate_encoder(encoder: dict[str, Any], kind: str,
                      record: _Recorder) -> tuple[dict[str, Any], int | None]:
-    encoder = dict(encoder)
-    where = "encoder."
-    cat_type = encoder.pop("type", None)
-    kwargs = dict(encoder.pop("kwargs", {}))
-    record.rest(CONFIG_NAME, where, encoder, "no such encoder key here")
-    if cat_type != "ConformerNet":
-        record.add("not mapped", CONFIG_NAME, where + "type",
-                   f"{cat_type!r}: the encoder here is ConformerNet")
-    where += "kwargs."
+    _, kwargs = _component(encoder, "encoder", "ConformerNet",
+                           "the encoder here is ConformerNet", record)
+    where = "encoder.kwargs."
     out: dict[str, Any] = {}
     for key in ("num_cells", "idim", "hdim", "num_heads", "kernel_size", "dropout",
                 "dropout_attn"):
@@ -591,16 +598,11 @@ def _migrate_encoder(encoder: dict[str, Any], kind: str,
 
 def _migrate_decoder(decoder: dict[str, Any],
                      record: _Recorder) -> tuple[dict[str, Any], int | None]:
-    decoder = dict(decoder)
-    where = "decoder."
-    cat_type = decoder.pop("type", None)
-    kwargs = dict(decoder.pop("kwargs", {}))
-    record.rest(CONFIG_NAME, where, decoder, "no such decoder key here")
-    if cat_type != "LSTM":
-        record.add("not mapped", CONFIG_NAME, where + "type",
-                   f"{cat_type!r}: the migrated predictor is LSTMPredictor (CAT's LSTM)")
-    record.add("mapped", CONFIG_NAME, where + "type", f"{cat_type!r} -> 'LSTMPredictor'")
-    where += "kwargs."
+    cat_type, kwargs = _component(decoder, "decoder", "LSTM",
+                                  "the migrated predictor is LSTMPredictor (CAT's LSTM)",
+                                  record)
+    record.add("mapped", CONFIG_NAME, "decoder.type", f"{cat_type!r} -> 'LSTMPredictor'")
+    where = "decoder.kwargs."
     out: dict[str, Any] = {"dropout": 0.0}
     if "hdim" in kwargs:
         hdim = kwargs.pop("hdim")
@@ -630,15 +632,9 @@ def _migrate_decoder(decoder: dict[str, Any],
 
 def _migrate_joiner(joiner: dict[str, Any], encoder_dim: int | None, predictor_dim: int | None,
                     record: _Recorder) -> tuple[dict[str, Any], int | None]:
-    joiner = dict(joiner)
-    where = "joiner."
-    cat_type = joiner.pop("type", None)
-    kwargs = dict(joiner.pop("kwargs", {}))
-    record.rest(CONFIG_NAME, where, joiner, "no such joiner key here")
-    if cat_type != "JointNet":
-        record.add("not mapped", CONFIG_NAME, where + "type", f"{cat_type!r}: the joiner here "
-                   "is JointNet")
-    where += "kwargs."
+    _, kwargs = _component(joiner, "joiner", "JointNet", "the joiner here is JointNet",
+                           record)
+    where = "joiner.kwargs."
     out: dict[str, Any] = {}
     hdim = kwargs.pop("hdim", -1)
     for key, expected in (("odim_enc", encoder_dim), ("odim_pred", predictor_dim)):

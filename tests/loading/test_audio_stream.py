@@ -12,7 +12,6 @@ import uuid
 import fsspec
 import numpy as np
 import pytest
-import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from cat.audio.codec import decode, to_float32, to_int16
@@ -21,12 +20,12 @@ from cat.features.fbank import FbankOptions, compute_fbank
 from cat.formats.audio_pack import pack_audio
 from cat.formats.shard_format import decode_key
 from cat.formats.tables import read_labels
-from cat.loading.progress import StreamProgress
 from cat.loading.reader import DataUnavailableError
 from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stream import ShardStream
 from cat.testing.audio import make_segmented_data_dir
+from cat.testing.epochs import epoch_progress, features_by_key, run_epoch
 from cat.testing.seaweedfs import seaweedfs_s3
 from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import make_uio_corpus, write_shard_list
@@ -81,36 +80,9 @@ def _stream(patterns, tokenizer, workers=0, audio=DEFAULT_AUDIO, **options) -> S
                        workers)
 
 
-def _progress(stream: ShardStream, epoch: int, workers: int) -> StreamProgress:
-    return StreamProgress(stream.shards, [stream.worker_shards(epoch, w, max(workers, 1))
-                                          for w in range(max(workers, 1))])
-
-
-def _run_epoch(stream, epoch, workers=0, limit=None, progress=None, on_batch=None):
-    """([(keys, features per key)] per batch, progress) of one epoch (see test_stream)."""
-    progress = progress or _progress(stream, epoch, workers)
-    stream.set_epoch(epoch, progress.positions)
-    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
-    batches = []
-    for batch in loader:
-        if limit is not None and len(batches) >= limit:
-            break
-        progress.update(batch, trained=True)
-        if len(batch):
-            batches.append((list(batch.keys),
-                            [batch.feats[i, :n].numpy() for i, n in enumerate(batch.feat_lens)]))
-            if on_batch is not None:
-                on_batch(len(batches))
-    return batches, progress
-
-
-def _features_by_key(batches) -> dict[str, np.ndarray]:
-    found = {}
-    for keys, features in batches:
-        for key, array in zip(keys, features, strict=True):
-            assert key not in found, f"{key} trained twice"
-            found[key] = array
-    return found
+def _run_epoch(stream, epoch, workers=0, **options):
+    """`run_epoch` with each batch's features."""
+    return run_epoch(stream, epoch, workers, features=True, **options)
 
 
 def _keys(batches) -> list[str]:
@@ -121,7 +93,7 @@ def _keys(batches) -> list[str]:
 def test_uio_shards_train_every_key_once_with_fbank_of_its_audio(corpus, tokenizer, workers):
     stream = _stream([str(s) for s in corpus.shards], tokenizer, workers)
     batches, progress = _run_epoch(stream, 1, workers)
-    found = _features_by_key(batches)
+    found = features_by_key(batches)
     assert sorted(found) == sorted(TEXTS)
     for key, features in found.items():
         expected = _expected_features(corpus, key)
@@ -133,11 +105,11 @@ def test_uio_shards_train_every_key_once_with_fbank_of_its_audio(corpus, tokeniz
 
 def test_data_list_in_shard_and_raw_mode_reads_the_same_utterances(corpus, tokenizer,
                                                                    tmp_path):
-    from_shards = _features_by_key(_run_epoch(_stream(str(corpus.shards[0].parent)
+    from_shards = features_by_key(_run_epoch(_stream(str(corpus.shards[0].parent)
                                                       + "/shards_*.tar", tokenizer), 1)[0])
     for data_list in (corpus.shard_list, corpus.raw_list):
         batches, progress = _run_epoch(_stream(str(data_list), tokenizer), 1)
-        found = _features_by_key(batches)
+        found = features_by_key(batches)
         assert sorted(found) == sorted(from_shards)
         for key, features in found.items():
             np.testing.assert_array_equal(features, from_shards[key])
@@ -182,7 +154,7 @@ def test_speed_perturbation_is_drawn_per_utterance_and_epoch_and_reproducible(co
     drawn = set()
     epochs = []
     for epoch in (1, 2):
-        found = _features_by_key(_run_epoch(_stream(shards, tokenizer, audio=audio, seed=7),
+        found = features_by_key(_run_epoch(_stream(shards, tokenizer, audio=audio, seed=7),
                                             epoch)[0])
         assert sorted(found) == sorted(TEXTS)
         for key, features in found.items():
@@ -190,7 +162,7 @@ def test_speed_perturbation_is_drawn_per_utterance_and_epoch_and_reproducible(co
             drawn.add(factor)
             np.testing.assert_allclose(features, _expected_features(corpus, key, factor),
                                        rtol=0, atol=1e-4)
-        again = _features_by_key(_run_epoch(_stream(shards, tokenizer, workers=2, audio=audio,
+        again = features_by_key(_run_epoch(_stream(shards, tokenizer, workers=2, audio=audio,
                                                     seed=7), epoch, 2)[0])
         assert all(np.array_equal(again[k], found[k]) for k in found)
         epochs.append({k: len(v) for k, v in found.items()})
@@ -214,7 +186,7 @@ def test_resume_continues_exactly_with_the_same_perturbed_features(corpus, token
         save_checkpoint(path, {"format": "cat-checkpoint", "version": 1,
                                "data": progress.state()})
         resumed_stream = stream()
-        resumed = _progress(resumed_stream, 2, workers)
+        resumed = epoch_progress(resumed_stream, 2, workers)
         resumed.restore(load_checkpoint(path)["data"])
         rest, resumed = _run_epoch(resumed_stream, 2, workers, progress=resumed)
         assert resumed.summary()["retrained"] == 0
@@ -222,8 +194,8 @@ def test_resume_continues_exactly_with_the_same_perturbed_features(corpus, token
             assert _keys(first + rest) == _keys(full)
             for (_, a), (_, b) in zip(first + rest, full, strict=True):
                 assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
-        whole = _features_by_key(full)
-        for key, features in _features_by_key(first + rest).items():
+        whole = features_by_key(full)
+        for key, features in features_by_key(first + rest).items():
             np.testing.assert_array_equal(features, whole[key])
 
 
@@ -384,7 +356,7 @@ def test_packed_audio_shards_stream_with_exact_counts_and_their_decoded_audio(pa
         "audio": str(folder / "index.jsonl")}
     assert stream.shards.num_utts.sum() == len(text)
     batches, progress = _run_epoch(stream, 1)
-    found = _features_by_key(batches)
+    found = features_by_key(batches)
     assert sorted(found) == sorted(text)
     members = {}
     for shard in sorted(folder.glob("*.tar")):
@@ -429,7 +401,7 @@ def test_raw_list_pieces_are_cut_from_their_file(corpus, tokenizer, tmp_path):
         {"key": "rest", "wav": str(wav), "txt": "天气", "start": 0.3, "end": -1},
         {"key": "outside", "wav": str(wav), "txt": "很好", "start": 9.0, "end": 10.0}]),
         encoding="utf-8")
-    found = _features_by_key(_run_epoch(_stream(str(listing), tokenizer), 1)[0])
+    found = features_by_key(_run_epoch(_stream(str(listing), tokenizer), 1)[0])
     waveform, _ = decode(wav.read_bytes(), key)
     for name, (begin, end) in {"first": (0, 4800), "rest": (4800, len(waveform))}.items():
         expected = compute_fbank(to_float32(to_int16(waveform[begin:end])), 16000,

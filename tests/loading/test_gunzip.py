@@ -13,7 +13,6 @@ import uuid
 import fsspec
 import numpy as np
 import pytest
-import torch
 
 from cat.audio.codec import decode, to_float32, to_int16
 from cat.features.fbank import compute_fbank
@@ -24,6 +23,7 @@ from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stream import ShardStream
 from cat.loading.tar import CorruptShardError, iter_tar_members
+from cat.testing.epochs import features_by_key, run_epoch
 from cat.testing.uio import make_uio_corpus
 from cat.text import tokenizer as tk
 
@@ -61,29 +61,9 @@ def _stream(patterns, tokenizer, workers=0, **options) -> ShardStream:
                        FEAT_DIM, 0, 1, workers)
 
 
-def _run_epoch(stream, epoch, workers=0, limit=None, progress=None):
-    progress = progress or StreamProgress(
-        stream.shards, [stream.worker_shards(epoch, w, max(workers, 1))
-                        for w in range(max(workers, 1))])
-    stream.set_epoch(epoch, progress.positions)
-    batches = []
-    for batch in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers):
-        if limit is not None and len(batches) >= limit:
-            break
-        progress.update(batch, trained=True)
-        if len(batch):
-            batches.append((list(batch.keys),
-                            [batch.feats[i, :n].numpy() for i, n in enumerate(batch.feat_lens)]))
-    return batches, progress
-
-
-def _by_key(batches) -> dict[str, np.ndarray]:
-    found = {}
-    for keys, features in batches:
-        for key, array in zip(keys, features, strict=True):
-            assert key not in found, f"{key} trained twice"
-            found[key] = array
-    return found
+def _run_epoch(stream, epoch, workers=0, **options):
+    """`run_epoch` with each batch's features."""
+    return run_epoch(stream, epoch, workers, features=True, **options)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -95,7 +75,7 @@ def test_gzip_shards_train_every_utterance_once_per_epoch(corpus, tokenizer, wor
         assert not stream.shards.estimated.any()  # exact counts from the index
         for epoch in (1, 2):
             batches, progress = _run_epoch(stream, epoch, workers)
-            found = _by_key(batches)
+            found = features_by_key(batches)
             assert sorted(found) == sorted(TEXTS)
             summary = progress.summary()
             assert summary["trained"] == len(TEXTS) and summary["not_trained"] == 0
@@ -136,7 +116,7 @@ def test_gzip_shards_on_a_store_stream_through_the_read_ahead_thread(corpus, tok
         stream = _stream(f"memory://{folder}/shards_*.tar.gz", tokenizer, read_ahead_mb=1)
         assert not stream.shards.estimated.any()
         batches, progress = _run_epoch(stream, 1)
-        assert sorted(_by_key(batches)) == sorted(TEXTS)
+        assert sorted(features_by_key(batches)) == sorted(TEXTS)
         summary = progress.summary()
         assert summary["not_trained"] == 0 and not summary["corrupt_shards"]
     finally:

@@ -18,13 +18,13 @@ from cat.formats import prep_wds, shard_format
 from cat.formats.mappack import write_map_pack
 from cat.formats.tables import FrameRange
 from cat.loading.batch import LengthFilter
-from cat.loading.progress import StreamProgress
 from cat.loading.reader import DataUnavailableError
 from cat.loading.samples import StreamConfig, decode_npy, split_ids
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stages import SortBatcher
 from cat.loading.stream import ShardStream
 from cat.loading.tar import CorruptShardError
+from cat.testing.epochs import epoch_progress, run_epoch
 from cat.testing.shards import serve_directory, truncate_file, write_raw_shard
 from cat.testing.training import write_tiny_experiment
 from cat.training.checkpoint import load_checkpoint, save_checkpoint
@@ -60,29 +60,6 @@ def _stream(experiment, patterns=None, rank=0, world_size=1, workers=0, estimate
     return ShardStream(shards, str(tokenizer or experiment.exp_dir / "tokenizer.tknz"),
                        StreamConfig(**options), _length_filter(), feat_dim, rank, world_size,
                        workers)
-
-
-def _progress(stream: ShardStream, epoch: int, workers: int) -> StreamProgress:
-    return StreamProgress(stream.shards, [stream.worker_shards(epoch, w, max(workers, 1))
-                                          for w in range(max(workers, 1))])
-
-
-def _run_epoch(stream: ShardStream, epoch: int, workers: int = 0, limit=None,
-               progress: StreamProgress | None = None, loader=None):
-    """(batches of trained keys in order, progress) of one epoch, optionally stopping after
-    `limit` non-empty batches; `progress` (restored from a checkpoint) resumes the epoch."""
-    progress = progress or _progress(stream, epoch, workers)
-    stream.set_epoch(epoch, progress.positions)
-    if loader is None:
-        loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
-    batches = []
-    for batch in loader:
-        if limit is not None and len(batches) >= limit:
-            break
-        progress.update(batch, trained=True)
-        if len(batch):
-            batches.append(list(batch.keys))
-    return batches, progress
 
 
 def _keys(batches):
@@ -136,7 +113,7 @@ def test_every_utterance_once_per_epoch_with_drops_accounted(experiment, workers
     all_keys = set(experiment.train.keys)
     orders = []
     for epoch in (1, 2):
-        batches, progress = _run_epoch(stream, epoch, workers)
+        batches, progress = run_epoch(stream, epoch, workers)
         keys = _keys(batches)
         summary = progress.summary()
         assert len(keys) == len(set(keys)) and not set(keys) & set(_dropped(progress))
@@ -148,8 +125,8 @@ def test_every_utterance_once_per_epoch_with_drops_accounted(experiment, workers
         assert len(progress.cut_ids()) == 0
         orders.append(keys)
     assert orders[0] != orders[1]
-    assert _keys(_run_epoch(_stream(experiment, workers=workers), 2, workers)[0]) == orders[1]
-    assert _keys(_run_epoch(_stream(experiment, workers=workers, seed=5), 2, workers)[0]) \
+    assert _keys(run_epoch(_stream(experiment, workers=workers), 2, workers)[0]) == orders[1]
+    assert _keys(run_epoch(_stream(experiment, workers=workers, seed=5), 2, workers)[0]) \
         != orders[1]
 
 
@@ -157,27 +134,27 @@ def test_persistent_workers_follow_set_epoch(experiment):
     stream = _stream(experiment, workers=2)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2,
                                          persistent_workers=True)
-    first = _keys(_run_epoch(stream, 1, 2, loader=loader)[0])
-    second = _keys(_run_epoch(stream, 2, 2, loader=loader)[0])
-    first_again = _keys(_run_epoch(stream, 1, 2, loader=loader)[0])
+    first = _keys(run_epoch(stream, 1, 2, loader=loader)[0])
+    second = _keys(run_epoch(stream, 2, 2, loader=loader)[0])
+    first_again = _keys(run_epoch(stream, 1, 2, loader=loader)[0])
     assert first == first_again and first != second
     assert sorted(first) == sorted(second)
 
 
 def test_http_and_pipe_shards_give_the_same_stream(experiment, shard_dir):
-    local = _run_epoch(_stream(experiment), 1)[0]
+    local = run_epoch(_stream(experiment), 1)[0]
     names = "data-0000{0..8}.tar"
     with serve_directory(shard_dir) as url:
         for read_ahead in (0, 1):
             stream = _stream(experiment, f"{url}/{names}?token=1", read_ahead_mb=read_ahead)
             assert stream.shards.num_utts.tolist() == _stream(experiment).shards.num_utts.tolist()
-            assert _run_epoch(stream, 1)[0] == local
+            assert run_epoch(stream, 1)[0] == local
     for read_ahead in (0, 1):
         stream = _stream(experiment, f"pipe:cat {shard_dir}/{names}", read_ahead_mb=read_ahead)
         assert not stream.shards.estimated.any()
-        assert _run_epoch(stream, 1)[0] == local
+        assert run_epoch(stream, 1)[0] == local
     failing = f"pipe:cat {shard_dir}/{names} && exit 3"
-    _, progress = _run_epoch(_stream(experiment, failing, read_retries=1, retry_seconds=0.01,
+    _, progress = run_epoch(_stream(experiment, failing, read_retries=1, retry_seconds=0.01,
                                      bad_shard_limit=1.0), 1)
     assert len(progress.unavailable) == 9 and not progress.corrupt
     assert "unavailable after 2 attempts: the command exited with status 3" in \
@@ -185,25 +162,25 @@ def test_http_and_pipe_shards_give_the_same_stream(experiment, shard_dir):
     with pytest.raises(DataUnavailableError, match=r"1 of the rank's 9 shards this epoch "
                                                    r"failed, more than bad_shard_limit=0.1; "
                                                    r"storage: pipe: cat"):
-        _run_epoch(_stream(experiment, failing, read_retries=0), 1)
+        run_epoch(_stream(experiment, failing, read_retries=0), 1)
 
 
 def test_transient_storage_errors_are_retried_where_the_read_stopped(experiment, shard_dir,
                                                                      caplog):
-    local = _run_epoch(_stream(experiment), 1)[0]
+    local = run_epoch(_stream(experiment), 1)[0]
     faults = {"data-00000.tar": ["503", "503"], "data-00004.tar": ["cut"],
               "data-00007.tar": ["503", "cut", "503"]}
     for read_ahead in (0, 1):
         with serve_directory(shard_dir, faults) as url:
             stream = _stream(experiment, f"{url}/data-0000{{0..8}}.tar",
                              read_ahead_mb=read_ahead, retry_seconds=0.01)
-            batches, progress = _run_epoch(stream, 1)
+            batches, progress = run_epoch(stream, 1)
         assert batches == local and not progress.unavailable and not progress.corrupt
     assert "HTTP Error 503" in caplog.text and "connection closed" in caplog.text
     with serve_directory(shard_dir, {"data-00003.tar": ["503"] * 4}) as url:
         stream = _stream(experiment, f"{url}/data-0000{{0..8}}.tar", retry_seconds=0.01,
                          bad_shard_limit=0.2)
-        _, progress = _run_epoch(stream, 1)
+        _, progress = run_epoch(stream, 1)
     assert [m for _, m in progress.unavailable] == [
         "unavailable after 4 attempts: cannot fetch it: HTTPError: HTTP Error 503: "
         "try again later"]
@@ -215,7 +192,7 @@ def test_estimated_counts_train_everything_but_cannot_tell_the_cut(experiment, s
     for name in ("data-00000.tar", "data-00001.tar"):
         shutil.copy(shard_dir / name, tmp_path / name)
     stream = _stream(experiment, f"{tmp_path}/data-*.tar", estimate=100)
-    batches, progress = _run_epoch(stream, 1)
+    batches, progress = run_epoch(stream, 1)
     summary = progress.summary()
     assert len(_keys(batches)) + sum(summary["dropped"].values()) == 8
     assert summary["expected"] is None and summary["not_trained"] is None
@@ -233,7 +210,7 @@ def test_corrupt_shard_is_skipped_and_counted_or_raises(experiment, shard_dir, t
     # Local files (read in this thread) and a pipe (read by the read-ahead thread).
     for pattern, read_ahead in ((f"{copy}/data-*.tar", 0), (f"{copy}/data-*.tar", 1),
                                 (f"pipe:cat {copy}/data-0000{{0..8}}.tar", 1)):
-        _, progress = _run_epoch(_stream(experiment, pattern, read_ahead_mb=read_ahead,
+        _, progress = run_epoch(_stream(experiment, pattern, read_ahead_mb=read_ahead,
                                          bad_shard_limit=0.5), 1)
         summary = progress.summary()
         assert sorted(u[-14:] for u in summary["corrupt_shards"]) == \
@@ -244,7 +221,7 @@ def test_corrupt_shard_is_skipped_and_counted_or_raises(experiment, shard_dir, t
             + summary["corrupt_missing"] == summary["expected"]
         assert summary["not_trained"] == 0 and len(progress.cut_ids()) == 0
     with pytest.raises(CorruptShardError, match=r"data-0000[25].tar: .*strict_shards"):
-        _run_epoch(_stream(experiment, f"{copy}/data-*.tar", strict_shards=True), 1)
+        run_epoch(_stream(experiment, f"{copy}/data-*.tar", strict_shards=True), 1)
 
 
 def test_shards_that_do_not_match_their_index_are_corrupt(experiment, shard_dir, tmp_path):
@@ -264,7 +241,7 @@ def test_shards_that_do_not_match_their_index_are_corrupt(experiment, shard_dir,
         for read_ahead in (0, 1):
             stream = _stream(experiment, f"{folder}/data-*.tar", bad_shard_limit=0.5,
                              read_ahead_mb=read_ahead)
-            _, progress = _run_epoch(stream, 1)
+            _, progress = run_epoch(stream, 1)
             summary = progress.summary()
             assert sorted(u[-14:] for u in summary["corrupt_shards"]) == bad
             assert re.search(message, progress.corrupt[0][1])
@@ -273,7 +250,7 @@ def test_shards_that_do_not_match_their_index_are_corrupt(experiment, shard_dir,
         if folder == swapped:  # caught at their first utterance: nothing of them trained
             assert summary["corrupt_missing"] == 8
         with pytest.raises(CorruptShardError, match=rf"{message}.*strict_shards is set"):
-            _run_epoch(_stream(experiment, f"{folder}/data-*.tar", strict_shards=True), 1)
+            run_epoch(_stream(experiment, f"{folder}/data-*.tar", strict_shards=True), 1)
 
 
 def test_undecodable_members_are_counted_or_with_strict_shards_an_error(experiment, tmp_path):
@@ -288,11 +265,11 @@ def test_undecodable_members_are_counted_or_with_strict_shards_an_error(experime
                                              skip={"utt2": "txt"}),
     }
     for reason, shard in cases.items():
-        batches, progress = _run_epoch(_stream(experiment, str(shard), estimate=2), 1)
+        batches, progress = run_epoch(_stream(experiment, str(shard), estimate=2), 1)
         assert _keys(batches) == ["utt1"] and list(progress.summary()["dropped"]) == [reason]
         with pytest.raises((ValueError, CorruptShardError),
                            match=rf"{shard}: .*'utt2'.*{reason}.*strict_shards is set"):
-            _run_epoch(_stream(experiment, str(shard), estimate=2, strict_shards=True), 1)
+            run_epoch(_stream(experiment, str(shard), estimate=2, strict_shards=True), 1)
 
 
 def test_bad_inputs_are_errors_naming_file_and_key(experiment, tmp_path):
@@ -301,15 +278,15 @@ def test_bad_inputs_are_errors_naming_file_and_key(experiment, tmp_path):
     dotted = write_raw_shard(tmp_path / "dotted/data-0.tar", [("sp0.9-utt1", features, "的一")])
     with pytest.raises(ValueError, match=r"dotted/data-0.tar: utterance 'sp0.9-utt1' has 8-dim "
                                          r"features, but config.json encoder.kwargs.idim is 80"):
-        _run_epoch(_stream(experiment, str(dotted), estimate=1, feat_dim=80), 1)
-    assert _keys(_run_epoch(_stream(experiment, str(dotted), estimate=1), 1)[0]) == ["sp0.9-utt1"]
+        run_epoch(_stream(experiment, str(dotted), estimate=1, feat_dim=80), 1)
+    assert _keys(run_epoch(_stream(experiment, str(dotted), estimate=1), 1)[0]) == ["sp0.9-utt1"]
     with pytest.raises(ValueError, match=r"trset has 9 shards, fewer than ranks x workers = "
                                          r"5 x 2"):
         _stream(experiment, rank=0, world_size=5, workers=2)
     with pytest.raises(FileNotFoundError, match=r"tokenizer file .*missing\.tknz does not exist"):
         stream = _stream(experiment)
         stream.tokenizer_path = str(tmp_path / "missing.tknz")
-        _run_epoch(stream, 1)
+        run_epoch(stream, 1)
 
 
 def test_stream_and_map_packer_train_and_drop_the_same_utterances(experiment, tmp_path):
@@ -328,7 +305,7 @@ def test_stream_and_map_packer_train_and_drop_the_same_utterances(experiment, tm
     shard = write_raw_shard(tmp_path / "wds/data-0.tar", samples)
     stream = _stream(experiment, str(shard), estimate=len(keys), tokenizer=tokenizer)
     stream.length_filter = None
-    _, progress = _run_epoch(stream, 1)
+    _, progress = run_epoch(stream, 1)
     assert map_drops == progress.summary()["dropped"] == {"empty_label": 1, "all_unk": 1}
     assert progress.summary()["trained"] == counts["num_utts"]
 
@@ -357,19 +334,19 @@ def test_resume_continues_exactly_where_the_epoch_stopped(experiment, workers, s
     def stream():
         return _stream(experiment, workers=workers, shuffle_buffer=3, sort_buffer=3)
 
-    full, full_progress = _run_epoch(stream(), epoch, workers)
+    full, full_progress = run_epoch(stream(), epoch, workers)
     assert len(full) > max(stops)
     mid_shard = 0
     for stop in stops:
-        first, progress = _run_epoch(stream(), epoch, workers, limit=stop)
+        first, progress = run_epoch(stream(), epoch, workers, limit=stop)
         mid_shard += sum(p.ordinal > 0 for p in progress.positions.values())
         path = tmp_path / f"state-{workers}-{stop}.pt"
         save_checkpoint(path, {"format": "cat-checkpoint", "version": 1, "data": progress.state()})
         # A new process: a new stream and progress, restored from the checkpoint.
         resumed_stream = stream()
-        resumed = _progress(resumed_stream, epoch, workers)
+        resumed = epoch_progress(resumed_stream, epoch, workers)
         resumed.restore(load_checkpoint(path)["data"])
-        rest, resumed = _run_epoch(resumed_stream, epoch, workers, progress=resumed)
+        rest, resumed = run_epoch(resumed_stream, epoch, workers, progress=resumed)
         if workers <= 1:
             assert first + rest == full
         assert sorted(_keys(first + rest)) == sorted(_keys(full))
@@ -383,7 +360,7 @@ def test_resume_reads_only_the_buffered_members_again(experiment, monkeypatch):
     from cat.loading import stream as pipeline
 
     stream = _stream(experiment, shuffle_buffer=8)
-    _, progress = _run_epoch(stream, 1, limit=3)
+    _, progress = run_epoch(stream, 1, limit=3)
     position = progress.positions[0]
     fetched = []
     original = pipeline.fetch_samples
@@ -393,17 +370,17 @@ def test_resume_reads_only_the_buffered_members_again(experiment, monkeypatch):
         return original(urls, ids, *args)
 
     monkeypatch.setattr(pipeline, "fetch_samples", spy)
-    resumed = _progress(stream, 1, 0)
+    resumed = epoch_progress(stream, 1, 0)
     resumed.restore(progress.state())
-    _run_epoch(_stream(experiment, shuffle_buffer=8), 1, progress=resumed)
+    run_epoch(_stream(experiment, shuffle_buffer=8), 1, progress=resumed)
     # Exactly the buffered samples are read again, from the shards read so far.
     assert len(fetched) == 1 and np.array_equal(fetched[0], np.sort(position.buffered()))
-    shards_read = set(_progress(stream, 1, 0).worker_shards[0][:position.shard + 1])
+    shards_read = set(epoch_progress(stream, 1, 0).worker_shards[0][:position.shard + 1])
     assert set(split_ids(fetched[0])[0].tolist()) <= shards_read
 
 
 def test_plain_webdataset_reads_what_the_pipeline_reads(experiment, shard_dir):
-    keys = _keys(_run_epoch(_stream(experiment, shuffle_buffer=0), 1)[0])
+    keys = _keys(run_epoch(_stream(experiment, shuffle_buffer=0), 1)[0])
     plain = {shard_format.decode_key(s["__key__"])
              for s in wds.WebDataset(sorted(map(str, shard_dir.glob("*.tar"))),
                                      shardshuffle=False)}
