@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent installer: system packages (espeak-ng, sox) and a Python virtual
-# environment holding the pinned requirements.
+# Idempotent installer: system packages (espeak-ng, sox; with --dev also Slurm) and a
+# Python virtual environment holding the pinned requirements.
 #
 # Usage: bash tools/install.sh          # runtime requirements
 #        bash tools/install.sh --dev    # plus test, lint and benchmark tools (and kenlm's
@@ -25,19 +25,40 @@ log() { echo "$(date '+%Y-%m-%d %H:%M:%S') (install.sh:${BASH_LINENO[0]}) $*" >&
 apt_packages=(espeak-ng sox g++ make libopus0)
 # Boost builds kenlm's lmplz (tools/build_kenlm_binary.sh lmplz), which the tests check.
 $dev && apt_packages+=(libboost-program-options-dev libboost-thread-dev libboost-system-dev)
+# The tests of Slurm array jobs run a private one-node cluster (cat/testing/slurm.py:
+# munged, slurmctld and slurmd on free 127.0.0.1 ports, with their own key, socket and
+# configuration). The services these packages install do not get in its way: Debian's
+# slurmctld and slurmd start only once /etc/slurm/slurm.conf exists, which no package
+# ships, and a system munged keeps to its own key and socket.
+$dev && apt_packages+=(slurmctld slurmd slurm-client munge)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
+# Wait for another package manager (say, unattended upgrades on a fresh machine) to finish
+# instead of failing: apt-get waits for the dpkg lock itself, but `update` gives up at once
+# on the package lists' lock, so it is tried again.
+apt_install() {
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+    --no-install-recommends "$@" >/dev/null
+}
+apt_update() {
+  local try
+  for try in 1 2 3 4 5 6 7 8 9 10; do
+    apt-get -o DPkg::Lock::Timeout=600 update -qq && return 0
+    log "apt-get update failed (try $try of 10); trying again in 30 s"
+    sleep 30
+  done
+  return 1
+}
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     log "installing Debian packages: ${missing[*]}"
     # Refresh the package lists only when the cache is empty (a fresh machine).
     if ! compgen -G "/var/lib/apt/lists/*_Packages*" >/dev/null; then
-      apt-get update -qq
+      apt_update
     fi
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-      || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }
+    apt_install "${missing[@]}" || { apt_update && apt_install "${missing[@]}"; }
   else
     echo "ERROR: missing system packages: ${missing[*]}." >&2
     echo "Install them as root, e.g.: sudo apt-get install ${missing[*]}" >&2

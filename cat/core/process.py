@@ -17,7 +17,8 @@ parent's main module, so a parent killed while its pool starts leaves no worker 
 (`_ArmedName`).
 
 `process_pool(num_workers)` is the spawn-context `ProcessPoolExecutor` every stage uses;
-`loader_worker_init(parent_pid)` is the `worker_init_fn` of torch DataLoaders.
+`loader_worker_init(parent_pid)` is the `worker_init_fn` of torch DataLoaders, whose
+workers also ignore SIGINT, SIGTERM and SIGUSR1 (the training process acts on them).
 
 Commands run by a worker (Kaldi pipe commands in `wav.scp`) are not covered: like under
 Kaldi, they end when they next write to the pipe of their dead reader (SIGPIPE).
@@ -64,6 +65,20 @@ def set_parent_death_signal() -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def parent_death_preexec() -> Callable[[], None]:
+    """A `preexec_fn` for `subprocess.Popen` that makes the child SIGKILLed when the
+    thread that started it ends (Linux; elsewhere it does nothing). libc is looked up
+    here, in the parent, so the forked child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def request() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    return request
 
 
 def _watch_parent(parent_pid: int, poll_seconds: float) -> None:
@@ -167,8 +182,17 @@ def process_pool(num_workers: int, initializer: Callable[..., Any] | None = None
         initializer=_pool_worker_init, initargs=(os.getpid(), initializer, initargs))
 
 
+#: Signals that DataLoader workers leave to their parent: a scheduler signals every
+#: process of a job (Slurm: a job step's), a terminal its whole foreground group, and
+#: the training process decides (`cat.training.preemption`); a worker killed by one
+#: would end the epoch with an error before the parent could save.
+LOADER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
 def _loader_worker_init(parent_pid: int, worker_id: int) -> None:
     del worker_id
+    for signum in LOADER_IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     die_with_parent(parent_pid)
 
 

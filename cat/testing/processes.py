@@ -174,3 +174,18 @@ def advance_progress(count: int, delay: float = 0.0) -> int:
         time.sleep(delay)
         advance(1)
     return count
+
+
+def run_bounded(command: Sequence[str], cwd: Path, env: dict[str, str], timeout: float,
+                what: str) -> subprocess.CompletedProcess:
+    """Run `command` in its own session with stdout and stderr captured together; one that
+    outlives `timeout` seconds is killed with its children and fails, naming `what`."""
+    process = subprocess.Popen(list(command), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{what} ran over {timeout} s:\n{output[-3000:]}") from None
+    return subprocess.CompletedProcess(list(command), process.returncode, output)
