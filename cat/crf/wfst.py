@@ -66,14 +66,20 @@ def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike) -> D
 
 
 def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
-                   options: DecodeOptions) -> dict[str, np.ndarray]:
-    """{utterance: log-posteriors [T', V]} of a feature dir (CPU, one process)."""
+                   options: DecodeOptions,
+                   batches: list[list[str]] | None = None) -> dict[str, np.ndarray]:
+    """{utterance: log-posteriors [T', V]} of a feature dir (CPU, one process): of the
+    utterances of `batches` (a share of a stage-5 array task), by default of every one in
+    `plan_batches`'s batches. An utterance's posteriors depend on its batch (padding), so
+    a share is cut from those batches to give the figures of the whole set."""
     searcher = Searcher(exp_dir, checkpoint, "ctc", options, "cpu")
-    table = read_feature_index(Path(data_dir) / "feats.scp")
-    lengths = dict(zip(table.keys, table.num_frames.tolist(), strict=True))
+    if batches is None:
+        table = read_feature_index(Path(data_dir) / "feats.scp")
+        lengths = dict(zip(table.keys, table.num_frames.tolist(), strict=True))
+        batches = plan_batches(lengths, options.max_frames, options.batch_size)
     features = kaldiio.load_scp(str(Path(data_dir) / "feats.scp"))
     out: dict[str, np.ndarray] = {}
-    for keys in plan_batches(lengths, options.max_frames, options.batch_size):
+    for keys in batches:
         batch = collate([Utterance(k, features[k], NO_LABEL) for k in keys])
         with torch.inference_mode():
             log_probs, lens = searcher.model.search_inputs(batch.feats, batch.feat_lens)

@@ -41,6 +41,16 @@ first passes (one per fusion setting, e.g. the points of a weight grid) sharing 
 network forward per batch, each writing `hyp`, `nbest.jsonl` (`cat.lm.rescore`) and
 `decode.log` into its own directory. `--lm` etc. on the command line decode one pass.
 
+On a cluster (`decode_set` / `decode_passes` given a `cat.core.launch.Launcher`, as
+`python -m cat.utils.pipeline decode|lm --cmd "$decode_cmd"` does): the same batches,
+dealt round-robin to `nj` shares whatever this machine's device, are the tasks of an
+array job (`cat.core.launch.map_calls`, logs `<out>/log/decode.<task>.log`); each task
+resolves `device` on its node (auto: cuda when the node has a GPU) and sends its
+hypotheses back to this process, which writes the outputs. They are those of the process
+pool, hypotheses byte for byte; `decode.log` adds `backend`, names the devices the tasks
+used, and its decoding seconds are the array's wall time (time in the queue included).
+There is no progress bar (the tasks cannot advance it).
+
 Usage:
     python -m cat.ctc.decode exp/synth-ctc --data data/fbank/test \
         --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test
@@ -61,13 +71,15 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import kaldiio
 
 from cat.core.config import HYPER_NAME, load_hyper
 from cat.core.io import PathLike, atomic_write, setup_logging
+from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
@@ -135,45 +147,95 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
     return results, searcher.forward_seconds, searcher.search_seconds
 
 
-def _plan_workers(data_dir: Path, options: DecodeOptions) -> tuple[Path, dict[str, int], str,
-                                                                   list[list[list[str]]]]:
-    """The scp, utterance lengths, device and each worker's share of the batches."""
+def _decode_task(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
+                 options: DecodeOptions) -> tuple[list[tuple[str, str]], str]:
+    """A task of `decode_set`'s array: `_decode_batches` on the device of the node it runs
+    on; returns the pairs and that device."""
+    device = options.resolved_device()
+    return _decode_batches(exp_dir, checkpoint, kind, scp, batches, options, device), device
+
+
+def _search_task(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
+                 options: DecodeOptions, specs: list[FusionSpec | None]) -> tuple[tuple, str]:
+    """A task of `decode_passes`'s array: `_search_batches` on the device of the node it
+    runs on; returns its output and that device."""
+    device = options.resolved_device()
+    return _search_batches(exp_dir, checkpoint, kind, scp, batches, options, device,
+                           specs), device
+
+
+def _plan_workers(data_dir: Path, options: DecodeOptions, launcher: Launcher | None = None
+                  ) -> tuple[Path, dict[str, int], str, list[list[list[str]]]]:
+    """The scp, utterance lengths, device and each worker's share of the batches.
+
+    Without a launcher the device is this machine's and a GPU takes every batch; with one,
+    each of the `nj` tasks resolves `options.device` on its node (the device returned is
+    `options.device` as given)."""
     scp = data_dir / "feats.scp"
     if not scp.is_file():
         raise FileNotFoundError(f"{scp} does not exist (run the feature stage first)")
-    device = options.resolved_device()
+    device = options.resolved_device() if launcher is None else options.device
     lengths = read_lengths(data_dir)
     batches = plan_batches(lengths, options.max_frames, options.batch_size)
-    workers = 1 if device == "cuda" else max(1, min(options.nj, len(batches)))
+    one = launcher is None and device == "cuda"
+    workers = 1 if one else max(1, min(options.nj, len(batches)))
     # Deal the length-sorted batches round-robin so every worker gets a similar load.
     return scp, lengths, device, [batches[i::workers] for i in range(workers)]
 
 
+def _run_array(launcher: Launcher, function: Callable[..., tuple[Any, str]], calls: list[tuple],
+               log_dir: Path) -> tuple[list[Any], str]:
+    """The results of `function(*call)` run as the tasks of an array (logs in `log_dir`),
+    and the device(s) they ran on."""
+    results = map_calls(launcher, "decode", function, calls, log_dir, parallel=len(calls))
+    return [result for result, _ in results], ",".join(sorted({dev for _, dev in results}))
+
+
+def _backend(launcher: Launcher | None) -> dict[str, str]:
+    """The note of the backend in `decode.log` (none for the process pool)."""
+    return {} if launcher is None else {"backend": launcher.backend}
+
+
+def _search_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path,
+                   shares: list[list[list[str]]], options: DecodeOptions, device: str,
+                   specs: list[FusionSpec | None], launcher: Launcher | None, log_dir: Path,
+                   title: str, total: int) -> tuple[list[tuple], str]:
+    """`_search_batches` of every share (here, in a process pool, or as array tasks) and
+    the device(s) it ran on."""
+    args = (str(exp_dir), str(checkpoint), kind, str(scp))
+    if launcher is not None:
+        return _run_array(launcher, _search_task,
+                          [(*args, share, options, specs) for share in shares], log_dir)
+    with WorkerProgress(total, title) as progress:
+        if len(shares) == 1:
+            return [_search_batches(*args, shares[0], options, device, specs)], device
+        with process_pool(len(shares), *progress.pool_initializer()) as pool:
+            futures = [pool.submit(_search_batches, *args, share, options, device, specs)
+                       for share in shares]
+            return [future.result() for future in futures], device
+
+
 def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, kind: str,
-                  options: DecodeOptions,
-                  passes: list[tuple[FusionSpec | None, PathLike]]) -> list[DecodeSummary]:
+                  options: DecodeOptions, passes: list[tuple[FusionSpec | None, PathLike]],
+                  launcher: Launcher | None = None,
+                  log_dir: PathLike | None = None) -> list[DecodeSummary]:
     """Beam-search `data_dir` once per (fusion, output dir) pass; each output dir gets
     `hyp`, `nbest.jsonl` and `decode.log`. Decoding seconds of a pass: the wall time of
     the run, shared between the passes in proportion to their search time (the network
-    forward, done once, counts for each)."""
+    forward, done once, counts for each). With a `launcher` the shares are the tasks of
+    an array, their logs in `log_dir` (default: the first pass's dir's `log`)."""
     if options.method != "beam":
         raise ValueError(f"decoding with language models needs method 'beam', got "
                          f"{options.method!r}")
     data_dir = Path(data_dir)
-    scp, lengths, device, shares = _plan_workers(data_dir, options)
+    scp, lengths, device, shares = _plan_workers(data_dir, options, launcher)
     specs = [spec for spec, _ in passes]
     start = time.perf_counter()
-    with WorkerProgress(len(lengths), f"decoding {data_dir.name} ({len(passes)} pass"
-                        f"{'es' * (len(passes) > 1)})") as progress:
-        if len(shares) == 1:
-            outputs = [_search_batches(str(exp_dir), str(checkpoint), kind, str(scp),
-                                       shares[0], options, device, specs)]
-        else:
-            with process_pool(len(shares), *progress.pool_initializer()) as pool:
-                futures = [pool.submit(_search_batches, str(exp_dir), str(checkpoint), kind,
-                                       str(scp), share, options, device, specs)
-                           for share in shares]
-                outputs = [future.result() for future in futures]
+    outputs, device = _search_shares(
+        exp_dir, checkpoint, kind, scp, shares, options, device, specs, launcher,
+        Path(log_dir or Path(passes[0][1]) / "log"),
+        f"decoding {data_dir.name} ({len(passes)} pass{'es' * (len(passes) > 1)})",
+        len(lengths))
     wall = time.perf_counter() - start
     forward_seconds = sum(out[1] for out in outputs)
     search_seconds = [sum(out[2][i] for out in outputs) for i in range(len(passes))]
@@ -189,6 +251,7 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
         write_hyp(out_dir / "hyp", ((key, hyps[0][0] if hyps else "") for key, hyps in nbest))
         report = {"data": str(data_dir), "checkpoint": str(checkpoint),
                   **dataclasses.asdict(options), "device": device, "workers": len(shares),
+                  **_backend(launcher),
                   "fusion": dataclasses.asdict(spec) if spec is not None else None,
                   "num_utts": summary.num_utts, "audio_seconds": round(audio, 2),
                   "decode_seconds": round(seconds, 2), "rtf": round(summary.rtf, 4),
@@ -203,28 +266,44 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
     return summaries
 
 
+def _decode_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path,
+                   shares: list[list[list[str]]], options: DecodeOptions, device: str,
+                   launcher: Launcher | None, log_dir: Path, title: str, total: int
+                   ) -> tuple[list[tuple[str, str]], str]:
+    """`_decode_batches` of every share (here, in a process pool, or as array tasks): the
+    (utt, hypothesis) pairs in share order and the device(s) they were decoded on."""
+    args = (str(exp_dir), str(checkpoint), kind, str(scp))
+    if launcher is not None:
+        results, device = _run_array(launcher, _decode_task,
+                                     [(*args, share, options) for share in shares], log_dir)
+        return [pair for pairs in results for pair in pairs], device
+    with WorkerProgress(total, title) as progress:
+        if len(shares) == 1:
+            return _decode_batches(*args, shares[0], options, device), device
+        with process_pool(len(shares), *progress.pool_initializer()) as pool:
+            futures = [pool.submit(_decode_batches, *args, share, options, device)
+                       for share in shares]
+            return [pair for future in futures for pair in future.result()], device
+
+
 def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_dir: PathLike,
-               kind: str, options: DecodeOptions) -> DecodeSummary:
-    """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`."""
+               kind: str, options: DecodeOptions,
+               launcher: Launcher | None = None) -> DecodeSummary:
+    """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`.
+    With a `launcher` the `nj` shares are the tasks of an array, logs in `out_dir/log`."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    scp, lengths, device, shares = _plan_workers(data_dir, options)
+    scp, lengths, device, shares = _plan_workers(data_dir, options, launcher)
     workers = len(shares)
     start = time.perf_counter()
-    with WorkerProgress(len(lengths), f"decoding {data_dir.name}") as progress:
-        if workers == 1:
-            pairs = _decode_batches(str(exp_dir), str(checkpoint), kind, str(scp), shares[0],
-                                    options, device)
-        else:
-            with process_pool(workers, *progress.pool_initializer()) as pool:
-                futures = [pool.submit(_decode_batches, str(exp_dir), str(checkpoint), kind,
-                                       str(scp), share, options, device) for share in shares]
-                pairs = [pair for future in futures for pair in future.result()]
+    pairs, device = _decode_shares(exp_dir, checkpoint, kind, scp, shares, options, device,
+                                   launcher, out_dir / "log", f"decoding {data_dir.name}",
+                                   len(lengths))
     seconds = time.perf_counter() - start
     summary = DecodeSummary(len(pairs), sum(lengths.values()) * FRAME_SHIFT_SECONDS, seconds)
     write_hyp(out_dir / "hyp", pairs)
     report = {"data": str(data_dir), "checkpoint": str(checkpoint),
               **dataclasses.asdict(options), "device": device, "workers": workers,
-              "num_utts": summary.num_utts,
+              **_backend(launcher), "num_utts": summary.num_utts,
               "audio_seconds": round(summary.audio_seconds, 2),
               "decode_seconds": round(summary.decode_seconds, 2), "rtf": round(summary.rtf, 4)}
     with atomic_write(out_dir / "decode.log") as f:

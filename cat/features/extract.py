@@ -26,11 +26,17 @@ Output layout of <feat-dir> (tables sorted in byte order, written atomically):
     log/extract.<job>.log           each job's log
 
 A finished job is not redone on a re-run with the same options and inputs; an
-unfinished one is redone from scratch. Unreadable audio is skipped, listed and counted;
+unfinished one is redone from scratch. With `--cmd` (`cat.core.launch`, the recipe's
+`$train_cmd`), the unfinished jobs run as the tasks of one array job (a Slurm array with
+the slurm backend) instead of a process pool (`split<nj>/<job>/job.json` is each task's
+spec, its log `log/extract.<job>.log`); a failed task stops the stage naming it and its
+log, and a re-run submits only the jobs not done. Unreadable audio is skipped, listed and counted;
 the run fails only if every utterance failed or an input table is malformed.
 
 Usage:
     python -m cat.features.extract --nj 4 --speed-perturb 0.9,1.1 data/train data/train_sp_fbank
+    python -m cat.features.extract --nj 40 --cmd "launch.sh --backend slurm --mem-per-job 2G" \
+        data/train data/fbank/train
 """
 
 from __future__ import annotations
@@ -67,6 +73,13 @@ from cat.core.io import (
     remove_stale_temporaries,
     setup_logging,
     write_table,
+)
+from cat.core.launch import (
+    JOB,
+    ArrayJobError,
+    Launcher,
+    add_cmd_argument,
+    run_array,
 )
 from cat.core.process import process_pool
 from cat.core.threads import configure_threads
@@ -317,6 +330,38 @@ def _run_job_logged(job: Job) -> dict:
         torch.set_num_threads(threads)
 
 
+def _run_job_task(spec: Path) -> int:
+    """One job as the task of an array (`--run-job`): its log is this process's stderr."""
+    job = Job.from_json(spec.read_text(encoding="utf-8"))
+    configure_threads(1)
+    _run_job(dataclasses.replace(job, progress=False))
+    return 0
+
+
+def _run_jobs_array(jobs: list[Job], launcher: Launcher, split_dir: Path) -> list[dict]:
+    """Run jobs as the tasks of one array through `launcher`; results as `_run_jobs`'."""
+    for job in jobs:
+        with atomic_write(split_dir / str(job.index) / "job.json") as f:
+            f.write(job.to_json())
+    feat_dir = Path(jobs[0].feat_dir)
+    failures: dict[int, tuple[str, Path]] = {}
+    try:
+        run_array(launcher, "extract", [job.index for job in jobs],
+                  [sys.executable, "-m", "cat.features.extract", "--run-job",
+                   str(split_dir.resolve() / JOB / "job.json")],
+                  feat_dir / "log" / f"extract.{JOB}.log", parallel=len(jobs))
+    except ArrayJobError as error:
+        failures = error.failures
+    results = []
+    for job in jobs:
+        if job.index in failures:
+            results.append({"error": failures[job.index][0]})
+        else:
+            files = JobFiles.of(feat_dir, job.index)
+            results.append(json.loads(files.marker.read_text(encoding="utf-8")))
+    return results
+
+
 def _run_jobs(jobs: list[Job], num_processes: int) -> list[dict]:
     """Run jobs in parallel processes (in this process when there is only one)."""
     if len(jobs) == 1:
@@ -450,10 +495,13 @@ def extract(
     compress: bool = False,
     max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
     progress: bool = True,
+    launcher: Launcher | None = None,
 ) -> ExtractSummary:
     """Compute fbank features for the data dir `data_dir` into `feat_dir` (see module doc).
 
-    Jobs finished by an earlier run with the same inputs and options are reused.
+    Jobs finished by an earlier run with the same inputs and options are reused; the
+    others run here in `nj` processes, or as the tasks of an array through `launcher`
+    (`cat.core.launch`).
     Raises `TableError` for malformed input tables and `FeatureExtractionError` when a
     job crashed or no utterance got features.
     """
@@ -476,8 +524,14 @@ def extract(
                                  progress)
     if reused:
         logger.info("reusing %d finished job(s): %s", len(reused), _job_list(reused))
+    if not jobs:
+        results = []
+    elif launcher is None:
+        results = _run_jobs(jobs, nj)
+    else:
+        results = _run_jobs_array(jobs, launcher, plan.split_dir)
     failed = []
-    for job, result in zip(jobs, _run_jobs(jobs, nj) if jobs else [], strict=True):
+    for job, result in zip(jobs, results, strict=True):
         if "error" in result:
             failed.append(job.index)
             logger.error("job %d failed (%s); see %s", job.index, result["error"],
@@ -576,12 +630,18 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-overshoot", type=float, default=DEFAULT_MAX_OVERSHOOT,
                         help="seconds a segment may end past its recording (default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_cmd_argument(parser)
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
+    """Command-line entry point; returns the exit status. `--run-job SPEC` (internal) runs
+    one job as the task of an array."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == "--run-job":
+        setup_logging()
+        return _run_job_task(Path(argv[1]))
     args = _parse_args(argv)
     setup_logging(args.verbose)
     options = FbankOptions(num_mel_bins=args.num_mel_bins, sample_rate=args.sample_rate,
@@ -589,7 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         extract(args.data_dir, args.feat_dir, nj=args.nj, options=options,
                 speed_factors=args.speed_perturb, compress=args.compress,
-                max_overshoot=args.max_overshoot, progress=not args.no_progress)
+                max_overshoot=args.max_overshoot, progress=not args.no_progress,
+                launcher=Launcher.from_cmd(args.cmd))
     except (TableError, FeatureExtractionError, ValueError, FileNotFoundError) as error:
         logger.error("%s", error)
         return 1

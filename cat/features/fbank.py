@@ -2,7 +2,10 @@
 
 * `read_audio`: a `wav.scp` entry (a file soundfile reads: WAV, FLAC, Ogg Opus...; or a
   Kaldi pipe command ending in `|`) as float samples and their rate; a WAV whose header
-  promises more data than the file holds is an error (`AudioError`);
+  promises more data than the file holds is an error (`AudioError`), as is a command
+  that fails; a command the shell cannot run at all (status 126 or 127: the program is
+  missing on this machine) is a `PipeCommandError`, which stops a job instead of skipping
+  its utterances;
 * `compute_fbank`: 80-dim log-mel fbank, the computation of
   `torchaudio.compliance.kaldi.fbank` (`FbankOptions`: 25 ms window, 10 ms shift, dither
   0 unless asked, other options at their Kaldi defaults) on audio scaled to the int16
@@ -112,9 +115,27 @@ def read_audio_with_channels(spec: str) -> tuple[np.ndarray, int, int]:
     return np.ascontiguousarray(data[:, 0]), sample_rate, data.shape[1]
 
 
+#: The shell's statuses of a command it could not run: not executable, not found.
+COMMAND_NOT_RUN_STATUSES = {126: "not executable", 127: "not found"}
+
+
+class PipeCommandError(RuntimeError):
+    """A `wav.scp` command the shell could not run (status 126 or 127): the program is
+    missing or not executable on this machine. A problem of the machine (a cluster node
+    without sox, say), not of the recording, so it stops the job instead of skipping
+    the utterance as an `AudioError` does; once the program is there, a re-run redoes
+    only the jobs that stopped."""
+
+
 def _run_pipe(command: str) -> bytes:
     # Kaldi runs wav.scp commands with the shell too (popen).
     result = subprocess.run(command, shell=True, capture_output=True, check=False)
+    if result.returncode in COMMAND_NOT_RUN_STATUSES:
+        message = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise PipeCommandError(
+            f"command '{command}' could not run on {os.uname().nodename} (status "
+            f"{result.returncode}: {COMMAND_NOT_RUN_STATUSES[result.returncode]}"
+            f"{': ' + message[-1] if message else ''})")
     if result.returncode != 0:
         message = result.stderr.decode("utf-8", "replace").strip().splitlines()
         detail = f": {message[-1]}" if message else ""

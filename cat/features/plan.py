@@ -13,6 +13,7 @@ Usage:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -86,6 +87,16 @@ class Job:
     max_overshoot: float
     digest: str
     progress: bool
+
+    def to_json(self) -> str:
+        """The job as JSON (the spec a cluster task reads, `from_json`)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        fields = json.loads(text)
+        return cls(**{**fields, "options": FbankOptions(**fields["options"]),
+                      "speed_factors": tuple(fields["speed_factors"])})
 
 
 @dataclass

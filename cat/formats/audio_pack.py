@@ -49,6 +49,7 @@ import numpy as np
 
 from cat.audio import codec
 from cat.core.io import PathLike, iter_table
+from cat.core.launch import Launcher
 from cat.features.plan import DEFAULT_MAX_OVERSHOOT
 from cat.formats.audio_tables import SAMPLE_RATE, AudioTable, load_audio_utterances
 from cat.formats.audio_writer import AudioShardJob, write_audio_shard
@@ -192,6 +193,7 @@ def pack_audio(
     num_jobs: int = 1,
     seed: int = 0,
     max_overshoot: float = DEFAULT_MAX_OVERSHOOT,
+    launcher: Launcher | None = None,
 ) -> PackSummary:
     """Pack the utterances of Kaldi data dirs into audio shards under `d_out`.
 
@@ -218,7 +220,8 @@ def pack_audio(
     _attach_drops(folders, previous, _read_dropped(d_out / DROPPED_NAME))
 
     pending, records = reuse_finished(folders, previous)
-    write_pending(pending, num_jobs, records, write_audio_shard, _record_of)
+    write_pending(pending, num_jobs, records, write_audio_shard, _record_of,
+                  launcher=launcher, log_dir=Path(d_out) / "log")
     conversions: collections.Counter = collections.Counter()
     for job in pending:
         conversions.update(records[job.path].get("conversions", {}))

@@ -28,8 +28,14 @@ computes the features). `pack-exp` packs what an experiment streams: its
 come from, audio when `data.shards.audio` names a format (`pack_experiment`). `index`
 writes the index of shards another tool wrote (`cat.formats.shard_index`).
 
+With `--cmd` (the recipe's `$train_cmd`, `cat.core.launch`), the shards still to write are
+dealt to `--nj` tasks of one array job (a Slurm array with the slurm backend) (logs
+`<out>/log/pack.<task>.log`); the index is written here once all are done, and a re-run
+after a failed task writes only the shards that are missing.
+
 Usage:
     python -m cat.formats.prep_wds pack-exp exp/synth-ctc --nj 4
+    python -m cat.formats.prep_wds pack-exp exp/synth-ctc --nj 40 --cmd "$train_cmd"
     python -m cat.formats.prep_wds pack --scp data/train/feats.scp --text data/train/text \
         --out data/wds/train --filter-group 10:1000 1000:2000 --nj 4
     python -m cat.formats.prep_wds pack-audio --data data/train_l --out data/wds_audio/train_l \
@@ -58,6 +64,7 @@ import numpy as np
 from cat.audio import codec
 from cat.core.config import HYPER_NAME, as_list, load_hyper
 from cat.core.io import PathLike, setup_logging
+from cat.core.launch import ArrayJobError, Launcher, LaunchError, add_cmd_argument
 from cat.core.stages import is_done, mark_done, signature
 from cat.formats.audio_pack import pack_audio
 from cat.formats.shard_check import validate
@@ -133,6 +140,7 @@ def pack_data(
     num_jobs: int = 1,
     dtype: str = "float32",
     seed: int = 0,
+    launcher: Launcher | None = None,
 ) -> PackSummary:
     """Pack utterances into webdataset tar shards under `d_out` (see the module doc).
 
@@ -165,7 +173,7 @@ def pack_data(
     pending, records = reuse_finished(folders, previous)
     # The estimate reads one matrix: only when workers are possible at all.
     write_pending(pending, num_jobs, records, write_shard, _record_of,
-                  lambda: _work_seconds(pending, dtype))
+                  lambda: _work_seconds(pending, dtype), launcher, d_out / "log")
     # Utterances the shard writer left out (non-finite features): in the drop log too.
     non_finite = {}
     for folder in folders:
@@ -228,7 +236,8 @@ def _record_of(job: ShardJob, result: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- CLI
 
 
-def pack_experiment(exp_dir: PathLike, num_jobs: int = 1) -> PackSummary | None:
+def pack_experiment(exp_dir: PathLike, num_jobs: int = 1,
+                    launcher: Launcher | None = None) -> PackSummary | None:
     """The tar shards an experiment streams: `data.train` packed as `data.shards` of its
     `hyper-p.json` says (`dir`, `filter_group`, `dtype`, `utts_per_file`, `seed`), the one
     place the length groups come from. With `data.shards.audio` (`{"format": "opus",
@@ -271,13 +280,13 @@ def pack_experiment(exp_dir: PathLike, num_jobs: int = 1) -> PackSummary | None:
                             [str(d / "text") for d in directories], out,
                             filter_group=options["filter_group"],
                             utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
-                            dtype=options["dtype"], seed=options["seed"])
+                            dtype=options["dtype"], seed=options["seed"], launcher=launcher)
     else:
         summary = pack_audio(directories, out, audio["format"],
                              opus_bitrate=audio.get("bitrate"),
                              filter_group=options["filter_group"],
                              utts_per_file=options["utts_per_file"], num_jobs=num_jobs,
-                             seed=options["seed"])
+                             seed=options["seed"], launcher=launcher)
     mark_done(out, sig)
     return summary
 
@@ -306,7 +315,8 @@ def _build_parser() -> argparse.ArgumentParser:
     exp = commands.add_parser("pack-exp", help="write the tar shards an experiment streams, "
                                                "as its hyper-p.json data.shards says")
     exp.add_argument("exp_dir", help="experiment directory, e.g. exp/synth-ctc")
-    exp.add_argument("--nj", type=int, default=1, help="parallel processes")
+    exp.add_argument("--nj", type=int, default=1, help="parallel processes (cluster jobs)")
+    add_cmd_argument(exp)
     pack = commands.add_parser("pack", help="write feature tar shards and their index")
     pack.add_argument("--scp", required=True, action="extend", nargs="+",
                       help="feats.scp file(s); repeatable")
@@ -327,7 +337,9 @@ def _build_parser() -> argparse.ArgumentParser:
                              help="length groups in frames, one subfolder each "
                                   "(default: none)")
         command.add_argument("--fmt", default=DEFAULT_FMT, help="shard file name format")
-        command.add_argument("--nj", type=int, default=1, help="parallel processes")
+        command.add_argument("--nj", type=int, default=1,
+                             help="parallel processes (cluster jobs)")
+        add_cmd_argument(command)
         command.add_argument("--seed", type=int, default=0, help="shuffling seed")
         command.add_argument("--utts-per-file", type=int, default=UTTS_PER_FILE,
                              help="maximum utterances per shard")
@@ -345,16 +357,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry point (see the module docstring)."""
     args = _build_parser().parse_args(argv)
     setup_logging()
+    try:
+        _run(args)
+    except (ArrayJobError, LaunchError) as error:
+        logger.error("%s", error)
+        sys.exit(1)
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "pack-exp":
-        pack_experiment(args.exp_dir, args.nj)
+        pack_experiment(args.exp_dir, args.nj, Launcher.from_cmd(args.cmd))
     elif args.command == "pack":
         pack_data(args.scp, args.text, args.out, args.fmt, args.filter_group or None,
                   utts_per_file=args.utts_per_file, num_jobs=args.nj, dtype=args.dtype,
-                  seed=args.seed)
+                  seed=args.seed, launcher=Launcher.from_cmd(args.cmd))
     elif args.command == "pack-audio":
         pack_audio(args.data, args.out, args.format, opus_bitrate=args.bitrate, fmt=args.fmt,
                    filter_group=args.filter_group or None, utts_per_file=args.utts_per_file,
-                   num_jobs=args.nj, seed=args.seed)
+                   num_jobs=args.nj, seed=args.seed, launcher=Launcher.from_cmd(args.cmd))
     elif args.command == "index":
         index_folder(args.directory, args.nj)
     else:

@@ -44,6 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cat.core.io import atomic_write
+from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
 from cat.formats.shard_format import (
     INDEX_FORMAT,
@@ -294,22 +295,48 @@ def run_jobs(jobs: list[Any], num_jobs: int, write: Callable[[Any], dict[str, An
                 future.cancel()
 
 
+def _finish(job: Any, result: dict[str, Any],
+            record_of: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """The record of a written shard, saved in its folder's `.parts/`."""
+    path = Path(job.path)
+    record = {"shard": path.name, **record_of(job, result), "fingerprint": job.fingerprint}
+    save_part(path.parent, record)
+    return record
+
+
+def write_share(jobs: list[Any], write: Callable[[Any], dict[str, Any]],
+                record_of: Callable[[Any, dict[str, Any]], dict[str, Any]]
+                ) -> list[dict[str, Any]]:
+    """Write `jobs` one after the other (a task of a cluster array); their records."""
+    return [_finish(job, write(job), record_of) for job in jobs]
+
+
 def write_pending(pending: list[Any], num_jobs: int, records: dict[str, dict[str, Any]],
                   write: Callable[[Any], dict[str, Any]],
                   record_of: Callable[[Any, dict[str, Any]], dict[str, Any]],
-                  work_seconds: float | Callable[[], float | None] | None = None) -> None:
+                  work_seconds: float | Callable[[], float | None] | None = None,
+                  launcher: Launcher | None = None, log_dir: Path | None = None) -> None:
     """Write the pending shards; each one's record (`record_of(job, result)`) is saved
     in `.parts/` as soon as it is complete, and added to `records`. `work_seconds`: the
     estimated single-core seconds of the whole work (None: unknown; or a function giving
     them, called only when workers are possible), which decides how many worker
-    processes pay (`plan_workers`)."""
+    processes pay (`plan_workers`). With a `launcher` the shards are dealt to `num_jobs`
+    tasks of one array job instead (`cat.core.launch.map_calls`,
+    logs `log_dir/pack.<task>.log`); the shards of a failed task are written again by
+    the next run, the others are kept."""
+    if launcher is not None and pending:
+        tasks = min(num_jobs, len(pending))
+        shares = [(pending[i::tasks], write, record_of) for i in range(tasks)]
+        if log_dir is None:
+            raise ValueError("packing through a cluster backend needs a log_dir")
+        results = map_calls(launcher, "pack", write_share, shares, log_dir, tasks)
+        for (jobs, _, _), share in zip(shares, results, strict=True):
+            for job, record in zip(jobs, share, strict=True):
+                records[job.path] = record
+        return
     with tqdm(total=len(pending), unit="shard", desc="packing", disable=None) as progress:
         for job, result in run_jobs(pending, num_jobs, write, work_seconds):
-            path = Path(job.path)
-            record = {"shard": path.name, **record_of(job, result),
-                      "fingerprint": job.fingerprint}
-            save_part(path.parent, record)
-            records[job.path] = record
+            records[job.path] = _finish(job, result, record_of)
             progress.update()
 
 

@@ -8,6 +8,22 @@ is one pass of a single decoding run (one network forward). The chosen weights g
 `exp/<name>/decode-lm/<setting>/weights.json`, the test sets are decoded with them, and
 the table goes to `exp/<name>/RESULTS-lm.md`.
 
+With `--cmd "$decode_cmd"` (a `cat.core.launch.Launcher`) the work runs as array jobs
+(`cat.core.launch.map_calls`), each task's log under the directory named below, while
+choosing weights, rescoring, scoring and the table stay in this process; the figures are
+those of the run without `--cmd` (timings aside):
+
+* the LMs the settings name that are not up to date: one task each, first
+  (`exp/<name>/decode-lm/log/train-lm.<task>.log`);
+* the TLG graphs of the `wfst` settings that are not up to date: one task each
+  (`decode-lm/log/tlg.<task>.log`);
+* the first passes of a set (`cat.decoding.inference.decode_passes`): `nj` tasks
+  (`decode-lm/first-pass/<set>/log/decode.<task>.log`);
+* the WFST decoding of a set for a `wfst` setting: `nj` tasks, each computing the
+  log-posteriors of its share of the set's batches and decoding them at every weight
+  asked, the dev grid or the chosen weight
+  (`decode-lm/<setting>/log/wfst-<set>.<task>.log`).
+
 Usage:
     python -m cat.utils.pipeline lm exp/synth-ctc-short --nj 2
 """
@@ -18,6 +34,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +44,7 @@ from cat.core.config import (
     HYPER_NAME,
 )
 from cat.core.io import PathLike, atomic_write
+from cat.core.launch import Launcher, map_calls
 from cat.core.stages import is_done, mark_done, signature
 from cat.utils.plan import Plan, select_checkpoint, set_name
 
@@ -36,20 +54,35 @@ LM_DIR_NAME = "decode-lm"
 LM_RESULTS_NAME = "RESULTS-lm.md"
 
 
-def train_lm(lm_dir: PathLike) -> Path:
-    """Estimate `lm_dir/lm.json`'s n-gram unless `lm_dir/lm.arpa` is up to date; returns the
-    file the decoders load (`lm.bin` when lm.json sets `binary`, else `lm.arpa`)."""
-    from cat.lm.train import ARPA_NAME, input_files, load_lm_config, model_file
-    from cat.lm.train import train as train_ngram
+def _lm_signature(lm_dir: Path) -> tuple[dict[str, Any], str]:
+    """An LM experiment's `lm.json` and the signature of its inputs (which must exist)."""
+    from cat.lm.train import input_files, load_lm_config
 
-    lm_dir = Path(lm_dir)
     config = load_lm_config(lm_dir)
     for path in input_files(config):
         if not path.is_file():
             raise FileNotFoundError(f"{lm_dir / 'lm.json'}: {path} does not exist (the "
                                     "data stages, or the synthetic LM text, come first)")
+    return config, signature("lm", config, files=input_files(config))
+
+
+def lm_up_to_date(lm_dir: PathLike) -> bool:
+    """True when `train_lm(lm_dir)` has nothing to estimate."""
+    from cat.lm.train import ARPA_NAME, model_file
+
+    config, sig = _lm_signature(Path(lm_dir))
+    return is_done(Path(lm_dir) / ARPA_NAME, sig) and model_file(lm_dir, config).is_file()
+
+
+def train_lm(lm_dir: PathLike) -> Path:
+    """Estimate `lm_dir/lm.json`'s n-gram unless `lm_dir/lm.arpa` is up to date; returns the
+    file the decoders load (`lm.bin` when lm.json sets `binary`, else `lm.arpa`)."""
+    from cat.lm.train import ARPA_NAME, model_file
+    from cat.lm.train import train as train_ngram
+
+    lm_dir = Path(lm_dir)
+    config, sig = _lm_signature(lm_dir)
     arpa = lm_dir / ARPA_NAME
-    sig = signature("lm", config, files=input_files(config))
     if is_done(arpa, sig) and model_file(lm_dir, config).is_file():
         logger.info("%s is up to date", arpa)
         return model_file(lm_dir, config)
@@ -85,6 +118,8 @@ class LMRun:
     unit: str
     models: dict[str, Path] = dataclasses.field(default_factory=dict)
     posteriors: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: runs the stage's jobs as array tasks (None: in this process and its pool)
+    launcher: Launcher | None = None
 
     @property
     def root(self) -> Path:
@@ -93,18 +128,21 @@ class LMRun:
     def where(self, key: str) -> str:
         return f"{self.plan.exp_dir / HYPER_NAME}: inference.lm.{key}"
 
-    def lm(self, lm_dir: str, key: str, token_level: bool) -> Path:
-        """The model file of an LM experiment (trained when needed); fusion needs ASR
-        tokens."""
+    def check_unit(self, lm_dir: str, key: str, token_level: bool) -> None:
+        """Fusion (`token_level`) needs an LM of the ASR tokens, not of words."""
         from cat.core.config import ConfigError
         from cat.lm.train import load_lm_config
 
+        if token_level and load_lm_config(lm_dir)["unit"] == "word":
+            raise ConfigError(f"{self.where(key)}: {lm_dir} is a word-level model; shallow "
+                              "fusion scores the ASR tokens (unit char or tokenizer); use "
+                              "word models under 'rescore'")
+
+    def lm(self, lm_dir: str, key: str, token_level: bool) -> Path:
+        """The model file of an LM experiment (trained when needed); fusion needs ASR
+        tokens."""
         if lm_dir not in self.models:
-            unit = load_lm_config(lm_dir)["unit"]
-            if token_level and unit == "word":
-                raise ConfigError(f"{self.where(key)}: {lm_dir} is a word-level model; shallow "
-                                  "fusion scores the ASR tokens (unit char or tokenizer); use "
-                                  "word models under 'rescore'")
+            self.check_unit(lm_dir, key, token_level)
             self.models[lm_dir] = train_lm(lm_dir)
         return self.models[lm_dir]
 
@@ -127,7 +165,8 @@ class LMRun:
                 missing[out] = (spec, sig)
         if missing:
             decode_passes(self.plan.exp_dir, data_dir, self.checkpoint, self.kind, self.options,
-                          [(spec, out) for out, (spec, _) in missing.items()])
+                          [(spec, out) for out, (spec, _) in missing.items()], self.launcher,
+                          self.root / "first-pass" / set_name(data_dir) / "log")
             for out, (_, sig) in missing.items():
                 mark_done(out / "hyp", sig)
         return outs
@@ -144,6 +183,31 @@ class LMRun:
         if phones is not None:
             return score(phones, hyps, "word")
         return score(refs, hyps, self.unit)
+
+
+def _named_lms(settings: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(LM dir, key, token level) of every LM the settings name."""
+    named = []
+    for name, setting in settings.items():
+        fusion = setting.get("fusion", {})
+        named += [(fusion[key], f"settings.{name}.fusion.{key}", True)
+                  for key in ("lm", "lodr") if key in fusion]
+        named += [(setting[key]["lm"], f"settings.{name}.{key}.lm", False)
+                  for key in ("rescore", "wfst") if key in setting]
+    return named
+
+
+def train_lms(run: LMRun, settings: dict[str, Any]) -> None:
+    """Estimate the LMs the settings name that are not up to date as the tasks of one
+    array of `run.launcher` (logs in `decode-lm/log/`)."""
+    stale: list[str] = []
+    for lm_dir, key, token_level in _named_lms(settings):
+        run.check_unit(lm_dir, key, token_level)
+        if lm_dir not in stale and not lm_up_to_date(lm_dir):
+            stale.append(lm_dir)
+    if stale:
+        map_calls(run.launcher, "train-lm", train_lm, [(lm_dir,) for lm_dir in stale],
+                  run.root / "log", parallel=len(stale))
 
 
 def _fusion_specs(run: LMRun, name: str, fusion: dict[str, Any]) -> list[Any]:
@@ -222,8 +286,6 @@ def _spec_weights(spec: Any) -> dict[str, float]:
 def decode_setting(run: LMRun, name: str, setting: dict[str, Any] | None,
                    weights: dict[str, Any] | None, test: str) -> tuple[Any, float]:
     """Decode and score one test set with a setting's chosen weights: (result, RTF)."""
-    import time
-
     from cat.core.io import read_table
     from cat.lm.rescore import NBEST_NAME, NBestScores, read_nbest, write_hyp
     from cat.lm.scorer import WordRescorer
@@ -271,9 +333,10 @@ def decode_setting(run: LMRun, name: str, setting: dict[str, Any] | None,
     return result, rtf
 
 
-def decode_lm(exp_dir: PathLike, nj: int = 1) -> Path | None:
+def decode_lm(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) -> Path | None:
     """Stage 5: tune, decode and score every `inference.lm` setting; returns the table's
-    path, or None when the experiment names no language model."""
+    path, or None when the experiment names no language model. With a `launcher` the LMs,
+    TLG graphs, first passes and WFST decoding run as array tasks (see the module doc)."""
     from cat.decoding.inference import DecodeOptions
 
     plan = Plan.load(exp_dir)
@@ -288,10 +351,13 @@ def decode_lm(exp_dir: PathLike, nj: int = 1) -> Path | None:
     options = DecodeOptions.from_dict(option, f"{plan.exp_dir / HYPER_NAME}: "
                                               "inference.infer.option")
     unit = "char" if inference.get("er", {}).get("cer", True) else "word"
-    run = LMRun(plan, select_checkpoint(plan), kind, option, options, unit)
+    run = LMRun(plan, select_checkpoint(plan), kind, option, options, unit, launcher=launcher)
     dev = section.get("dev") or plan.section("dev")[0]
     tests = plan.section("test")
     settings = section["settings"]
+    if launcher is not None:
+        train_lms(run, settings)
+        build_graphs(run, settings)
     # Every first pass a set needs is decoded in one run, sharing the network forward.
     run.first_passes(dev, [None, *(spec for name, setting in settings.items()
                                    if "fusion" in setting
@@ -313,30 +379,68 @@ def decode_lm(exp_dir: PathLike, nj: int = 1) -> Path | None:
 # --------------------------------------------------------------- WFST (TLG) decoding
 
 
+def _graph_job(run: LMRun, name: str, wfst: dict[str, Any]) -> tuple[str, Path, Path, str]:
+    """A wfst setting's TLG: (tokenizer file, word ARPA, graph dir, signature)."""
+    arpa = run.lm(wfst["lm"], f"settings.{name}.wfst.lm", token_level=False)
+    if arpa.suffix != ".arpa":
+        arpa = arpa.with_name("lm.arpa")
+    tokenizer = run.plan.options.tokenizer
+    sig = signature("tlg", files=[arpa, Path(tokenizer)])
+    return tokenizer, arpa, run.root / name / "graph", sig
+
+
+def _clear_graph(out: Path) -> None:
+    for stale in ("TLG.fst", "words.json"):
+        (out / stale).unlink(missing_ok=True)
+
+
+def build_graph(tokenizer_file: str, arpa: Path, out: Path) -> None:
+    """Build the TLG of `arpa` into `out` afresh (a task of the TLG array)."""
+    from cat.crf.wfst import decoding_graph
+    from cat.text.tokenizer import load as load_tokenizer
+
+    _clear_graph(out)
+    decoding_graph(load_tokenizer(tokenizer_file), arpa, out)
+
+
+def build_graphs(run: LMRun, settings: dict[str, Any]) -> None:
+    """Build the TLG graphs of the wfst settings that are not up to date as the tasks of
+    one array of `run.launcher` (logs in `decode-lm/log/`)."""
+    jobs = [_graph_job(run, name, setting["wfst"]) for name, setting in settings.items()
+            if "wfst" in setting]
+    stale = [job for job in jobs if not is_done(job[2], job[3])]
+    if stale:
+        map_calls(run.launcher, "tlg", build_graph, [job[:3] for job in stale],
+                  run.root / "log", parallel=len(stale))
+        for _, _, out, sig in stale:
+            mark_done(out, sig)
+
+
 def _wfst_graph(run: LMRun, name: str, wfst: dict[str, Any]) -> Any:
     from cat.crf.wfst import decoding_graph
     from cat.text.tokenizer import load as load_tokenizer
 
-    arpa = run.lm(wfst["lm"], f"settings.{name}.wfst.lm", token_level=False)
-    if arpa.suffix != ".arpa":
-        arpa = arpa.with_name("lm.arpa")
-    tokenizer = load_tokenizer(run.plan.options.tokenizer)
-    out = run.root / name / "graph"
-    sig = signature("tlg", files=[arpa, Path(run.plan.options.tokenizer)])
+    tokenizer, arpa, out, sig = _graph_job(run, name, wfst)
     if not is_done(out, sig):
-        for stale in ("TLG.fst", "words.json"):
-            (out / stale).unlink(missing_ok=True)
-    graph = decoding_graph(tokenizer, arpa, out)
+        _clear_graph(out)
+    graph = decoding_graph(load_tokenizer(tokenizer), arpa, out)
     mark_done(out, sig)
     return graph
 
 
-def _wfst_hyps(run: LMRun, name: str, wfst: dict[str, Any], lm_weight: float,
-               data_dir: str) -> tuple[dict[str, str], float, float]:
-    """Hypotheses of `data_dir` with TLG at `lm_weight`, decoding seconds, audio seconds."""
-    import time
+def _decode_at(graph: Any, posteriors: dict[str, Any], wfst: dict[str, Any],
+               lm_weight: float) -> dict[str, str]:
+    from cat.crf.wfst import decode_all
 
-    from cat.crf.wfst import decode_all, log_posteriors
+    return decode_all(graph, posteriors, float(wfst.get("acoustic_scale", 1.0)), lm_weight,
+                      float(wfst.get("beam", 16.0)))
+
+
+def _wfst_hyps(run: LMRun, name: str, wfst: dict[str, Any], lm_weight: float,
+               data_dir: str) -> tuple[dict[str, str], float]:
+    """Hypotheses of `data_dir` with TLG at `lm_weight` and the decoding seconds (the
+    forward, done once per set, counts for each weight), in this process."""
+    from cat.crf.wfst import log_posteriors
 
     graph = _wfst_graph(run, name, wfst)
     if data_dir not in run.posteriors:
@@ -345,18 +449,70 @@ def _wfst_hyps(run: LMRun, name: str, wfst: dict[str, Any], lm_weight: float,
         run.posteriors[data_dir] = (posteriors, time.perf_counter() - start)
     posteriors, forward = run.posteriors[data_dir]
     start = time.perf_counter()
-    hyps = decode_all(graph, posteriors, float(wfst.get("acoustic_scale", 1.0)), lm_weight,
-                      float(wfst.get("beam", 16.0)))
-    frames = sum(len(p) for p in posteriors.values())
-    return hyps, forward + time.perf_counter() - start, frames
+    hyps = _decode_at(graph, posteriors, wfst, lm_weight)
+    return hyps, forward + time.perf_counter() - start
+
+
+def wfst_share(exp_dir: str, checkpoint: str, data_dir: str, options: Any,
+               batches: list[list[str]], graph_job: tuple[str, Path, Path],
+               wfst: dict[str, Any], weights: list[float]
+               ) -> dict[float, tuple[dict[str, str], float]]:
+    """A task of a set's WFST array: the log-posteriors of `batches` decoded with the TLG
+    at each of `weights`: {weight: (hypotheses, seconds of the forward and the search)}."""
+    from cat.crf.wfst import decoding_graph, log_posteriors
+    from cat.text.tokenizer import load as load_tokenizer
+
+    tokenizer, arpa, out = graph_job
+    graph = decoding_graph(load_tokenizer(tokenizer), arpa, out)
+    start = time.perf_counter()
+    posteriors = log_posteriors(exp_dir, checkpoint, data_dir, options, batches)
+    forward = time.perf_counter() - start
+    decoded = {}
+    for weight in weights:
+        start = time.perf_counter()
+        hyps = _decode_at(graph, posteriors, wfst, weight)
+        decoded[weight] = (hyps, forward + time.perf_counter() - start)
+    return decoded
+
+
+def _wfst_array(run: LMRun, name: str, wfst: dict[str, Any], weights: list[float],
+                data_dir: str) -> dict[float, tuple[dict[str, str], float]]:
+    """`_wfst_decodes` as `nj` tasks of an array, each a share of the set's batches."""
+    from cat.decoding.inference import plan_batches, read_lengths
+
+    tokenizer, arpa, out, sig = _graph_job(run, name, wfst)
+    if not is_done(out, sig):
+        build_graph(tokenizer, arpa, out)
+        mark_done(out, sig)
+    options = run.options
+    batches = plan_batches(read_lengths(Path(data_dir)), options.max_frames,
+                           options.batch_size)
+    shares = max(1, min(options.nj, len(batches)))
+    calls = [(str(run.plan.exp_dir), str(run.checkpoint), data_dir, options,
+              batches[i::shares], (tokenizer, arpa, out), wfst, weights)
+             for i in range(shares)]
+    results = map_calls(run.launcher, f"wfst-{set_name(data_dir)}", wfst_share, calls,
+                        run.root / name / "log", parallel=shares)
+    return {weight: ({key: hyp for result in results for key, hyp in result[weight][0].items()},
+                     sum(result[weight][1] for result in results)) for weight in weights}
+
+
+def _wfst_decodes(run: LMRun, name: str, wfst: dict[str, Any], weights: list[float],
+                  data_dir: str) -> dict[float, tuple[dict[str, str], float]]:
+    """{weight: (hypotheses of `data_dir` with TLG at that LM weight, decoding seconds)}:
+    here, or as array tasks with `run.launcher`."""
+    if run.launcher is not None:
+        return _wfst_array(run, name, wfst, weights, data_dir)
+    return {weight: _wfst_hyps(run, name, wfst, weight, data_dir) for weight in weights}
 
 
 def _tune_wfst(run: LMRun, name: str, wfst: dict[str, Any], dev: str) -> dict[str, Any]:
     report: dict[str, Any] = {"dev": dev, "wfst_grid": []}
     best = None
-    for weight in _grid(wfst.get("lm_weight"), 1.0):
-        hyps, _, _ = _wfst_hyps(run, name, wfst, weight, dev)
-        error = run.score(dev, hyps, words=True).error_rate
+    weights = _grid(wfst.get("lm_weight"), 1.0)
+    decoded = _wfst_decodes(run, name, wfst, weights, dev)
+    for weight in weights:
+        error = run.score(dev, decoded[weight][0], words=True).error_rate
         report["wfst_grid"].append({"lm_weight": weight, "error_rate": error})
         if best is None or error < best[1]:
             best = (weight, error)
@@ -375,7 +531,8 @@ def _decode_wfst(run: LMRun, name: str, wfst: dict[str, Any], weights: dict[str,
     from cat.utils.wer import format_summary
 
     target = run.root / name / set_name(test)
-    hyps, seconds, _ = _wfst_hyps(run, name, wfst, weights["wfst"]["lm_weight"], test)
+    weight = weights["wfst"]["lm_weight"]
+    hyps, seconds = _wfst_decodes(run, name, wfst, [weight], test)[weight]
     audio = float(json.loads((run.plan.exp_dir / "decode" / set_name(test) / "decode.log")
                              .read_text(encoding="utf-8")).get("audio_seconds", 0.0)) \
         if (run.plan.exp_dir / "decode" / set_name(test) / "decode.log").is_file() else 0.0
