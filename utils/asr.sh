@@ -25,7 +25,9 @@
 # Usage (from egs/<corpus>/run.sh):
 #   ../../utils/asr.sh --exp exp/ctc-v1 --train_set train --test_sets "dev test" \
 #     --speed_perturb 0.9,1.1 --local_data_opts "--aishell_root /data/aishell"
-# Every stage skips work that is already done; a failed stage stops the script.
+# Every stage skips work that is already done; a failed stage stops the script. The jobs
+# run here or on a Slurm cluster as the recipe's cmd.sh says (cmd_backend); SIGINT or
+# SIGTERM stops the running stage (training saves first, and a re-run resumes it).
 set -euo pipefail
 utils=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=stage_lib.sh
@@ -33,23 +35,41 @@ utils=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 stage=0                 # first stage to run
 stop_stage=5            # last stage to run
-nj=2                    # parallel jobs for features, packing and decoding
-nproc=1                 # training processes (GPUs, or CPU processes with gloo)
+nj=2                    # parallel jobs for features, packing and decoding (cluster jobs on slurm)
+nproc=1                 # training processes (GPUs, or CPU processes with gloo; per node on slurm)
 exp=                    # experiment directory (required)
 train_set=train         # training set under data/
 test_sets="dev test"    # other sets under data/ that get features
 speed_perturb=          # speed factors added to the training set (e.g. 0.9,1.1)
 local_data_opts=        # options of local/data.sh (stage 0)
 
+# Where the jobs run (cmd_backend local or slurm) and with what resources: the recipe's
+# cmd.sh, whose settings are options too.
+# shellcheck source=../egs/aishell/cmd.sh
+. ./cmd.sh
 # shellcheck source=parse_options.sh
 . "$utils/parse_options.sh"
+
+# Kaldi's $train_cmd and $decode_cmd ("$train_cmd JOB=1:N LOG COMMAND": utils/launch.sh).
+# With the local backend the stages run their own process pools and get no --cmd.
+train_cmd=$(launcher_cmd "$mem_per_job" "$time_per_job" 0)
+decode_cmd=$(launcher_cmd "$mem_per_job" "$time_per_job" "$decode_gpus")
+cpu_opts=()
+decode_opts=()
+train_opts=()
+if [ "$cmd_backend" != local ]; then
+  cpu_opts=(--cmd "$train_cmd")
+  decode_opts=(--cmd "$decode_cmd")
+  train_opts=(--cmd "$(launcher_cmd "$train_mem" "$train_time" 0)" --nnodes "$nnodes"
+              --gpus-per-node "$gpus_per_node")
+fi
 
 if [ -z "$exp" ]; then
   echo "$0: --exp is required (an experiment directory holding hyper-p.json)" >&2
   exit 1
 fi
 log "Stages $stage-$stop_stage of $exp: train_set=$train_set test_sets='$test_sets'" \
-  "speed_perturb='$speed_perturb' nj=$nj nproc=$nproc"
+  "speed_perturb='$speed_perturb' nj=$nj nproc=$nproc cmd_backend=$cmd_backend"
 
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log "Stage 0: data preparation (local/data.sh $local_data_opts)"
@@ -77,30 +97,30 @@ if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
       log "  $out already extracted"
       continue
     fi
-    python -m cat.features.extract --nj "$nj" "${opts[@]}" "data/$part" "$out"
+    run python -m cat.features.extract --nj "$nj" "${cpu_opts[@]}" "${opts[@]}" "data/$part" "$out"
     mark_done "$out/.done" "$signature"
   done
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: tokenizer, packs and shards for $exp"
-  python -m cat.utils.pipeline prepare "$exp"
-  python local/prep_wds.py pack-exp "$exp" --nj "$nj"
+  run python -m cat.utils.pipeline prepare "$exp"
+  run python local/prep_wds.py pack-exp "$exp" --nj "$nj" "${cpu_opts[@]}"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log "Stage 3: training $exp"
-  python -m cat.utils.pipeline train "$exp" --nproc "$nproc"
+  run python -m cat.utils.pipeline train "$exp" --nproc "$nproc" "${train_opts[@]}"
 fi
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: decoding and scoring $exp"
-  python -m cat.utils.pipeline decode "$exp" --nj "$nj"
+  run python -m cat.utils.pipeline decode "$exp" --nj "$nj" "${decode_opts[@]}"
   cat "$exp/RESULTS.md"
 fi
 
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
   log "Stage 5: language models and decoding $exp with them"
-  python -m cat.utils.pipeline lm "$exp" --nj "$nj"
+  run python -m cat.utils.pipeline lm "$exp" --nj "$nj" "${decode_opts[@]}"
 fi
 log "Done: stages $stage-$stop_stage"

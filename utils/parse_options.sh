@@ -5,8 +5,9 @@
 #   nj=4             # parallel jobs
 #   . utils/parse_options.sh
 #
-# Every variable declared before it can then be set as `--name value` or
-# `--name=value` (dashes in the option name map to underscores). Booleans take
+# Every variable declared before it (also in a file sourced as `. ./cmd.sh` from the
+# current directory) can then be set as `--name value` or `--name=value` (dashes in the
+# option name map to underscores). Booleans take
 # `true` or `false`. `--help` prints the script's leading comment block and every
 # option (a variable declared with a `# comment` before this file is sourced) with its
 # current value. Options must precede positional arguments; an option that names no
@@ -30,11 +31,17 @@ if [ ! -f "$__po_script" ]; then
   fi
 fi
 
-# __po_options FILE: `name|default|comment` (separated by \x1f) of each option FILE declares.
+# __po_options FILE: `name|default|comment` (separated by \x1f) of each option FILE declares,
+# also in a file it sources as `. ./NAME.sh` (a recipe's cmd.sh) before this one.
 __po_options() {
   local line rest
   while IFS= read -r line; do
     case $line in *parse_options.sh*) break ;; esac
+    if [[ $line =~ ^\.[[:space:]]+\./([A-Za-z0-9_.-]+\.sh)[[:space:]]*$ ]] \
+        && [ -f "${BASH_REMATCH[1]}" ]; then
+      __po_options "${BASH_REMATCH[1]}"
+      continue
+    fi
     [[ $line =~ ^([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]] || continue
     local name=${BASH_REMATCH[1]}
     rest=${BASH_REMATCH[2]}

@@ -165,3 +165,34 @@ def write_tiny_experiment(
     (exp_dir / "config.json").write_text(
         json.dumps(tiny_model_config(kind, feat_dim), indent=1), encoding="utf-8")
     return TinyExperiment(root, name, train, dev, train_shards, dev_shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochCoverage:
+    """What an epoch's independent per-batch logs (`log_utterances`) and its record say."""
+
+    trained: int
+    missing: list[str]
+    duplicated: list[str]
+    retrained: int
+
+    def __str__(self) -> str:
+        return (f"trained {self.trained}, missing {len(self.missing)}, duplicated "
+                f"{len(self.duplicated)}, retrained {self.retrained}")
+
+
+def epoch_coverage(exp_dir: PathLike, keys: list[str], epoch: int = 1) -> EpochCoverage:
+    """Every utterance of `keys` against the batches the ranks logged in `epoch`
+    (`log/utts/epoch-<EEE>.rank-<R>.txt`, one line per batch) and `log/epoch-<EEE>.json`."""
+    log = Path(exp_dir) / "log"
+    trained: list[str] = []
+    for path in sorted((log / "utts").glob(f"epoch-{epoch:03d}.rank-*.txt")):
+        trained += [key for line in path.read_text(encoding="utf-8").splitlines()
+                    for key in line.split()]
+    counts: dict[str, int] = {}
+    for key in trained:
+        counts[key] = counts.get(key, 0) + 1
+    record = json.loads((log / f"epoch-{epoch:03d}.json").read_text(encoding="utf-8"))
+    return EpochCoverage(len(trained), sorted(set(keys) - set(counts)),
+                         sorted(key for key, count in counts.items() if count > 1),
+                         int(record["retrained"]))

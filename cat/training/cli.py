@@ -4,6 +4,9 @@
 of a torchrun job, or alone): it loads and checks `hyper-p.json` and `config.json`,
 joins the process group, and runs the `Manager`.
 
+SIGTERM, SIGUSR1 and SIGINT save a checkpoint after the update in flight and end the
+process with status 75 (`cat.training.preemption`); `--resume` continues exactly there.
+
 Usage:
     python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch |
                                         --resume-allow-config-change]
@@ -15,6 +18,7 @@ import argparse
 import datetime
 import logging
 import os
+import sys
 from pathlib import Path
 
 from cat.core import config as config_module
@@ -23,6 +27,7 @@ from cat.core.io import setup_logging
 from cat.core.process import die_with_parent
 from cat.training.distributed import init_distributed, shutdown_distributed
 from cat.training.manager import Manager
+from cat.training.preemption import STOPPED_EXIT_STATUS, StopRequest, TrainingStopped
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +57,13 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
     if not context.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        manager = Manager(experiment, context, resume or restart_epoch or allow_config_change,
-                          restart_epoch, allow_config_change)
-        try:
-            manager.run()
-        finally:
-            manager.close()
+        with StopRequest() as stop:
+            manager = Manager(experiment, context, resume or restart_epoch or allow_config_change,
+                              restart_epoch, allow_config_change, stop)
+            try:
+                manager.run()
+            finally:
+                manager.close()
     finally:
         shutdown_distributed()
 
@@ -79,5 +85,9 @@ def run_cli(train_bin: str, argv: list[str] | None = None) -> None:
                              "changed since it was written (the changes are logged)")
     args = parser.parse_args(argv)
     setup_logging()
-    train(args.exp_dir, train_bin, args.resume, args.resume_restart_epoch,
-          args.resume_allow_config_change)
+    try:
+        train(args.exp_dir, train_bin, args.resume, args.resume_restart_epoch,
+              args.resume_allow_config_change)
+    except TrainingStopped as stopped:
+        logger.warning("%s (exit status %d)", stopped, STOPPED_EXIT_STATUS)
+        sys.exit(STOPPED_EXIT_STATUS)

@@ -12,7 +12,10 @@ under torchrun (one process per rank; nccl on GPU, gloo on CPU):
    `cat.loading.stream`). Dev data is a map pack unless `dev_large_dataset`.
 4. Loop over epochs and optimizer updates; evaluate and checkpoint every `check_freq`
    updates or at the end of every epoch; stop at `epochs`, `max_steps`, the scheduler's
-   `stop_step` or the time budget (always with a checkpoint).
+   `stop_step` or the time budget (always with a checkpoint). SIGTERM, SIGUSR1 or SIGINT
+   (preemption, a time limit ahead, Ctrl-C) stop every rank after the update in flight
+   with a checkpoint of every rank's position and `TrainingStopped`
+   (`cat.training.preemption`): the run is then resumed, not finished.
 
 Each update (`cat.training.update.Updater`) agrees across ranks on whether any rank ran
 out of data, so every rank ends the epoch at the same update; the utterances that cut
@@ -81,6 +84,7 @@ from cat.training import setup
 from cat.training.checkpoint import CheckpointManager, load_checkpoint, load_model_state
 from cat.training.distributed import DistributedContext, set_threads
 from cat.training.monitor import Monitor, plot_scalars
+from cat.training.preemption import NoStopRequest, StopRequest, TrainingStopped
 from cat.training.report import (
     DataChangedError,
     check_dev_loss,
@@ -140,8 +144,11 @@ class Manager:
 
     def __init__(self, experiment: Experiment, context: DistributedContext,
                  resume: bool = False, restart_epoch: bool = False,
-                 allow_config_change: bool = False) -> None:
+                 allow_config_change: bool = False,
+                 stop_request: StopRequest | NoStopRequest | None = None) -> None:
         self.experiment = experiment
+        self.stop_request = stop_request or NoStopRequest()
+        self.stopped_by: str | None = None
         self.options = experiment.options
         self.context = context
         self.exp_dir = experiment.directory
@@ -200,12 +207,15 @@ class Manager:
         return {"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
-    def save_checkpoint(self) -> None:
-        """Evaluate on dev, then write a checkpoint of the current position (all ranks)."""
+    def save_checkpoint(self, evaluate: bool = True) -> Path | None:
+        """Evaluate on dev (unless not `evaluate`: the checkpoint then has no dev loss),
+        then write a checkpoint of the current position (all ranks); its path on rank 0."""
         self.watchdog.pause()  # evaluation and writing may take long
-        dev_loss = self.evaluate()
-        # on every rank alike; between epochs, self.epoch is already the next one
-        check_dev_loss(dev_loss, self.epoch if self.in_epoch else self.epoch - 1, self.step)
+        dev_loss = self.evaluate() if evaluate else None
+        if dev_loss is not None:
+            # on every rank alike; between epochs, self.epoch is already the next one
+            check_dev_loss(dev_loss, self.epoch if self.in_epoch else self.epoch - 1,
+                           self.step)
         data = self._data_record()
         rng = self.context.gather(self._rng_state())
         if self.context.is_main:
@@ -219,12 +229,16 @@ class Manager:
                          "elapsed_seconds": self.elapsed()},
             }
             path = self.checkpoints.save(state, self.epoch, self.step, dev_loss)
-            logger.info("epoch %d, step %d: dev loss %.4f; saved %s", self.epoch, self.step,
-                        dev_loss, path)
-        self.monitor.add(self.step, loss__dev=dev_loss)
+            logger.info("epoch %d, step %d: dev loss %s; saved %s", self.epoch, self.step,
+                        "not evaluated" if dev_loss is None else f"{dev_loss:.4f}", path)
+        else:
+            path = None
+        if dev_loss is not None:
+            self.monitor.add(self.step, loss__dev=dev_loss)
         self.last_checkpoint_step = self.step
         self.context.barrier()
         self.watchdog.resume()
+        return path
 
     def _resume(self) -> None:
         path = self.checkpoints.latest()
@@ -317,6 +331,11 @@ class Manager:
         while stopped is None and self.epoch <= self.options.epochs:
             stopped = self.train_epoch()
         self.watchdog.stop()
+        if self.stopped_by is not None:
+            self.monitor.close()
+            raise TrainingStopped(self.stopped_by, self.step,
+                                  str(self.checkpoints.latest()) if self.context.is_main
+                                  else None)
         if self.last_checkpoint_step != self.step:
             self.save_checkpoint()
         logger.info("training finished after %d updates (%s)", self.step,
@@ -356,7 +375,8 @@ class Manager:
                 iterator, lambda batch: data.note(batch, trained=False))
             out_of_time = (self.options.time_budget_minutes > 0
                            and self.elapsed() > self.options.time_budget_minutes * 60)
-            totals = self.updater.sync(batches, exhausted, out_of_time)
+            totals = self.updater.sync(batches, exhausted, out_of_time,
+                                       self.stop_request.signal is not None)
             if totals.exhausted:
                 for batch in batches:
                     data.note(batch, trained=False)
@@ -385,6 +405,12 @@ class Manager:
             if stopped:  # within the epoch: its updates so far
                 check_skipped(epoch, self.step - self.epoch_start_step,
                               self.skipped["updates"], self.options.max_skipped_updates)
+            if totals.stop_requested and not stopped:
+                # A signal (preemption, time limit, Ctrl-C): save without the dev pass,
+                # which the grace time may not cover, and stop to be requeued.
+                self.stopped_by = self.stop_request.signal or "a signal to another rank"
+                self.save_checkpoint(evaluate=False)
+                break
             if stopped or (self.options.check_freq and self.step % self.options.check_freq == 0):
                 began = time.perf_counter()
                 self.save_checkpoint()
@@ -393,7 +419,9 @@ class Manager:
                 break
         del iterator
         progress.close()
-        if stopped is None:
+        if self.stopped_by is not None:
+            stopped = f"stopped by {self.stopped_by}"
+        elif stopped is None:
             self._finish_epoch(epoch, self.step - self.epoch_start_step)
         data.end_epoch()
         return stopped

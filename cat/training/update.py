@@ -2,8 +2,10 @@
 
 Epoch end under DDP: before each update every rank takes `grad_accum` batches from its
 loader (`Updater.take`), then ONE all-reduce (`Updater.sync`) carries [loss normaliser,
-utterances, "ran out of data", "out of time"]. If any rank ran out, every rank ends the
-epoch at that same update, so no rank waits in a collective that others never join.
+utterances, "ran out of data", "out of time", "asked to stop" (a signal,
+`cat.training.preemption`)]. If any rank ran out, every rank ends the epoch at that same
+update, so no rank waits in a collective that others never join; if any rank was asked to
+stop, every rank stops after that same update.
 
 Loss normalisation: the model returns `loss = batch sum / normalizer` (utterances or
 tokens). The same all-reduce gives `step_normalizer`, the normaliser summed over the
@@ -59,6 +61,8 @@ class StepTotals:
     utterances: float
     exhausted: bool
     out_of_time: bool
+    #: a rank was asked to stop (`cat.training.preemption`): all stop after this update
+    stop_requested: bool = False
 
 
 class Updater:
@@ -111,13 +115,15 @@ class Updater:
             batches.append(batch)
         return batches, False, wait
 
-    def sync(self, batches: Iterable[Batch], exhausted: bool, out_of_time: bool) -> StepTotals:
+    def sync(self, batches: Iterable[Batch], exhausted: bool, out_of_time: bool,
+             stop_requested: bool = False) -> StepTotals:
         """The one all-reduce before an update (see the module docstring)."""
         batches = list(batches)
         local = [sum(batch_normalizer(b, self.loss_normalization) for b in batches),
-                 float(sum(len(b) for b in batches)), float(exhausted), float(out_of_time)]
+                 float(sum(len(b) for b in batches)), float(exhausted), float(out_of_time),
+                 float(stop_requested)]
         total = self.context.all_reduce_sum(local)
-        return StepTotals(total[0], total[1], total[2] > 0, total[3] > 0)
+        return StepTotals(total[0], total[1], total[2] > 0, total[3] > 0, total[4] > 0)
 
     def update(self, batches: list[Batch], step_normalizer: float) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step; returns logging stats."""

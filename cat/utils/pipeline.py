@@ -10,7 +10,10 @@
   scores against its `text`, so a pack (whose labels are token ids of the training
   tokenizer, made for training) would be written and never read.
 * `train` (stage 3): runs `train.bin` (`python -m cat.ctc.train exp/<name>`, under
-  `torchrun` with `--nproc` > 1); an interrupted run is resumed from its last checkpoint.
+  `torchrun` with `--nproc` > 1; with `--cmd` naming the slurm backend, one Slurm job of
+  `--nnodes` nodes, `cat.training.jobs`); an interrupted run is resumed from its last
+  checkpoint. SIGINT and SIGTERM are passed on to the training, which saves and stops:
+  the command then exits with status 75 and the stage is not marked done.
 * `decode` (stage 4): averages checkpoints (`inference.avgmodel`), decodes every
   `data.test` set with `inference.infer` and scores it with `cat.utils.wer`; the table of
   results goes to `exp/<name>/RESULTS.md`. When every hypothesis of a set is empty or
@@ -34,6 +37,7 @@ the recipe directory, where the commands run.
 Usage:
     python -m cat.utils.pipeline prepare exp/synth-ctc
     python -m cat.utils.pipeline train exp/synth-ctc --nproc 1
+    python -m cat.utils.pipeline train exp/ctc-v1 --cmd "$train_cmd" --nnodes 2 --gpus-per-node 4
     python -m cat.utils.pipeline decode exp/synth-ctc --nj 2
     python -m cat.utils.pipeline lm exp/synth-ctc --nj 2
     python -m cat.utils.pipeline feature-dirs exp/synth-ctc  # what stage 1 must extract
@@ -44,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -57,7 +60,9 @@ from cat.core.config import (
     as_list,
 )
 from cat.core.io import PathLike, atomic_write, setup_logging
+from cat.core.launch import ArrayJobError, Launcher, LaunchError, add_cmd_argument
 from cat.core.stages import is_done, mark_done, signature
+from cat.training.preemption import STOPPED_EXIT_STATUS
 from cat.utils.lm_stage import decode_lm
 from cat.utils.plan import Plan, feature_files, phone_references, select_checkpoint, set_name
 
@@ -152,31 +157,63 @@ def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
 # ----------------------------------------------------------------------------- stage 3
 
 
-def train(exp_dir: PathLike, nproc: int = 1) -> None:
-    """Stage 3: run `train.bin` (resuming an interrupted run); skipped once finished."""
+class TrainingInterrupted(RuntimeError):
+    """Stage 3 stopped on a signal after its ranks saved a checkpoint: re-run to resume."""
+
+
+class TrainingFailed(RuntimeError):
+    """Stage 3's training processes (or its Slurm job) failed."""
+
+
+def train(exp_dir: PathLike, nproc: int = 1, launcher: Launcher | None = None,
+          nnodes: int = 1, gpus_per_node: int = 0) -> None:
+    """Stage 3: run `train.bin` (resuming an interrupted run); skipped once finished.
+
+    Here with `nproc` ranks (torchrun when > 1), or, with a slurm `launcher`, as one Slurm
+    job of `nnodes` nodes with a rank per GPU (`gpus_per_node`) or `nproc` CPU ranks per
+    node (`cat.training.jobs`). A run stopped by a signal (saved, status 75) raises
+    `TrainingInterrupted`; the stage is marked done only when training finished.
+    """
+    from cat.training.jobs import SLURM_LOG, run_here, run_on_slurm, train_command
+
     plan = Plan.load(exp_dir)
     exp_dir = plan.exp_dir
     check = exp_dir / "check"
     config = exp_dir / CONFIG_NAME
-    sig = signature("train", plan.hyper["train"], nproc, files=[exp_dir / HYPER_NAME, config])
+    on_slurm = launcher is not None and not launcher.is_local
+    ranks = (nnodes * (gpus_per_node or nproc)) if on_slurm else nproc
+    sig = signature("train", plan.hyper["train"], ranks, files=[exp_dir / HYPER_NAME, config])
     if is_done(check, sig):
         logger.info("%s is already trained; remove %s to train again", exp_dir, check)
         return
-    command = [sys.executable, "-m", plan.hyper["train"]["bin"], str(exp_dir)]
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", "-m", plan.hyper["train"]["bin"], str(exp_dir)]
-    if (check / "checkpoints.json").is_file():
-        logger.info("resuming the interrupted training of %s", exp_dir)
-        command.append("--resume")
+    train_bin = plan.hyper["train"]["bin"]
     apply_env(plan.hyper)
-    logger.info("running %s", " ".join(command))
-    subprocess.run(command, check=True)
+    forwarded: list[str] = []
+    if on_slurm:
+        status = run_on_slurm(launcher, train_bin, str(exp_dir), nnodes, gpus_per_node or nproc,
+                              gpus_per_node)
+        where = exp_dir / SLURM_LOG
+    else:
+        resume = (check / "checkpoints.json").is_file()
+        if resume:
+            logger.info("resuming the interrupted training of %s", exp_dir)
+        status, forwarded = run_here(train_command(train_bin, str(exp_dir), nproc, resume))
+        where = exp_dir / "log"
+    if status == STOPPED_EXIT_STATUS or (forwarded and status != 0):
+        raise TrainingInterrupted(
+            f"training of {exp_dir} stopped on {', '.join(forwarded) or 'a signal'} after "
+            f"saving a checkpoint ({trained_updates(exp_dir)} updates); run stage 3 again "
+            "to resume it")
+    if status != 0:
+        ended = "ended without a status (cancelled, or killed by Slurm: time limit, memory, " \
+                "node failure)" if status is None else f"failed with status {status}"
+        raise TrainingFailed(f"training of {exp_dir} {ended}; see {where}")
     mark_done(check, sig)
 
 
-def decode(exp_dir: PathLike, nj: int = 1) -> Path:
-    """Stage 4: decode and score every test set; returns the results table's path."""
+def decode(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) -> Path:
+    """Stage 4: decode and score every test set; returns the results table's path. With a
+    `launcher` each set is decoded by `nj` tasks of an array job (`cat.core.launch`)."""
     from cat.core.io import read_table
     from cat.decoding.inference import DecodeOptions, decode_set
     from cat.utils.wer import format_summary, score, write_alignments
@@ -202,7 +239,7 @@ def decode(exp_dir: PathLike, nj: int = 1) -> Path:
         out = plan.exp_dir / "decode" / name
         sig = signature("decode", option, files=[checkpoint, Path(test) / "feats.scp"])
         if not is_done(out / "hyp", sig):
-            decode_set(plan.exp_dir, test, checkpoint, out, kind, options)
+            decode_set(plan.exp_dir, test, checkpoint, out, kind, options, launcher)
             mark_done(out / "hyp", sig)
         refs = read_table(Path(test) / "text", allow_empty_value=True)
         hyps = read_table(out / "hyp", allow_empty_value=True)
@@ -326,24 +363,46 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         if name == "train":
             command.add_argument("--nproc", type=int, default=1,
-                                 help="training processes (torchrun when > 1)")
+                                 help="training processes (torchrun when > 1; on Slurm "
+                                      "without GPUs: CPU ranks per node)")
+            add_cmd_argument(command)
+            command.add_argument("--nnodes", type=int, default=1,
+                                 help="nodes of the Slurm training job")
+            command.add_argument("--gpus-per-node", type=int, default=0,
+                                 help="GPUs per node of the Slurm job, a rank each")
+        elif name != "prepare":
+            command.add_argument("--nj", type=int, default=1,
+                                 help="parallel jobs (cluster jobs with --cmd)")
+            add_cmd_argument(command)
         else:
             command.add_argument("--nj", type=int, default=1, help="parallel jobs")
     args = parser.parse_args(argv)
     setup_logging()
+    try:
+        _run(args)
+    except TrainingInterrupted as error:
+        logger.error("%s", error)
+        return STOPPED_EXIT_STATUS
+    except (TrainingFailed, ArrayJobError, LaunchError) as error:  # named with its log
+        logger.error("%s", error)
+        return 1
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "prepare":
         prepare(args.exp_dir)
     elif args.command == "train":
-        train(args.exp_dir, args.nproc)
+        train(args.exp_dir, args.nproc, Launcher.from_cmd(args.cmd), args.nnodes,
+              args.gpus_per_node)
     elif args.command == "feature-dirs":
         print("\n".join(feature_dirs(args.exp_dir)))
     elif args.command == "lm":
-        table = decode_lm(args.exp_dir, args.nj)
+        table = decode_lm(args.exp_dir, args.nj, Launcher.from_cmd(args.cmd))
         if table is not None:
             print(table.read_text(encoding="utf-8"), end="")
     else:
-        decode(args.exp_dir, args.nj)
-    return 0
+        decode(args.exp_dir, args.nj, Launcher.from_cmd(args.cmd))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def _recipe_copy(tmp_path: Path, corpus: str) -> Path:
         (tmp_path / name).symlink_to(ROOT / name)
     recipe = tmp_path / "egs" / corpus
     recipe.mkdir(parents=True)
-    shutil.copy(ROOT / "egs" / corpus / "run.sh", recipe)
+    for name in ("run.sh", "cmd.sh"):
+        shutil.copy(ROOT / "egs" / corpus / name, recipe)
     shutil.copytree(ROOT / "egs" / corpus / "local", recipe / "local")
     for exp in (ROOT / "egs" / corpus / "exp").glob("tiny-*"):
         shutil.copytree(exp, recipe / "exp" / exp.name,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 import cat
+from cat.testing.processes import run_bounded
 from cat.testing.shards import write_uneven_shards
 from cat.testing.training import write_tiny_experiment
 
@@ -27,16 +27,9 @@ def _torchrun(root: Path, ranks: int = 2, module: str = "cat.ctc.train",
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={ranks}", "-m", module, *arguments]
-    process = subprocess.Popen(command, cwd=root, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"training hung for {TIMEOUT_SECONDS} s:\n{output[-3000:]}") from None
-    assert process.returncode == 0, output[-3000:]
-    return subprocess.CompletedProcess(command, process.returncode, output)
+    result = run_bounded(command, root, environment, TIMEOUT_SECONDS, "training")
+    assert result.returncode == 0, result.stdout[-3000:]
+    return result
 
 
 def _epoch(experiment, epoch: int, ranks: int = 2) -> tuple[dict, list[list[str]]]:

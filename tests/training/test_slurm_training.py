@@ -1,0 +1,128 @@
+"""Stage 3 as a Slurm job on the test cluster (`slurm_cluster`, a real one-node Slurm):
+two gloo ranks started by srun, each utterance of the epoch trained once; preemption drills
+(`scancel --signal=TERM` / `--signal=USR1` mid-epoch): the ranks save, the job requeues
+itself, resumes, and the epoch still trains every utterance once, none twice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cat
+from cat.testing.slurm import job_states, release, run_client
+from cat.testing.training import epoch_coverage, write_tiny_experiment
+from cat.training.checkpoint import CheckpointManager
+from cat.training.jobs import SLURM_LOG
+
+REPO_ROOT = Path(cat.__file__).resolve().parent.parent
+NAME = "exp/tiny"
+SLURM_CMD = "launch.sh --backend slurm --poll-seconds 0.2"
+TIMEOUT_SECONDS = 400
+HOLD_SECONDS = 5
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _stage3(root: Path, nproc: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "cat.utils.pipeline", "train", NAME, "--nproc", str(nproc),
+               "--cmd", SLURM_CMD]
+    return subprocess.Popen(command, cwd=root, env=_environment(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen, root: Path) -> str:
+    try:
+        stderr = process.communicate(timeout=TIMEOUT_SECONDS)[1]
+    finally:
+        process.kill()
+    log = root / NAME / SLURM_LOG
+    assert process.returncode == 0, stderr[-3000:] + (log.read_text()[-3000:]
+                                                      if log.is_file() else "")
+    return log.read_text()
+
+
+def _latest_step(exp_dir: Path) -> int:
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        listed = json.loads((exp_dir / "check/checkpoints.json").read_text())
+        return int(listed["checkpoints"][-1]["step"])
+    return 0
+
+
+def _training_job() -> str:
+    jobs = run_client(["squeue", "--noheader", "--name=train", "--format=%i"]).split()
+    assert len(jobs) == 1, jobs
+    return jobs[0]
+
+
+def _experiment(root: Path, num_train: int, large_dataset: bool):
+    experiment = write_tiny_experiment(root, num_train=num_train, utts_per_shard=10, options={
+        "epochs": 1, "batch_size": 4, "check_freq": 10, "keep_checkpoints": 3,
+        "log_utterances": True, "workers": 1})
+    if large_dataset:
+        experiment.use_shards()
+    return experiment
+
+
+def test_two_ranks_as_a_slurm_job_train_every_utterance_once(tmp_path, slurm_cluster):
+    experiment = _experiment(tmp_path, 160, large_dataset=False)
+    started = time.monotonic()
+    log = _finish(_stage3(tmp_path, nproc=2), tmp_path)
+    coverage = epoch_coverage(experiment.exp_dir, experiment.train.keys)
+    print(f"2 gloo ranks on Slurm: {time.monotonic() - started:.1f} s; {coverage}")
+    assert len(list((experiment.exp_dir / "log/utts").glob("epoch-001.rank-*.txt"))) == 2
+    assert coverage.trained == 160 and not coverage.missing and not coverage.duplicated
+    assert "run 1 of job" in log and log.rstrip().endswith("# ended with status 0")
+    resolved = json.loads((experiment.exp_dir / "resolved.json").read_text())
+    assert resolved["world_size"] == 2
+    assert (experiment.exp_dir / "check.done").is_file()  # stage 3 finished
+
+
+@pytest.mark.parametrize("signal_name", ["TERM", "USR1"])
+def test_a_preempted_slurm_job_requeues_itself_and_resumes_exactly(tmp_path, slurm_cluster,
+                                                                  signal_name):
+    num_train = 400
+    experiment = _experiment(tmp_path, num_train, large_dataset=True)
+    process = _stage3(tmp_path, nproc=2)
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while _latest_step(experiment.exp_dir) < 10:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint at step 10 in time"
+        time.sleep(0.02)
+    job = _training_job()
+    run_client(["scancel", f"--signal={signal_name}", job])
+    # The ranks save and the job requeues itself; it would start again after Slurm's
+    # 120 s hold on requeued jobs, which the test shortens to HOLD_SECONDS (a job started
+    # the instant it is requeued finds its previous run's credential still revoked).
+    while True:
+        fields = next(iter(job_states(job).values()), {})
+        if fields.get("Restarts", "0") != "0" and fields.get("JobState") == "PENDING" \
+                and fields.get("Reason") == "BeginTime":
+            break
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"job {job} was not requeued in time: {fields}"
+        time.sleep(0.1)
+    stopped_at = CheckpointManager(experiment.exp_dir / "check").records[-1]
+    time.sleep(HOLD_SECONDS)
+    release(job)
+    log = _finish(process, tmp_path)
+
+    coverage = epoch_coverage(experiment.exp_dir, experiment.train.keys)
+    print(f"SIG{signal_name}: saved after update {stopped_at['step']}, requeued, resumed; "
+          f"{coverage}")
+    assert stopped_at["dev_loss"] is None and 10 <= stopped_at["step"] < num_train // 4 // 2
+    assert "the ranks saved and stopped: requeued" in log and "run 2 of job" in log
+    assert coverage.trained == num_train
+    assert coverage.missing == [] and coverage.duplicated == [] and coverage.retrained == 0
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == num_train
