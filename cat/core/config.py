@@ -13,7 +13,12 @@ An experiment directory `exp/<name>/` holds two JSON files:
 
 Unknown or misspelled keys are errors naming the file, the key path and the allowed keys,
 e.g. ``hyper-p.json: train.option: unknown key 'large-dataset' (did you mean
-'large_dataset'?); allowed keys: amp, batch_size, ...``.
+'large_dataset'?); allowed keys: amp, batch_size, ...``. Every configuration JSON the
+toolkit reads (these two, `lm.json`, CAT's files in `cat.utils.migrate`, the schemas)
+goes through `read_json`, where a key given twice in one object is an error naming the
+file, the line and the key path (JSON readers keep the last silently, so
+``"epochs": 1, "epochs": 3`` would train 3 epochs):
+``hyper-p.json:9: train.option: duplicate key 'epochs' (first on line 8)``.
 
 `train.option` is defined once, in the schema (`$defs.trainOption`): each key's type,
 `default` and `description`. `TrainOptions`, the frozen dataclass the trainer reads, is
@@ -73,8 +78,7 @@ class ConfigError(ValueError):
 
 def load_config_schema() -> dict[str, Any]:
     """The JSON Schema of `config.json`."""
-    with open(CONFIG_SCHEMA_PATH, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(CONFIG_SCHEMA_PATH)
 
 
 def _json_path(path: Iterable[Any]) -> str:
@@ -174,12 +178,7 @@ def validate_config(config: Any, source: str = "config.json") -> None:
 
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
     """Read and validate a `config.json`; errors name the file, the line or the key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") \
-            from None
+    config = read_json(Path(path))
     validate_config(config, str(path))
     return config
 
@@ -257,20 +256,100 @@ class Experiment:
 
 def load_hyper_schema() -> dict[str, Any]:
     """The JSON Schema of `hyper-p.json`."""
-    with open(HYPER_SCHEMA_PATH, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json(HYPER_SCHEMA_PATH)
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file; a missing file or invalid JSON is an error naming the file (and line)."""
+class _DuplicateKey(Exception):
+    """Raised by `_unique_keys` inside the JSON decoder; `parse_json` locates the key."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict (`object_pairs_hook`); a key given twice raises _DuplicateKey."""
+    document = dict(pairs)
+    if len(document) < len(pairs):
+        raise _DuplicateKey
+    return document
+
+
+@dataclasses.dataclass
+class _Container:
+    """An object or array open at the scanner's position in `_first_duplicate_key`."""
+
+    path: list[Any]
+    keys: dict[str, int] | None  # an object's keys and their offsets; None for an array
+    expect_key: bool = True
+    member: Any = 0  # the current key (object) or index (array)
+
+    def child_path(self) -> list[Any]:
+        return [*self.path, self.member]
+
+
+def _first_duplicate_key(text: str) -> tuple[int, int, str, list[Any]] | None:
+    """(offset, offset of the first one, key, path of its object) of the first key given
+    twice in one object of the valid JSON `text`, in the order of the text; None if none.
+    """
+    stack: list[_Container] = []
+    position = 0
+    while position < len(text):
+        char = text[position]
+        top = stack[-1] if stack else None
+        if char == '"':
+            key, end = json.decoder.scanstring(text, position + 1)
+            if top is not None and top.keys is not None and top.expect_key:
+                if key in top.keys:
+                    return position, top.keys[key], key, top.path
+                top.keys[key], top.expect_key, top.member = position, False, key
+            position = end
+            continue
+        if char in "{[":
+            path = top.child_path() if top is not None else []
+            stack.append(_Container(path, {} if char == "{" else None))
+        elif char in "}]":
+            stack.pop()
+        elif char == "," and top is not None:
+            if top.keys is None:
+                top.member += 1
+            else:
+                top.expect_key = True
+        position += 1
+    return None
+
+
+def _line(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def parse_json(text: str, source: str) -> Any:
+    """The JSON document `text` read from `source`, every object's keys unique.
+
+    Invalid JSON, or a key given twice in one object (which JSON readers resolve silently
+    to the last), is a ConfigError naming `source`, the line, and for a duplicate the key
+    and the path of its object.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{source}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") \
+            from None
+    except _DuplicateKey:
+        found = _first_duplicate_key(text)
+    if found is None:  # unreachable for JSON the decoder parsed up to the duplicate
+        raise ConfigError(f"{source}: a key is given twice in one object")
+    offset, first, key, path = found
+    raise ConfigError(f"{source}:{_line(text, offset)}: {_json_path(path)}: duplicate key "
+                      f"{key!r} (first on line {_line(text, first)}); JSON keeps only the "
+                      "last: remove one")
+
+
+def read_json(path: PathLike) -> Any:
+    """A configuration JSON file (see `parse_json`); a missing file, invalid JSON or a key
+    given twice is an error naming the file (and the line)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} does not exist") from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}:{error.lineno}:{error.colno}: invalid JSON: {error.msg}") \
-            from None
+    return parse_json(text, str(path))
 
 
 def validate_hyper(hyper: Any, source: str = HYPER_NAME) -> None:

@@ -20,7 +20,10 @@ Kaldi-style dir holding `feats.scp` and `text`). Without it, a name maps by rule
 toolkit's stage-1 layout `data/fbank/<set>`: a `thaudio-` prefix (CAT's torchaudio copies)
 is removed; `X-3sp` (Kaldi 3-way speed perturbation) and `X-sp<factor>` become
 `data/fbank/X_sp`, which also holds the unperturbed `X` (so `X` next to them in a train
-list is dropped); any other name `X` becomes `data/fbank/X`.
+list is dropped); any other name `X` becomes `data/fbank/X`. A name is a name, not a path:
+one that would leave the data tree (absolute, or holding `..`) is an error naming its key.
+NEW_EXP is written whole (with `--force`, replacing what is there): it may be neither
+OLD_EXP, nor inside it, nor hold it.
 
 Vocabulary size used for the parameter count: config.json's `num_classes` (CAT's stage 3
 writes the trained tokenizer's size there), else `tokenizer.option-train.vocab_size`.
@@ -42,7 +45,7 @@ import math
 import re
 import shutil
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from cat.core.config import (
@@ -141,7 +144,26 @@ def _option_key(key: str) -> str:
     return key.replace("-", "_")
 
 
+class MigrationError(ValueError):
+    """The migration cannot be written where it was asked to be."""
+
+
 # --- data names -------------------------------------------------------------------------
+
+def check_data_name(name: Any, key: str) -> str:
+    """`name`, a CAT data name under hyper-p.json's `key`, when it stays inside the data
+    tree; a ConfigError naming the key and the name when it is no name or leaves it."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"{HYPER_NAME}: {key}: {json.dumps(name)} is not a data name")
+    path = PurePosixPath(name)
+    why = ("is an absolute path" if path.is_absolute()
+           else "holds '..'" if ".." in path.parts else None)
+    if why:
+        raise ConfigError(f"{HYPER_NAME}: {key}: data name {name!r} {why}: it would leave "
+                          "the data tree; CAT's data names are names of its "
+                          "data/metainfo.json (e.g. 'train_sp', 'dev'), not paths")
+    return name
+
 
 def find_metainfo(old_exp: Path) -> Path | None:
     """`<recipe>/data/metainfo.json`, the recipe being the parent of OLD_EXP's `exp` folder."""
@@ -172,10 +194,11 @@ def _migrate_data(data: dict[str, Any], metainfo: dict[str, Any] | None,
         if part not in data:
             continue
         value = data.pop(part)
-        names = [value] if isinstance(value, str) else list(value)
+        names = value if isinstance(value, list) else [value]
         dirs: list[str] = []
-        for name in names:
-            directory, how = data_dir(name, metainfo)
+        for index, name in enumerate(names):
+            key = f"data.{part}[{index}]" if isinstance(value, list) else f"data.{part}"
+            directory, how = data_dir(check_data_name(name, key), metainfo)
             if directory not in dirs:
                 dirs.append(directory)
             record.add("mapped", HYPER_NAME, f"data.{part}",
@@ -826,11 +849,36 @@ def count_model_parameters(config: dict[str, Any], num_classes: int) -> int:
 
 
 
+def staging_dir(new_exp: Path) -> Path:
+    """Where NEW_EXP is written before it is renamed into place."""
+    return new_exp.with_name(new_exp.name + ".tmp")
+
+
+def check_directories(old_exp: Path, new_exp: Path) -> None:
+    """Raise MigrationError when writing NEW_EXP (or its staging folder) would write into
+    OLD_EXP or replace it (resolved paths, links followed)."""
+    old = old_exp.resolve()
+    for name, target in (("NEW_EXP", new_exp), ("NEW_EXP's staging folder",
+                                                 staging_dir(new_exp))):
+        resolved = target.resolve()
+        if resolved == old or old in resolved.parents:
+            where = "is" if resolved == old else "is inside"
+            raise MigrationError(
+                f"{name} {target} {where} OLD_EXP {old_exp} (resolved: {resolved}, "
+                f"{old}): the migration would be written over CAT's experiment; choose a "
+                "NEW_EXP outside it")
+        if resolved in old.parents:
+            raise MigrationError(
+                f"OLD_EXP {old_exp} is inside {name} {target} (resolved: {old}, "
+                f"{resolved}): writing NEW_EXP (--force replaces it) would delete CAT's "
+                "experiment; choose a NEW_EXP outside it")
+
+
 def write_experiment(migration: Migration, new_exp: Path, report: str, force: bool) -> None:
     """Write NEW_EXP (hyper-p.json, config.json, migration.txt) as a whole, then rename."""
     if new_exp.exists() and not force:
         raise FileExistsError(f"{new_exp} exists; choose another NEW_EXP or give --force")
-    staging = new_exp.with_name(new_exp.name + ".tmp")
+    staging = staging_dir(new_exp)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name, document in ((HYPER_NAME, migration.hyper), (CONFIG_NAME, migration.config)):
@@ -858,6 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-count", action="store_true",
                         help="skip building the model to count its parameters")
     args = parser.parse_args(argv)
+    check_directories(args.old_exp, args.new_exp)
     metainfo_path = args.metainfo or find_metainfo(args.old_exp)
     metainfo = read_json(metainfo_path) if metainfo_path else None
     migration = migrate(read_json(args.old_exp / HYPER_NAME),
@@ -878,5 +927,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ConfigError, FileNotFoundError, FileExistsError) as error:
+    except (ConfigError, MigrationError, FileNotFoundError, FileExistsError) as error:
         sys.exit(f"error: {error}")

@@ -241,3 +241,68 @@ def test_resolved_copy_records_commit_and_env(tmp_path, monkeypatch):
     assert document["hyper-p"]["train"]["option"]["batch_size"] == 64
     assert document["config"] == experiment.config and document["world_size"] == 1
     assert config.git_commit(tmp_path) == "unknown"
+
+
+def _with_line_after(text: str, anchor: str, line: str) -> tuple[str, int, int]:
+    """`text` with `line` inserted after the line holding `anchor`; (text, line number of
+    the inserted line, line number of the anchor's)."""
+    lines = text.splitlines()
+    first = next(n for n, item in enumerate(lines, 1) if anchor in item)
+    lines.insert(first, line)
+    return "\n".join(lines) + "\n", first + 1, first
+
+
+def test_duplicate_keys_in_hyper_p_json_are_named_with_their_line(tmp_path):
+    exp = _write_exp(tmp_path, _hyper(epochs=1, seed=0))
+    hyper_path = exp / "hyper-p.json"
+    text, line, first = _with_line_after(json.dumps(_hyper(epochs=1, seed=0), indent=2),
+                                         '"epochs": 1', '        "epochs": 3,')
+    hyper_path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        config.load_experiment(exp)
+    assert str(error.value) == (
+        f"{hyper_path}:{line}: train.option: duplicate key 'epochs' (first on line "
+        f"{first}); JSON keeps only the last: remove one")
+    # A second "train" section would replace the first one whole.
+    text = json.dumps(_hyper(epochs=1), indent=2)
+    text = text[:-2] + ',\n  "train": {"bin": "cat.ctc.train", "option": {}}\n}\n'
+    hyper_path.write_text(text, encoding="utf-8")
+    train_line = text.count("\n", 0, text.index('\n  "train"')) + 2
+    with pytest.raises(ConfigError, match=re.escape(
+            f"hyper-p.json:{text.count(chr(10)) - 1}: (top level): duplicate key 'train' "
+            f"(first on line {train_line})")):
+        config.load_experiment(exp)
+
+
+def test_duplicate_keys_in_config_json_are_named_with_their_line(tmp_path):
+    exp = _write_exp(tmp_path, _hyper())
+    text, line, first = _with_line_after(json.dumps(tiny_model_config(), indent=2),
+                                         '"peak_lr": 0.003', '      "peak_lr": 30,')
+    (exp / "config.json").write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"config.json:{line}: scheduler.kwargs: duplicate key 'peak_lr' (first on line "
+            f"{first})")):
+        config.load_experiment(exp)
+    with pytest.raises(ConfigError, match=re.escape(f"config.json:{line}: scheduler.kwargs")):
+        config.load_config(exp / "config.json")
+
+
+@pytest.mark.parametrize(("text", "line", "message"), [
+    ('{"a": 1,\n "a": 2}', 2, "(top level): duplicate key 'a' (first on line 1)"),
+    # Braces, commas, colons and escaped quotes inside strings are not structure.
+    ('{"k": "a,{[\\"", "x": [{"k\\"": "}", "q": 1},\n {"q": 1,\n\n "q": 2}]}', 4,
+     "x[1]: duplicate key 'q' (first on line 2)"),
+    ('[1, {"a": {"b": [1, {"c": 0}]},\n "b": 2,\n "a": 3}]', 3,
+     "[1]: duplicate key 'a' (first on line 1)"),
+    ('{"s": {"t": 1, "u": {"t": 1}},\n "t": 1, "s": {}}', 2,
+     "(top level): duplicate key 's' (first on line 1)"),
+])
+def test_duplicate_key_is_located_at_its_line(text, line, message):
+    with pytest.raises(ConfigError) as error:
+        config.parse_json(text, "x.json")
+    assert str(error.value) == f"x.json:{line}: {message}; JSON keeps only the last: remove one"
+
+
+def test_equal_keys_in_different_objects_are_not_duplicates():
+    text = '{"a": {"b": 1}, "c": [{"b": 2}, {"b": 3}], "b": "a"}'
+    assert config.parse_json(text, "x.json") == json.loads(text)

@@ -183,3 +183,89 @@ def test_lmplz_refuses_bad_tokens_and_leaves_nothing(tmp_path):
                                  tmp_path / "lm.arpa", "100M", (0.5, 1.0, 1.5))
     assert (result.sentences, result.tokens, result.skipped_unk) == (3, 6, 3)
     assert [p.name for p in tmp_path.iterdir()] == ["lm.arpa"]
+
+
+def test_duplicate_keys_in_lm_json_are_named_with_their_line(tmp_path):
+    lm_dir, _ = make_lm_dir(tmp_path)
+    (lm_dir / "lm.json").write_text('{"unit": "char",\n "order": 3,\n "order": 5,\n'
+                                    f' "text": ["{tmp_path / "text"}"]}}\n', encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        lm_train.train(lm_dir)
+    assert str(error.value) == (f"{lm_dir}/lm.json:3: (top level): duplicate key 'order' "
+                                "(first on line 2); JSON keeps only the last: remove one")
+
+
+# ------------------------------------------------ estimator auto: the in-memory bound
+
+# make_lm_dir's text: 2 x TEXT (104 characters) in `text`, 7 characters in `plain_text`,
+# 22 sentences; an upper estimate for 3-grams: up to 3 per character and sentence end.
+NEED = 200 * 3 * (111 + 22)
+
+
+def without_lmplz(monkeypatch, build):
+    """lmplz not built; `build` stands for tools/build_kenlm_binary.sh (calls recorded)."""
+    built = []
+    monkeypatch.setattr(lmplz, "find_program", lambda name: None)
+    monkeypatch.setattr(lmplz, "build_program", lambda name: built.append(name) or build())
+    return built
+
+
+def test_text_size_and_memory_limits(tmp_path, monkeypatch):
+    lm_dir, _ = make_lm_dir(tmp_path)
+    config = lm_train.load_lm_config(lm_dir)
+    size = lm_train.text_size(config)
+    assert size == lm_train.TextSize(sentences=22, characters=111)
+    assert size.ngram_memory(3) == NEED == 79800
+    assert lm_train.memory_limit("2G") == (2 * 2 ** 30, "2G")
+    assert lm_train.available_memory() > 0
+    monkeypatch.setattr(lm_train, "available_memory", lambda: 3 * 2 ** 30)
+    assert lm_train.memory_limit("50%") == (3 * 2 ** 29, "50% of 3.0 GiB available")
+    assert lm_train.schema_default("ngram_memory_limit") == "50%"
+
+
+def test_auto_estimator_within_the_memory_limit_estimates_in_memory(tmp_path, monkeypatch):
+    built = without_lmplz(monkeypatch, lambda: pytest.fail("lmplz built"))
+    lm_dir, _ = make_lm_dir(tmp_path, ngram_memory_limit="78K")  # 79872 bytes
+    lm_train.train(lm_dir)
+    assert json.loads((lm_dir / "train.json").read_text())["estimator"] == "ngram"
+    assert built == []
+
+
+@needs_lmplz
+def test_auto_estimator_past_the_memory_limit_builds_and_uses_lmplz(tmp_path, monkeypatch):
+    program = lmplz.find_program("lmplz")
+    built = without_lmplz(monkeypatch, lambda: program)
+    lm_dir, _ = make_lm_dir(tmp_path, ngram_memory_limit="77K")  # 78848
+    lm_train.train(lm_dir)
+    report = json.loads((lm_dir / "train.json").read_text())
+    assert (report["estimator"], report["sentences"], built) == ("lmplz", 22, ["lmplz"])
+
+
+def test_auto_estimator_past_the_memory_limit_without_lmplz_is_an_error(tmp_path, monkeypatch):
+    failure = ("bash tools/build_kenlm_binary.sh lmplz failed (exit 1): ERROR: lmplz needs "
+               "Boost's headers (boost/program_options.hpp is missing)")
+    built = without_lmplz(monkeypatch, lambda: (_ for _ in ()).throw(RuntimeError(failure)))
+    lm_dir, _ = make_lm_dir(tmp_path, ngram_memory_limit="64K")
+    with pytest.raises(lm_train.EstimatorError) as error:
+        lm_train.train(lm_dir)
+    assert str(error.value) == (
+        f"{lm_dir}/lm.json: the training text (111 characters in 22 sentences) needs about "
+        "77.9 KiB to estimate a 3-gram model in memory (cat.lm.ngram: up to 3 n-grams per "
+        "character and sentence end, 200 bytes each), more than ngram_memory_limit 64.0 KiB "
+        f"(64K); kenlm's lmplz, which estimates on disk within lm.json's 'memory', is not "
+        f"built and could not be built ({failure}). Install what the build needs (Boost: "
+        "apt-get install libboost-program-options-dev libboost-thread-dev "
+        "libboost-system-dev) and run bash tools/build_kenlm_binary.sh lmplz, or train on a "
+        "machine with the memory (raise ngram_memory_limit, or set estimator 'ngram' to "
+        "estimate in memory anyway)")
+    assert built == ["lmplz"] and not (lm_dir / "lm.arpa").exists()
+
+
+def test_ngram_estimator_past_the_memory_limit_is_warned_about(tmp_path, caplog):
+    lm_dir, _ = make_lm_dir(tmp_path, estimator="ngram", ngram_memory_limit="64K")
+    lm_train.train(lm_dir)
+    assert json.loads((lm_dir / "train.json").read_text())["estimator"] == "ngram"
+    assert "needs about 77.9 KiB to estimate a 3-gram model in memory (cat.lm.ngram: up to " \
+           "3 n-grams per character and sentence end, 200 bytes each), more than " \
+           "ngram_memory_limit 64.0 KiB (64K): estimating in memory all the same, as " \
+           "estimator 'ngram' asks" in caplog.text

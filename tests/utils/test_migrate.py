@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,96 @@ def test_unsupported_scheduler_is_an_error():
     cat_config["scheduler"]["type"] = "SchedulerCosineAnnealing"
     with pytest.raises(ConfigError, match=r"scheduler\.type: 'SchedulerCosineAnnealing'"):
         migrate(hyper, cat_config, "exp/x")
+
+
+def _copy_cat_exp(directory: Path, name: str = "aishell-ctc-v1") -> Path:
+    directory.mkdir(parents=True)
+    for file in ("hyper-p.json", "config.json"):
+        (directory / file).write_bytes((CAT_EXPS / name / file).read_bytes())
+    return directory
+
+
+@pytest.mark.parametrize(("part", "names", "message"), [
+    ("test", ["dev", "../../../../etc"], "hyper-p.json: data.test[1]: data name "
+     "'../../../../etc' holds '..'"),
+    ("dev", "/abs/dev", "hyper-p.json: data.dev: data name '/abs/dev' is an absolute path"),
+    ("train", ["train/../../x"], "hyper-p.json: data.train[0]: data name 'train/../../x' "
+     "holds '..'"),
+])
+def test_data_names_leaving_the_data_tree_are_refused(tmp_path, part, names, message):
+    hyper, cat_config = _load("aishell-ctc-v1")
+    hyper["data"][part] = names
+    with pytest.raises(ConfigError) as error:
+        migrate(hyper, cat_config, "exp/x")
+    assert str(error.value) == (f"{message}: it would leave the data tree; CAT's data names "
+                                "are names of its data/metainfo.json (e.g. 'train_sp', "
+                                "'dev'), not paths")
+    # Through the command, nothing is written.
+    old = _copy_cat_exp(tmp_path / "old")
+    (old / "hyper-p.json").write_text(json.dumps(hyper), encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        main([str(old), str(tmp_path / "new"), "--no-count"])
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new.tmp").exists()
+
+
+@pytest.mark.parametrize(("new", "message"), [
+    ("old", "NEW_EXP {new} is OLD_EXP {old} (resolved: {old_r}, {old_r}): the migration "
+            "would be written over CAT's experiment; choose a NEW_EXP outside it"),
+    ("old/sub", "NEW_EXP {new} is inside OLD_EXP {old} (resolved: {new_r}, {old_r}): the "
+                "migration would be written over CAT's experiment; choose a NEW_EXP "
+                "outside it"),
+    ("link/sub", "NEW_EXP {new} is inside OLD_EXP {old} (resolved: {new_r}, {old_r}): the "
+                 "migration would be written over CAT's experiment; choose a NEW_EXP "
+                 "outside it"),
+    (".", "OLD_EXP {old} is inside NEW_EXP {new} (resolved: {old_r}, {new_r}): writing "
+          "NEW_EXP (--force replaces it) would delete CAT's experiment; choose a NEW_EXP "
+          "outside it"),
+])
+def test_new_exp_in_or_over_old_exp_is_refused(tmp_path, new, message):
+    old = _copy_cat_exp(tmp_path / "old")
+    (tmp_path / "link").symlink_to(old)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    new_exp = tmp_path / new
+    with pytest.raises(migrate_module.MigrationError) as error:
+        main([str(old), str(new_exp), "--force", "--no-count"])
+    assert str(error.value) == message.format(
+        new=new_exp, old=old, old_r=old.resolve(),
+        new_r=new_exp.resolve())
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert not (tmp_path / "old" / "sub").exists()
+
+
+def test_migrate_command_refuses_to_overwrite_old_exp(tmp_path):
+    old = _copy_cat_exp(tmp_path / "old")
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    proc = subprocess.run([sys.executable, "-m", "cat.utils.migrate", str(old), str(old),
+                           "--force", "--no-count"], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"error: NEW_EXP {old} is OLD_EXP {old} (resolved: {old}, "
+                                   f"{old}): the migration would be written over CAT's "
+                                   "experiment; choose a NEW_EXP outside it")
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+
+
+def test_duplicate_keys_in_cat_files_and_metainfo_are_named(tmp_path):
+    recipe = tmp_path / "aishell"
+    old = _copy_cat_exp(recipe / "exp" / "ctc-v1")
+    (recipe / "data").mkdir()
+    metainfo = recipe / "data" / "metainfo.json"
+    metainfo.write_text('{"dev": {"scp": "/d/dev/feats.scp"},\n'
+                        ' "dev": {"scp": "/d/other/feats.scp"}}\n', encoding="utf-8")
+    with pytest.raises(ConfigError) as error:
+        main([str(old), str(tmp_path / "new"), "--no-count"])
+    assert str(error.value) == (f"{metainfo}:2: (top level): duplicate key 'dev' (first on "
+                                "line 1); JSON keeps only the last: remove one")
+    metainfo.unlink()
+    text = (old / "config.json").read_text(encoding="utf-8")
+    line = text.count("\n", 0, text.index('"num_classes"')) + 1
+    text = text.replace('"num_classes"', '"num_classes": 1,\n"num_classes"', 1)
+    (old / "config.json").write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"config.json:{line + 1}: trainer.decoder: duplicate key 'num_classes' (first on "
+            f"line {line})")):
+        main([str(old), str(tmp_path / "new"), "--no-count"])
+    assert not (tmp_path / "new").exists()
