@@ -3,10 +3,11 @@
 A word n-gram (an LM experiment of stage 5, e.g. `exp/lm-word-3gram`) and the
 experiment's tokenizer give TLG (`cat.graph.tlg`): each word of the LM is spelt in the
 tokenizer's units, phones through the lexicon tokenizer's rules (`cat.text.lexicon`:
-lexicon entry, else the longest lexicon words inside it) or characters of a char
-tokenizer; a word with a unit the tokenizer does not have (`<unk>`) is left out of L and
-counted. The model's log-posteriors (the network's log-softmax, for CTC-CRF as for CTC)
-are decoded by kaldi-decoder's FasterDecoder with `acoustic_scale / lm_weight`.
+every pronunciation of a lexicon entry, else the longest lexicon words inside it) or
+characters of a char tokenizer; a word with a unit the tokenizer does not have (`<unk>`)
+is left out of L and counted. The model's log-posteriors (the network's log-softmax, for
+CTC-CRF as for CTC) are decoded by kaldi-decoder's FasterDecoder with
+`acoustic_scale / lm_weight`.
 Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
 """
 
@@ -32,14 +33,16 @@ from cat.text.tokenizer import UNK_ID, Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def pronouncer(tokenizer: Tokenizer) -> Callable[[str], list[int] | None]:
-    """Units of a word (None when a part of it has none)."""
-    def spell(word: str) -> list[int] | None:
+def pronouncer(tokenizer: Tokenizer) -> Callable[[str], list[list[int]] | None]:
+    """Unit spellings of a word: every pronunciation of a lexicon word (those with a part
+    without one left out), the tokenizer's encoding otherwise; None when it has none."""
+    def spell(word: str) -> list[list[int]] | None:
         if isinstance(tokenizer, LexiconTokenizer):
-            ids = [tokenizer.unit_to_id[p] for p in tokenizer.pronounce(word)]
+            spellings = [[tokenizer.unit_to_id[p] for p in phones]
+                         for phones in tokenizer.pronunciations(word)]
         else:
-            ids = tokenizer.encode(word)
-        return ids if ids and UNK_ID not in ids else None
+            spellings = [tokenizer.encode(word)]
+        return [ids for ids in spellings if ids and UNK_ID not in ids] or None
     return spell
 
 

@@ -71,6 +71,7 @@ import functools
 import hashlib
 import json
 import math
+import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -443,25 +444,53 @@ def save_den_graph(graph: DenGraph, path: PathLike) -> None:
         np.savez(f, **arrays)
 
 
-def load_den_graph(path: PathLike, num_classes: int | None = None,
-                   units: Sequence[str] | None = None) -> DenGraph:
-    """Read a graph written by `save_den_graph`; checks it fits `num_classes` and, when
-    given, the tokenizer's `units` (raises DenGraphError naming the file)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DenGraphError(f"{path}: denominator graph (trainer.den_lm) does not exist; "
-                            f"build it with stage 2 of the recipe (utils/asr.sh) or "
-                            f"`python -m cat.crf.den_graph`")
-    try:
-        with np.load(path) as data:
+#: What reading a damaged, truncated or foreign file raises (zip, npy, JSON, members).
+_UNREADABLE = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _read_arrays(path: Path) -> tuple[dict, dict[str, Fsa]]:
+    """The header and the two acceptors of a graph file (every member read in full, so
+    that a damaged one fails here); never unpickles anything."""
+    with open(path, "rb") as f:
+        magic = f.read(len(_ZIP_MAGIC))
+    if magic != _ZIP_MAGIC:
+        raise ValueError("empty file" if not magic else "not an .npz (zip) file")
+    with np.load(path, allow_pickle=False) as data:
+        try:
             header = json.loads(bytes(data["header"]).decode("utf-8"))
             fsas = {}
             for name in ("lm", "den"):
                 meta = data[f"{name}_meta"]
                 fsas[name] = Fsa(int(meta[0]), int(meta[1]),
                                  *(data[f"{name}_{field}"] for field in _FIELDS))
-    except (OSError, ValueError, KeyError) as error:
-        raise DenGraphError(f"{path}: not a denominator graph file ({error})") from None
+        except ValueError as error:
+            if "pickle" in str(error):  # numpy's advice to load it anyway is not given
+                raise ValueError("a member holds pickled Python objects") from None
+            raise
+    if not isinstance(header, dict):
+        raise ValueError(f"header {header!r} is not an object")
+    return header, fsas
+
+
+def load_den_graph(path: PathLike, num_classes: int | None = None,
+                   units: Sequence[str] | None = None) -> DenGraph:
+    """Read a graph written by `save_den_graph`; checks it fits `num_classes` and, when
+    given, the tokenizer's `units`. A missing, damaged or truncated file, or one of another
+    tokenizer, raises DenGraphError naming the file and how to rebuild it (stage 2)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DenGraphError(f"{path}: denominator graph (trainer.den_lm) does not exist; "
+                            f"build it with stage 2 of the recipe (utils/asr.sh) or "
+                            f"`python -m cat.crf.den_graph`")
+    try:
+        header, fsas = _read_arrays(path)
+    except _UNREADABLE as error:
+        raise DenGraphError(
+            f"{path}: not a readable denominator graph file, damaged or truncated "
+            f"({type(error).__name__}: {error}); rebuild it: remove it and run stage 2 of "
+            f"the recipe again (bash run.sh --stage 2 --stop_stage 2 --exp <exp dir>), or "
+            f"build it with python -m cat.crf.den_graph") from None
     if header.get("format") != FORMAT:
         raise DenGraphError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
     graph = DenGraph(int(header["num_classes"]), fsas["lm"], fsas["den"], header["info"],

@@ -12,13 +12,20 @@ Symbols (all integer, 0 = epsilon):
   are identical or a prefix of another get `#1`, `#2`, ... (Kaldi's rule), so that `L o G`
   determinizes. The disambiguation symbols become epsilons in the finished graph.
 
+A word may have several spellings (a lexicon word's alternative pronunciations,
+`cat.text.lexicon`): each is a path of `L` with the word's symbol.
+
 `LG = minimize(determinize_star(L o G))`, `TLG = T o LG` (OpenFST through kaldifst,
-tropical semiring; `G` from the ARPA file by kaldilm). Decoding runs kaldi-decoder's
-`FasterDecoder` on the log-posteriors times `acoustic_scale / lm_weight`.
+tropical semiring; `G` from the ARPA file by kaldilm). kaldilm aborts the whole process
+on a malformed ARPA file (and silently skips some bad n-grams), so the file is first
+read by the toolkit's own reader (`cat.lm.ngram.iter_arpa`), which raises an ArpaError
+naming the file, the line and what is wrong; `<eps>` and `#0` cannot be words. Decoding
+runs kaldi-decoder's `FasterDecoder` on the log-posteriors times
+`acoustic_scale / lm_weight`.
 
 Usage::
 
-    graph = build_tlg(pronounce, vocab_size, "exp/lm-word-3gram/lm.arpa")
+    graph = build_tlg(lambda word: spellings[word], vocab_size, "exp/lm-word-3gram/lm.arpa")
     words = decode(graph, log_probs, acoustic_scale=1.0, lm_weight=1.0, beam=16)
 """
 
@@ -33,6 +40,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from cat.core.io import PathLike
+from cat.lm.ngram import BOS, EOS, ArpaError, iter_arpa
 
 
 @dataclasses.dataclass
@@ -99,35 +107,47 @@ def lexicon_fst(prons: list, vocab_size: int, word_hash0: int):
     return _compile(lines)
 
 
+#: Symbols of the graph's word table that a word of the LM cannot be.
+RESERVED_WORDS = {"<eps>": "the epsilon", "#0": "the back-off disambiguation symbol"}
+
+
 def arpa_words(arpa: PathLike) -> list[str]:
-    """The words of an ARPA file's unigrams, without `<s>` and `</s>`."""
+    """The words of an ARPA file's unigrams, without `<s>` and `</s>`, after checking the
+    whole file (`cat.lm.ngram.iter_arpa`: an ArpaError names the file and line) so that
+    kaldilm, which aborts the process on a malformed file, never reads a bad one."""
     words = []
-    with open(arpa, encoding="utf-8") as f:
-        section = False
-        for line in f:
-            line = line.strip()
-            if line.startswith("\\"):
-                section = line == "\\1-grams:"
-                continue
-            if section and line:
-                word = line.split("\t")[1].split(" ")[0] if "\t" in line else line.split()[1]
-                if word not in ("<s>", "</s>"):
-                    words.append(word)
+    for entry in iter_arpa(arpa):
+        if len(entry.words) > 1:
+            continue
+        word = entry.words[0]
+        if word in RESERVED_WORDS:
+            raise ArpaError(f"{arpa}:{entry.line}: word {word!r} is reserved in decoding "
+                            f"graphs ({RESERVED_WORDS[word]})")
+        if word not in (BOS, EOS):
+            words.append(word)
     return words
 
 
-def build_tlg(pronounce: Callable[[str], Sequence[int] | None], vocab_size: int,
-              arpa: PathLike) -> DecodingGraph:
-    """TLG of the ARPA word LM `arpa`, each word spelt in units by `pronounce` (None: the
-    word has no pronunciation and is left out of L, counted in `info["unpronounced"]`)."""
-    words = arpa_words(arpa)
+def _spellings(pronounce: Callable[[str], Sequence[Sequence[int]] | None],
+               words: Sequence[str]) -> tuple[list[tuple[int, list[int]]], int]:
+    """(word symbol, units) of every distinct spelling, and the words without one."""
     prons, unpronounced = [], 0
     for i, word in enumerate(words, 1):
-        units = pronounce(word)
-        if units:
-            prons.append((i, list(units)))
-        else:
+        spellings = dict.fromkeys(tuple(units) for units in pronounce(word) or () if units)
+        if not spellings:
             unpronounced += 1
+        prons.extend((i, list(units)) for units in spellings)
+    return prons, unpronounced
+
+
+def build_tlg(pronounce: Callable[[str], Sequence[Sequence[int]] | None], vocab_size: int,
+              arpa: PathLike) -> DecodingGraph:
+    """TLG of the ARPA word LM `arpa` (checked first: an ArpaError names the file and
+    line), each word spelt in units by `pronounce`: every spelling it returns is a path of
+    L (a lexicon word's alternative pronunciations); None or none: the word is left out
+    of L, counted in `info["unpronounced"]`."""
+    words = arpa_words(arpa)
+    prons, unpronounced = _spellings(pronounce, words)
     import kaldifst
     import kaldilm
 

@@ -21,20 +21,28 @@ An n-gram is stored as (index of its prefix in the table one order lower, last t
 so the tables of every order are plain sorted integer arrays however large the
 vocabulary.
 
+ARPA files, whoever wrote them, are read by `iter_arpa` (streaming) and `read_arpa`
+(into tables), which check the whole file and raise an ArpaError naming the file, the
+line and what is wrong (see `iter_arpa`); tools that abort the process on a bad file
+(kaldilm) are given only files that passed.
+
 Usage:
     model = estimate([["今", "天"], ["天", "气"]], order=3)
     write_arpa(model, "lm.arpa")
+    tables = read_arpa("lm.arpa")
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from cat.core.io import PathLike, atomic_write
+from cat.core.io import BYTE_ORDER_MARK, PathLike, atomic_write, not_utf8_message
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 BOS_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -278,44 +286,230 @@ def write_arpa(model: NGramModel, path: PathLike) -> None:
         f.write("\n\\end\\\n")
 
 
-def read_arpa(path: PathLike) -> list[dict[tuple[str, ...], tuple[float, float]]]:
-    """Per order, {n-gram: (log10 prob, log10 backoff)}; errors name the file and line."""
-    tables: list[dict[tuple[str, ...], tuple[float, float]]] = []
-    declared: list[int] = []
-    section = "header"
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, 1):
-            line = raw.strip()
-            where = f"{path}:{lineno}"
-            if not line:
+#: Whitespace (`str.isspace`) other than the field separators (spaces, tabs) and the line
+#: end (LF): kaldilm splits fields on spaces and tabs only, `str.split` on all of these.
+_OTHER_SPACE = re.compile("[\r\x0b\x0c\x1c-\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029"
+                          "\u202f\u205f\u3000]")
+
+
+class ArpaError(ValueError):
+    """An ARPA file that cannot be used; the message names the file and the line."""
+
+
+class ArpaEntry(NamedTuple):
+    """One n-gram line of an ARPA file."""
+
+    line: int
+    words: tuple[str, ...]
+    log10_prob: float
+    log10_backoff: float
+
+
+@dataclasses.dataclass
+class _ArpaScan:
+    """Where `iter_arpa` is in a file: the declared counts and the sections read."""
+
+    path: PathLike
+    declared: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (count, line)
+    order: int = 0  # the n-gram section being read (0: none yet)
+    found: int = 0  # n-grams of that section so far
+    section_line: int = 0
+    unigrams: set[str] = dataclasses.field(default_factory=set)
+    ended: bool = False
+
+    def fail(self, line: int, what: str) -> ArpaError:
+        return ArpaError(f"{self.path}:{line}: {what}")
+
+    def close_section(self, line: int) -> None:
+        """Check the section just read holds as many n-grams as the header declares."""
+        if not self.order:
+            return
+        declared, header_line = self.declared[self.order - 1]
+        if self.found != declared:
+            raise self.fail(header_line, f"the header declares {declared} {self.order}-grams, "
+                            f"the \\{self.order}-grams: section (lines {self.section_line}-"
+                            f"{line}) holds {self.found}")
+
+    def header(self, lineno: int, line: str) -> None:
+        name, _, count = line.partition("=")
+        fields = name.split()
+        if len(fields) != 2 or fields[0] != "ngram" or not count.strip().isdigit():
+            raise self.fail(lineno, f"expected 'ngram N=COUNT' in the \\data\\ section, "
+                            f"got {line!r}")
+        if fields[1] != str(len(self.declared) + 1):
+            raise self.fail(lineno, f"'ngram {fields[1]}=' where 'ngram "
+                            f"{len(self.declared) + 1}=' is expected (orders 1, 2, ... in turn)")
+        self.declared.append((int(count), lineno))
+
+    def section(self, lineno: int, line: str, last: int) -> None:
+        """A `\\N-grams:` or `\\end\\` line (`last`: the line before it)."""
+        if not self.declared:
+            raise self.fail(lineno, f"{line} before any 'ngram N=COUNT' of the \\data\\ section")
+        self.close_section(last)
+        expected = self.order + 1
+        if line == "\\end\\" and self.order == len(self.declared):
+            self.ended = True
+            return
+        if line != f"\\{expected}-grams:" or expected > len(self.declared):
+            want = "\\end\\" if expected > len(self.declared) else f"\\{expected}-grams:"
+            raise self.fail(lineno, f"{line} where {want} is expected (the header declares "
+                            f"{len(self.declared)} orders)")
+        self.order, self.found, self.section_line = expected, 0, lineno
+
+    def entry(self, lineno: int, line: str) -> ArpaEntry:
+        n = self.order
+        fields = line.split()
+        top = n == len(self.declared)
+        if not n + 1 <= len(fields) <= n + (1 if top else 2):
+            shape = f"LOGPROB, {n} word(s)" + ("" if top else " [, BACKOFF]")
+            raise self.fail(lineno, f"expected {shape} in the {n}-grams section"
+                            f"{' (the highest order has no back-off)' if top else ''}, "
+                            f"got {line!r}")
+        prob = self.number(lineno, fields[0], "log10 probability")
+        if prob > 0:
+            raise self.fail(lineno, f"log10 probability {fields[0]} is above 0 "
+                            "(a probability above 1)")
+        backoff = self.number(lineno, fields[n + 1], "log10 back-off") \
+            if len(fields) > n + 1 else 0.0
+        words = tuple(fields[1:n + 1])
+        self.check_words(lineno, words)
+        self.found += 1
+        return ArpaEntry(lineno, words, prob, backoff)
+
+    def number(self, lineno: int, text: str, what: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise self.fail(lineno, f"{what} {text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise self.fail(lineno, f"{what} {text} is not a finite number (kaldilm cannot "
+                            f"read it): leave a never-seen n-gram out, or give it a floor "
+                            f"such as {LOG10_ZERO:g}")
+        return value
+
+    def check_words(self, lineno: int, words: tuple[str, ...]) -> None:
+        if BOS in words[1:] or EOS in words[:-1]:
+            raise self.fail(lineno, f"n-gram {' '.join(words)!r}: {BOS} may only begin an "
+                            f"n-gram and {EOS} only end one")
+        if len(words) == 1:
+            if words[0] in self.unigrams:
+                raise self.fail(lineno, f"unigram {words[0]!r} given twice")
+            self.unigrams.add(words[0])
+            return
+        unknown = [w for w in words if w not in self.unigrams]
+        if unknown:
+            raise self.fail(lineno, f"n-gram {' '.join(words)!r}: word {unknown[0]!r} is not "
+                            "among the unigrams")
+
+    def other_space(self, lineno: int, raw: str) -> ArpaError:
+        char = _OTHER_SPACE.search(raw).group()
+        if char == "\r":
+            return self.fail(lineno, "Windows line end (CR LF), which kaldilm reads as part "
+                             "of the last word: convert the file with dos2unix")
+        return self.fail(lineno, f"holds the whitespace {char!r}, which kaldilm reads as "
+                         "part of a word and this reader as a separator: use spaces or tabs "
+                         "between fields, none inside words")
+
+    def finish(self, last: int) -> None:
+        if not self.declared:
+            raise ArpaError(f"{self.path}: no \\data\\ section with 'ngram N=COUNT' lines"
+                            f"{' (empty file)' if last == 0 else ''}")
+        if not self.ended:
+            where = f"in the {self.order}-grams section" if self.order > 0 else \
+                "after the \\data\\ section"
+            raise self.fail(last, f"the file ends {where} without \\end\\ (truncated file?)")
+        missing = [w for w in (BOS, EOS) if w not in self.unigrams]
+        if missing:
+            raise ArpaError(f"{self.path}: no {missing[0]} unigram (every ARPA model "
+                            f"has {BOS} and {EOS})")
+
+
+def iter_arpa(path: PathLike) -> Iterator[ArpaEntry]:
+    """Yield the n-grams of an ARPA file, lowest order first, checking the whole file
+    before the last one is yielded: an ArpaError names the file and the line.
+
+    What is refused (what kaldilm aborts the process on, or silently skips, and what
+    kenlm refuses): a file without `\\data\\`, `ngram N=COUNT` lines out of order,
+    sections missing, out of order or cut short (no `\\end\\`), a section whose n-grams
+    are not as many as its header count, a line without the log10 probability and N
+    words (fields separated by tabs or spaces, as both read them), a back-off on the
+    highest order, a probability or back-off that is not a finite number (NaN, `inf`,
+    `-inf`; floors such as -99, which SRILM and this module write for `<s>`, and lmplz's
+    0 for `<s>` are fine), a probability above 1, a unigram given twice, a word of a
+    longer n-gram that is no unigram, `<s>` other than first or `</s>` other than last,
+    no `<s>` or `</s>` unigram, whitespace other than spaces and tabs (the CR of Windows
+    line ends, no-break or ideographic spaces: kaldilm reads them as part of a word), a
+    UTF-8 byte-order mark, bytes that are not UTF-8. Lines before `\\data\\` and after
+    `\\end\\` are ignored. Longer n-grams given twice are not looked for (`read_arpa`
+    does).
+    """
+    scan = _ArpaScan(path)
+    try:
+        with open(path, encoding="utf-8", newline="\n") as f:  # a CR stays, as for kaldilm
+            yield from _scan_lines(scan, f)
+    except UnicodeDecodeError as error:
+        raise ArpaError(not_utf8_message(path, error)) from None
+
+
+def _scan_lines(scan: _ArpaScan, lines: Iterable[str]) -> Iterator[ArpaEntry]:
+    """`iter_arpa` of an open file. An n-gram line that passes the cheap checks here
+    (most lines of a large file) is yielded at once; any other goes through `scan`, which
+    finds what is wrong."""
+    last = 0
+    n, top = 0, False  # the n-gram section being read (0 outside one), the highest order?
+    unigrams, other_space = scan.unigrams, _OTHER_SPACE.search
+    for lineno, raw in enumerate(lines, 1):
+        fields = raw.split()
+        if not fields and not raw.strip(" \t\r\n"):  # blank, for kaldilm too
+            continue
+        if n > 1 and fields and fields[0][0] != "\\" and not other_space(raw):
+            extra = len(fields) - n  # 1, or 2 with a back-off
+            words = fields[1:n + 1]
+            try:
+                prob = float(fields[0])
+                backoff = float(fields[-1]) if extra == 2 else 0.0
+            except ValueError:
+                prob = math.nan
+            if (extra == 1 or (extra == 2 and not top)) and -math.inf < prob <= 0.0 \
+                    and -math.inf < backoff < math.inf and unigrams.issuperset(words) \
+                    and BOS not in words[1:] and EOS not in words[:-1]:
+                scan.found += 1
+                last = lineno
+                yield ArpaEntry(lineno, tuple(words), prob, backoff)
                 continue
-            if line == "\\data\\":
-                section = "data"
-            elif line == "\\end\\":
-                section = "end"
-            elif line.startswith("\\") and line.endswith("-grams:"):
-                n = int(line[1:-len("-grams:")])
-                if n != len(tables) + 1:
-                    raise ValueError(f"{where}: {n}-grams section out of order")
-                tables.append({})
-                section = "grams"
-            elif section == "data":
-                if not line.startswith("ngram ") or "=" not in line:
-                    raise ValueError(f"{where}: expected 'ngram N=COUNT', got {line!r}")
-                declared.append(int(line.split("=", 1)[1]))
-            elif section == "grams":
-                fields = line.split("\t")
-                n = len(tables)
-                words = tuple(fields[1].split(" ")) if len(fields) > 1 else ()
-                if len(fields) not in (2, 3) or len(words) != n:
-                    raise ValueError(f"{where}: expected 'LOGPROB<tab>{n} words"
-                                     f"[<tab>BACKOFF]', got {line!r}")
-                tables[-1][words] = (float(fields[0]),
-                                     float(fields[2]) if len(fields) == 3 else 0.0)
-    if section != "end":
-        raise ValueError(f"{path}: no \\end\\ line (truncated file?)")
-    counts = [len(t) for t in tables]
-    if counts != declared:
-        raise ValueError(f"{path}: the header declares {declared} n-grams per order, "
-                         f"the file holds {counts}")
+        line = raw.strip()
+        if lineno == 1 and line.startswith(BYTE_ORDER_MARK):
+            raise scan.fail(1, "starts with a UTF-8 byte-order mark (BOM), which kaldilm "
+                            "cannot read: remove it")
+        if scan.ended:
+            continue
+        if (scan.order or line == "\\data\\") and _OTHER_SPACE.search(raw):
+            raise scan.other_space(lineno, raw)
+        if line == "\\data\\" and not scan.declared and not scan.order:
+            scan.order = -1  # in the \data\ section
+        elif line.startswith("\\"):
+            scan.order = max(scan.order, 0)
+            scan.section(lineno, line, last)
+            n = 0 if scan.ended else scan.order
+            top = n == len(scan.declared)
+        elif scan.order == -1:
+            scan.header(lineno, line)
+        elif scan.order > 0:
+            yield scan.entry(lineno, line)
+        last = lineno
+    scan.finish(last)
+
+
+def read_arpa(path: PathLike) -> list[dict[tuple[str, ...], tuple[float, float]]]:
+    """Per order, {n-gram: (log10 prob, log10 backoff)}, checked by `iter_arpa` and for
+    n-grams given twice; errors (ArpaError) name the file and line."""
+    tables: list[dict[tuple[str, ...], tuple[float, float]]] = []
+    for entry in iter_arpa(path):
+        n = len(entry.words)
+        if n > len(tables):
+            tables.append({})
+        if entry.words in tables[-1]:
+            raise ArpaError(f"{path}:{entry.line}: n-gram {' '.join(entry.words)!r} given "
+                            "twice")
+        tables[-1][entry.words] = (entry.log10_prob, entry.log10_backoff)
     return tables

@@ -50,3 +50,18 @@ def test_phone_model_decodes_words_and_leaves_out_unpronounceable_ones(tmp_path)
     ids = tokenizer.encode("天气很好")
     hyps = decode_all(graph, {"u": _frames(ids, tokenizer.vocab_size)}, 1.0, 1.0, 16.0)
     assert hyps == {"u": "天气很好"}
+
+
+def test_phone_model_decodes_a_words_alternative_pronunciation(tmp_path):
+    lexicon = {"今天": ["j", "in1", "t", "ian1"], "天气": ["t", "ian1", "q", "i4"],
+               "很好": ["h", "en3", "h", "ao3"]}
+    tokenizer = LexiconTokenizer.from_lexicon(lexicon, alternatives={
+        "很好": [["h", "en3", "h", "ao4"]]})
+    spellings = pronouncer(tokenizer)("很好")
+    assert [[tokenizer.units[i] for i in ids] for ids in spellings] == [
+        ["h", "en3", "h", "ao3"], ["h", "en3", "h", "ao4"]]
+    graph = decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph")
+    ids = [tokenizer.unit_to_id[p] for p in ["t", "ian1", "q", "i4", "h", "en3", "h", "ao4"]]
+    hyps = decode_all(graph, {"u": _frames(ids, tokenizer.vocab_size)}, 1.0, 1.0, 16.0)
+    assert hyps == {"u": "天气很好"}
+    assert tokenizer.encode("很好") == [tokenizer.unit_to_id[p] for p in lexicon["很好"]]

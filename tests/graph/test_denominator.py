@@ -9,7 +9,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cat.graph.denominator import DenGraph, build_den_graph, chain_lm_acceptor
+from cat.graph.denominator import (
+    DenGraph,
+    DenGraphError,
+    build_den_graph,
+    chain_lm_acceptor,
+    load_den_graph,
+    save_den_graph,
+)
 from cat.testing.lm import token_sentences
 
 CORPUS = [[1, 2, 3], [2, 3], [3, 1, 2, 2], [1, 1], [2, 1, 3, 1], [3, 2], [1, 2, 3, 1]]
@@ -146,3 +153,31 @@ def test_ties_keep_the_shorter_history_so_the_walk_and_the_arcs_agree(no_prune_o
         for sentence in [*sentences, [1, 2, 1], [4, 3, 4]]:
             got, expected = graph.lm_log_prob(sentence), reference(sentence)
             assert got == expected or abs(got - expected) < 1e-9, (extra_states, sentence)
+
+
+def _truncate(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def _flip(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 8]) + data[middle + 8:]
+
+
+@pytest.mark.parametrize(("damage", "why"), [
+    (_truncate, r"BadZipFile: File is not a zip file"),
+    (_flip, r"BadZipFile: Bad CRC-32 for file '\w+\.npy'"),
+    (lambda data: b"", r"ValueError: empty file"),
+    (lambda data: b"\\data\\\n", r"ValueError: not an \.npz \(zip\) file"),
+], ids=["truncated", "damaged", "empty", "not_npz"])
+def test_a_damaged_den_lm_names_the_file_and_how_to_rebuild_it(tmp_path, damage, why):
+    path = tmp_path / "den_lm.npz"
+    save_den_graph(build_den_graph(CORPUS, 4, order=2), path)
+    assert load_den_graph(path, 4).num_classes == 4
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(DenGraphError, match=(
+            r"den_lm\.npz: not a readable denominator graph file, damaged or truncated \("
+            + why + r"\); rebuild it: remove it and run stage 2 of the recipe again \(bash "
+            r"run\.sh --stage 2 --stop_stage 2 --exp <exp dir>\), or build it with python -m "
+            r"cat\.crf\.den_graph")):
+        load_den_graph(path, 4)

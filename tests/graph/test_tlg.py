@@ -6,18 +6,23 @@ import numpy as np
 import pytest
 
 from cat.graph.tlg import build_tlg, decode
-from cat.lm.ngram import estimate, write_arpa
+from cat.lm.ngram import ArpaError, estimate, write_arpa
 
 # units: 0 blank, 1 <unk>, 2 a, 3 b, 4 c
-SPELLING = {"AB": [2, 3], "A": [2], "C": [4], "BC": [3, 4]}
+SPELLING = {"AB": [[2, 3]], "A": [[2]], "C": [[4]], "BC": [[3, 4]]}
+SENTENCES = [["AB", "C"], ["AB", "C"], ["AB", "C"], ["A", "BC"], ["A", "C"]]
+
+
+def write_lm(path):
+    """The word bigram of SENTENCES: line 3 `ngram 2=7`, 6 `<s>`, 9 the unigram AB,
+    12 BC, 14 `\\2-grams:`, 15 `<s> AB`, 21 the last bigram, 23 `\\end\\`."""
+    write_arpa(estimate(SENTENCES, 2, discount_fallback=(0.5, 1.0, 1.5)), path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory):
-    arpa = tmp_path_factory.mktemp("lm") / "lm.arpa"
-    sentences = [["AB", "C"], ["AB", "C"], ["AB", "C"], ["A", "BC"], ["A", "C"]]
-    write_arpa(estimate(sentences, 2, discount_fallback=(0.5, 1.0, 1.5)), arpa)
-    return build_tlg(SPELLING.get, 5, arpa)
+    return build_tlg(SPELLING.get, 5, write_lm(tmp_path_factory.mktemp("lm") / "lm.arpa"))
 
 
 def posteriors(frames, vocab=5, sharp=-0.01):
@@ -47,3 +52,51 @@ def test_the_word_lm_chooses_between_homophone_segmentations(graph):
     assert decode(graph, posteriors([2, 3, 4])) == ["AB", "C"]
     # with a flat acoustic preference for nothing, an empty utterance decodes to nothing
     assert decode(graph, np.zeros((0, 5), np.float32)) == []
+
+
+def test_a_word_spelt_several_ways_is_decoded_from_each(graph, tmp_path):
+    # BC also spelt "c b" (an alternative pronunciation): both are paths of L
+    spelling = {**SPELLING, "BC": [[3, 4], [4, 3]]}
+    both = build_tlg(spelling.get, 5, write_lm(tmp_path / "lm.arpa"))
+    assert both.info["pronunciations"] == graph.info["pronunciations"] + 1 == 5
+    assert decode(both, posteriors([2, 0, 4, 3])) == ["A", "BC"]
+    assert decode(graph, posteriors([2, 0, 4, 3])) != ["A", "BC"]
+    assert decode(both, posteriors([3, 4])) == ["BC"]
+
+
+def _lines(path):
+    return path.read_text(encoding="utf-8").splitlines(True)
+
+
+# Each kind of malformed ARPA file, and the message that replaces kaldilm's abort.
+MALFORMED = {
+    "empty": (lambda lines: [],
+              r"lm\.arpa: no \\data\\ section with 'ngram N=COUNT' lines \(empty file\)"),
+    "header_only": (lambda lines: lines[:4],
+                    r"lm\.arpa:3: the file ends after the \\data\\ section without \\end\\ "
+                    r"\(truncated file\?\)"),
+    "NaN": (lambda lines: [*lines[:8], "nan\tAB\t-0.30103\n", *lines[9:]],
+            r"lm\.arpa:9: log10 probability nan is not a finite number \(kaldilm cannot read "
+            r"it\): leave a never-seen n-gram out, or give it a floor such as -99"),
+    "-inf": (lambda lines: [*lines[:14], "-inf\t<s> AB\n", *lines[15:]],
+             r"lm\.arpa:15: log10 probability -inf is not a finite number"),
+    "truncated": (lambda lines: lines[:12],
+                  r"lm\.arpa:12: the file ends in the 1-grams section without \\end\\ "
+                  r"\(truncated file\?\)"),
+    "wrong_counts": (lambda lines: [lines[0], lines[1], "ngram 2=9\n", *lines[3:]],
+                     r"lm\.arpa:3: the header declares 9 2-grams, the \\2-grams: section "
+                     r"\(lines 14-21\) holds 7"),
+    "reserved_word": (lambda lines: [*lines[:11], lines[11].replace("BC", "#0"), *lines[12:]],
+                      r"lm\.arpa:12: word '#0' is reserved in decoding graphs \(the back-off "
+                      r"disambiguation symbol\)"),
+}
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_arpa_is_an_error_naming_file_and_line(tmp_path, kind):
+    # built in this process: kaldilm, which would abort it, never sees the file
+    arpa = write_lm(tmp_path / "lm.arpa")
+    damage, message = MALFORMED[kind]
+    arpa.write_text("".join(damage(_lines(arpa))), encoding="utf-8")
+    with pytest.raises(ArpaError, match=message):
+        build_tlg(SPELLING.get, 5, arpa)

@@ -14,6 +14,7 @@ from cat.lm.ngram import (
     BOS,
     EOS,
     UNK,
+    ArpaError,
     DiscountError,
     discounts_from_counts,
     estimate,
@@ -215,5 +216,77 @@ def test_truncated_arpa_is_an_error(corpus, tmp_path):
     write_arpa(estimate(corpus, 2), arpa)
     lines = arpa.read_text(encoding="utf-8").splitlines()
     (tmp_path / "cut.arpa").write_text("\n".join(lines[:-5]) + "\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"cut\.arpa: no"):
+    with pytest.raises(ArpaError, match=r"cut\.arpa:\d+: the file ends in the 2-grams section "
+                                        r"without \\end\\ \(truncated file\?\)"):
         read_arpa(tmp_path / "cut.arpa")
+
+
+# The tiny model of tests/graph/test_tlg.py, as write_arpa writes it: line 9 is the
+# unigram AB, 15 the bigram "<s> AB", 19 "A C".
+SMALL = [["AB", "C"], ["AB", "C"], ["AB", "C"], ["A", "BC"], ["A", "C"]]
+
+
+@pytest.fixture
+def small_arpa(tmp_path):
+    path = tmp_path / "lm.arpa"
+    write_arpa(estimate(SMALL, 2, discount_fallback=(0.5, 1.0, 1.5)), path)
+    return path
+
+
+def _edit(path, old, new):
+    text = path.read_text(encoding="utf-8")
+    assert old in text
+    path.write_bytes(text.replace(old, new, 1).encode("utf-8"))  # no newline translation
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    ("\tA C\n", "\tA C\t-0.1\n",
+     r":19: expected LOGPROB, 2 word\(s\) in the 2-grams section \(the highest order has no "
+     r"back-off\), got '-0.\d+\\tA C\\t-0.1'"),
+    ("\tA C\n", "\tA ZZ\n", r":19: n-gram 'A ZZ': word 'ZZ' is not among the unigrams"),
+    ("\tA C\n", "\tA <s>\n", r":19: n-gram 'A <s>': <s> may only begin an n-gram"),
+    ("\tBC\t", "\tA\t", r":12: unigram 'A' given twice"),
+    ("-99\t<s>", "0.5\t<s>", r":6: log10 probability 0.5 is above 0 \(a probability above 1\)"),
+    ("\tAB\t-0.30103", "\tAB\tinf", r":9: log10 back-off inf is not a finite number"),
+    ("ngram 2=7", "ngram 3=7", r":3: 'ngram 3=' where 'ngram 2=' is expected"),
+    ("ngram 2=7", "ngram 2=x", r":3: expected 'ngram N=COUNT' in the \\data\\ section"),
+    ("\\2-grams:", "\\3-grams:", r":14: \\3-grams: where \\2-grams: is expected"),
+    ("\\data\\", "\ufeff\\data\\", r":1: starts with a UTF-8 byte-order mark \(BOM\)"),
+    ("\tA C\n", "\tA C\r\n", r":19: Windows line end \(CR LF\), which kaldilm reads as part "
+                              r"of the last word: convert the file with dos2unix"),
+    ("\tBC\t", "\tB\u3000C\t", r":12: holds the whitespace '\\u3000', which kaldilm reads "
+                            r"as part of a word and this reader as a separator"),
+], ids=["backoff_on_highest_order", "word_not_a_unigram", "bos_inside", "unigram_twice",
+        "positive_log_prob", "infinite_backoff", "order_out_of_turn", "count_not_a_number",
+        "section_out_of_order", "byte_order_mark", "crlf", "ideographic_space"])
+def test_malformed_arpa_lines_are_named(small_arpa, old, new, message):
+    _edit(small_arpa, old, new)
+    with pytest.raises(ArpaError, match=r"lm\.arpa" + message):
+        read_arpa(small_arpa)
+
+
+def test_an_arpa_without_sentence_markers_or_in_gbk_is_refused(small_arpa, tmp_path):
+    text = small_arpa.read_text(encoding="utf-8")
+    no_bos = "".join(line for line in text.splitlines(True) if "<s>" not in line)
+    (tmp_path / "no_bos.arpa").write_text(no_bos.replace("ngram 1=7", "ngram 1=6")
+                                          .replace("ngram 2=7", "ngram 2=5"), encoding="utf-8")
+    with pytest.raises(ArpaError, match=r"no_bos\.arpa: no <s> unigram"):
+        read_arpa(tmp_path / "no_bos.arpa")
+    (tmp_path / "gbk.arpa").write_bytes(text.replace("\tC\t", "\t天\t").encode("gb18030"))
+    with pytest.raises(ArpaError, match=r"gbk\.arpa:10: not valid UTF-8 .* it may be "
+                                        r"GBK/GB18030, which reads '-0.\d+\\t天"):
+        read_arpa(tmp_path / "gbk.arpa")
+
+
+def test_arpa_as_kenlm_and_srilm_write_it_is_read(tmp_path):
+    # lmplz: <s> with log10 p = 0, </s> with a back-off of 0; SRILM-style spaces, -99
+    kenlm_text = ("\\data\\\nngram 1=4\nngram 2=3\n\n\\1-grams:\n-0.9\t<unk>\t0\n"
+                  "0\t<s>\t-0.07\n-0.9\t</s>\t0\n-0.7\ta\t-0.2\n\n\\2-grams:\n"
+                  "-0.6\t<s> a\n-0.3\ta </s>\n-1.2\t<s> </s>\n\n\\end\\\n")
+    (tmp_path / "kenlm.arpa").write_text(kenlm_text, encoding="utf-8")
+    tables = read_arpa(tmp_path / "kenlm.arpa")
+    assert tables[0][(BOS,)] == (0.0, -0.07) and tables[0][(EOS,)] == (-0.9, 0.0)
+    assert tables[1][(BOS, EOS)] == (-1.2, 0.0)
+    spaces = kenlm_text.replace("\t", " ").replace("0 <s>", "-99 <s>")
+    (tmp_path / "spaces.arpa").write_text("written by hand\n" + spaces, encoding="utf-8")
+    assert read_arpa(tmp_path / "spaces.arpa")[0][(BOS,)] == (-99.0, -0.07)
