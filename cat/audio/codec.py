@@ -30,9 +30,23 @@ at 8, 12, 16, 24 or 48 kHz whatever rate was encoded, so `decode(..., sample_rat
 of 48 kHz Opus decodes at 16 kHz (the codec's own band limit) instead of decoding at 48
 kHz and resampling: 3 times less to decode and nothing to resample. The two differ by
 what the codec itself loses (`tests/audio/test_codec.py`: `OPUS_DIRECT_RATE_TOLERANCE`,
-mean absolute difference of 80-dim log-mel features). Anything the direct path does not
-take (more channels, chained streams, a page that fails its CRC, a truncated stream, no
-libopus) goes to libsndfile, which decodes it or names the error.
+mean absolute difference of 80-dim log-mel features). Anything else the direct path does
+not take (more channels, chained streams, no libopus) goes to libsndfile.
+
+Damaged and hostile data is refused before it costs memory (`AudioDecodeError`, naming
+the data): every Ogg page is checked (complete, its CRC, packets continued in order, each
+stream from its first page to its last, so a cut stream is `truncated`, not decoded in
+part); the length a header claims (WAV/FLAC headers, an Ogg stream's last granule
+position) is checked, before anything is allocated, against what so many bytes of the
+format can hold (`MAX_FRAMES_PER_BYTE`: Opus at most 2880 samples at 48 kHz per byte,
+since every packet is at least one byte plus its lacing byte and at most 120 ms), and
+against `max_samples`, the longest audio the caller wants (`AudioTooLongError`, which
+carries the claimed length, so a loader drops it by its length filter undecoded); audio
+that decodes to fewer samples than its header claims is `truncated`. Any other failure
+of the decoders, of whatever type (a `MemoryError` included), becomes an
+`AudioDecodeError` naming the data, so one bad member never ends a training run.
+`MAX_BYTES_PER_SECOND` bounds the bytes per second of audio of each format, for readers
+that refuse members too large for the length they accept before reading them.
 
 Resampling uses libsoxr (`soxr`, quality "HQ": a linear-phase low-pass with its stopband
 from the lower Nyquist frequency on), the library sox's `rate` effect comes from. It was
@@ -46,7 +60,8 @@ and 11:10 ratios of speed perturbation (0.7 to 0.9 times torchaudio's speed ther
 
 Usage:
     data = encode(waveform, 16000, "opus")
-    waveform, rate = decode(data, name="shard-00001.tar:A/B/utt.1.opus", sample_rate=16000)
+    waveform, rate = decode(data, name="shard-00001.tar:A/B/utt.1.opus", sample_rate=16000,
+                            max_samples=16000 * 20)
 """
 
 from __future__ import annotations
@@ -56,8 +71,10 @@ import ctypes.util
 import functools
 import io
 import logging
+import math
 import re
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 import soundfile
@@ -84,8 +101,37 @@ _STREAMED_WAV_LENGTH = 0x7FFF0000
 logger = logging.getLogger(__name__)
 
 
+#: The most frames (samples per channel) one byte of each container can hold, however
+#: well it compresses: a claim above `len(data) x` this is a damaged or hostile header.
+#: Ogg: an Opus packet gives at most 120 ms (5760 samples at 48 kHz) and takes at least
+#: one byte and one lacing byte (a Vorbis packet at most 4096 samples, likewise);
+#: FLAC: a frame of at most 65535 samples takes at least about 8 bytes (a constant
+#: subframe); MPEG: 1152 samples a frame of at least 24 bytes; WAV: 16 for codecs such
+#: as GSM 6.10 (10 samples a byte), PCM is 1 to 8 bytes a sample.
+MAX_FRAMES_PER_BYTE = {"OGG": 2880, "FLAC": 8192, "MPEG": 64, "WAV": 16}
+#: For a container not listed above.
+DEFAULT_MAX_FRAMES_PER_BYTE = 8192
+#: The most bytes one second of audio takes in each format (the shard member extension):
+#: PCM of 8 channels of 32-bit samples at 48 kHz for `wav` and `flac` (FLAC never
+#: exceeds its PCM by more than its frame headers); 8 channels at Opus's 510 kbit/s
+#: top for `opus` and Vorbis's for `ogg`, with their Ogg pages; 640 kbit/s (free
+#: format) for `mp3`. Generous, as a bound must be: audio of more channels or higher
+#: rates would need more.
+MAX_BYTES_PER_SECOND = {"wav": 1_536_000, "flac": 1_600_000, "opus": 540_000,
+                        "ogg": 540_000, "mp3": 80_000}
+
+
 class AudioDecodeError(ValueError):
     """Bytes that are not decodable audio; the message names where they came from."""
+
+
+class AudioTooLongError(AudioDecodeError):
+    """Audio whose header claims more samples than the caller's `max_samples`; nothing was
+    decoded. `num_samples` is the claimed length at the rate `decode` would return."""
+
+    def __init__(self, message: str, num_samples: int) -> None:
+        super().__init__(message)
+        self.num_samples = num_samples
 
 
 def to_int16(waveform: np.ndarray) -> np.ndarray:
@@ -149,39 +195,82 @@ def encode(waveform: np.ndarray, sample_rate: int, audio_format: str,
 
 
 def decode(data: bytes | bytearray | memoryview, name: str,
-           sample_rate: int | None = None, source: dict[str, int] | None = None
-           ) -> tuple[np.ndarray, int]:
+           sample_rate: int | None = None, source: dict[str, int] | None = None,
+           max_samples: int | None = None) -> tuple[np.ndarray, int]:
     """Decode WAV, FLAC or Ogg Opus bytes -> `(float32 mono samples in [-1, 1), rate)`.
 
     `name` says where the bytes came from (`shard.tar:key.opus`, an S3 URL, a file) and
     is part of every error message. With `sample_rate`, the samples are resampled to it
     and that rate is returned. Channel 0 of multi-channel audio is used; `source`, when
     given, receives the data's own `rate` and `channels` (see `conversion_notes`).
-    Raises `AudioDecodeError` for empty, undecodable or truncated data (a WAV whose data
-    chunk is shorter than its header declares).
+    `max_samples` (at the returned rate): audio whose header claims more raises
+    `AudioTooLongError` before anything is decoded (MP3, whose length libsndfile may
+    only estimate, is decoded and left to the caller).
+    Raises `AudioDecodeError` for empty, undecodable, damaged or truncated data (fewer
+    samples than its header or last Ogg page claims, an Ogg stream cut short), for a
+    claimed length no data of its size can hold (`MAX_FRAMES_PER_BYTE`), and for any
+    other failure of the decoders, whatever its type.
     """
     if len(data) == 0:
         raise AudioDecodeError(f"cannot decode audio {name}: no bytes")
+    try:
+        waveform, rate = _decode(data, name, sample_rate, source, max_samples)
+        if sample_rate is not None and sample_rate != rate:
+            return resample(waveform, rate, sample_rate), sample_rate
+        return waveform, rate
+    except AudioDecodeError:
+        raise
+    except Exception as error:  # any failure on these bytes is theirs, not the run's
+        raise AudioDecodeError(f"cannot decode audio {name}: {type(error).__name__}: "
+                               f"{error}") from None
+
+
+def _decode(data: bytes | bytearray | memoryview, name: str, sample_rate: int | None,
+            source: dict[str, int] | None, max_samples: int | None
+            ) -> tuple[np.ndarray, int]:
     if bytes(data[:4]) == b"OggS":
-        decoded = decode_ogg_opus(data, sample_rate, source)
+        pages = ogg_pages(data, name)
+        decoded = decode_ogg_opus(data, sample_rate, source, max_samples, name, pages)
         if decoded is not None:
-            waveform, rate = decoded
-            if sample_rate is not None and sample_rate != rate:
-                return resample(waveform, rate, sample_rate), sample_rate
-            return waveform, rate
+            return decoded
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as audio:
             _check_not_truncated(audio, name)
+            _check_claim(audio.frames, audio.samplerate, len(data), audio.format, name,
+                         sample_rate, None if audio.format == "MPEG" else max_samples)
             samples = audio.read(dtype="float32", always_2d=True)
             rate = audio.samplerate
+            if len(samples) < audio.frames and audio.format != "MPEG":
+                raise AudioDecodeError(f"truncated audio {name}: its header claims "
+                                       f"{audio.frames} samples, {len(samples)} decoded")
     except (soundfile.LibsndfileError, RuntimeError, EOFError) as error:
         raise AudioDecodeError(f"cannot decode audio {name}: {error}") from None
-    waveform = np.ascontiguousarray(samples[:, 0])
     if source is not None:
         source.update(rate=rate, channels=samples.shape[1])
-    if sample_rate is not None and sample_rate != rate:
-        return resample(waveform, rate, sample_rate), sample_rate
-    return waveform, rate
+    return np.ascontiguousarray(samples[:, 0]), rate
+
+
+def resampled_length(num_samples: int, orig_rate: float, new_rate: float) -> int:
+    """Length of `resample`'s output for `num_samples` input samples."""
+    if orig_rate == new_rate:
+        return num_samples
+    return math.floor(num_samples * new_rate / orig_rate + 0.5)
+
+
+def _check_claim(frames: int, rate: int, num_bytes: int, container: str, name: str,
+                 sample_rate: int | None, max_samples: int | None) -> None:
+    """Refuse a claimed length (`frames` at `rate`) that `num_bytes` of `container` cannot
+    hold, or (`AudioTooLongError`) one above `max_samples` at the output rate."""
+    bound = MAX_FRAMES_PER_BYTE.get(container, DEFAULT_MAX_FRAMES_PER_BYTE) * num_bytes
+    if frames > bound:
+        raise AudioDecodeError(f"corrupt audio {name}: its header claims {frames} samples, "
+                               f"more than {num_bytes} bytes of {container} can hold (at "
+                               f"most {bound})")
+    claimed = resampled_length(frames, rate, sample_rate or rate)
+    if max_samples is not None and claimed > max_samples:
+        raise AudioTooLongError(f"audio {name}: its header claims {claimed} samples at "
+                                f"{sample_rate or rate} Hz, more than the {max_samples} "
+                                "wanted; not decoded", claimed)
 
 
 def conversion_notes(rate: int, channels: int, sample_rate: int) -> list[str]:
@@ -254,62 +343,117 @@ def opus_output_rate(input_rate: int) -> int:
     return next((rate for rate in OPUS_SAMPLE_RATES if rate >= input_rate), 48000)
 
 
-def ogg_packets(data: bytes | bytearray | memoryview) -> tuple[list[bytes], int] | None:
+class OggPage(NamedTuple):
+    """One checked Ogg page: where it starts, its header fields, its lacing values, where
+    its body starts and where the page ends."""
+
+    position: int
+    header_type: int
+    serial: int
+    granule: int
+    lacing: bytes
+    body: int
+    end: int
+
+
+def ogg_pages(data: bytes | bytearray | memoryview, name: str = "Ogg data") -> list[OggPage]:
+    """The pages of Ogg data, every one checked: complete, with its CRC, its packets
+    continuing those of the stream's previous page, and each logical stream running from
+    a first page (BOS) to a last one (EOS). Raises `AudioDecodeError` naming `name`:
+    `truncated audio` for data cut short (a stream without its last page included),
+    `corrupt audio` for the rest."""
+    data = bytes(data)
+    pages: list[OggPage] = []
+    open_packet: dict[int, bool] = {}  # serial -> a packet continues on the next page
+    ended: set[int] = set()
+    position = 0
+    while position < len(data):
+        page = _ogg_page(data, position, name)
+        flags, serial = page.header_type, page.serial
+        first = serial not in open_packet
+        if first != bool(flags & _OGG_FIRST) or serial in ended:
+            raise AudioDecodeError(f"corrupt audio {name}: the Ogg page at byte {position} "
+                                   f"{'starts' if first else 'restarts'} stream {serial} "
+                                   "out of order")
+        if bool(flags & _OGG_CONTINUED) != open_packet.get(serial, False):
+            raise AudioDecodeError(f"corrupt audio {name}: the Ogg page at byte {position} "
+                                   "breaks its stream's packet sequence")
+        if page.lacing:
+            open_packet[serial] = page.lacing[-1] == 255
+        else:
+            open_packet.setdefault(serial, False)
+        if flags & _OGG_LAST:
+            ended.add(serial)
+        pages.append(page)
+        position = page.end
+    unfinished = sorted(set(open_packet) - ended)
+    if unfinished:
+        raise AudioDecodeError(f"truncated audio {name}: Ogg stream {unfinished[0]} ends "
+                               "without its last page (cut short)")
+    return pages
+
+
+def _ogg_page(data: bytes, position: int, name: str) -> OggPage:
+    if data[position:position + 4] != b"OggS":
+        raise AudioDecodeError(f"corrupt audio {name}: no Ogg page at byte {position}")
+    num_segments = data[position + 26] if position + 27 <= len(data) else 256
+    lacing = data[position + 27:position + 27 + num_segments]
+    body = position + 27 + num_segments
+    end = body + sum(lacing)
+    if len(lacing) < num_segments or end > len(data):
+        raise AudioDecodeError(f"truncated audio {name}: the Ogg page at byte {position} "
+                               "is cut short")
+    page = bytearray(data[position:end])
+    crc = int.from_bytes(page[22:26], "little")
+    page[22:26] = bytes(4)
+    if ogg_crc(page) != crc:
+        raise AudioDecodeError(f"corrupt audio {name}: the Ogg page at byte {position} "
+                               "fails its CRC")
+    return OggPage(position, data[position + 5],
+                   int.from_bytes(data[position + 14:position + 18], "little"),
+                   int.from_bytes(data[position + 6:position + 14], "little", signed=True),
+                   lacing, body, end)
+
+
+def ogg_packets(data: bytes | bytearray | memoryview, name: str = "Ogg data",
+                pages: list[OggPage] | None = None) -> tuple[list[bytes], int] | None:
     """The packets of a single-stream Ogg file and the granule position of its last page;
-    None if it is not one, or a page is truncated or fails its CRC."""
+    None for several streams (chained or multiplexed). `pages`: `ogg_pages(data, name)`,
+    which raises `AudioDecodeError` for damaged or truncated data."""
+    pages = ogg_pages(data, name) if pages is None else pages
+    if len({page.serial for page in pages}) > 1:
+        return None
     data = bytes(data)
     packets: list[bytes] = []
     pending = b""
-    position, serial, granule = 0, None, -1
-    while position < len(data):
-        if data[position:position + 4] != b"OggS" or position + 27 > len(data):
-            return None
-        header_type = data[position + 5]
-        page_serial = int.from_bytes(data[position + 14:position + 18], "little")
-        if serial is None:
-            serial = page_serial
-        elif page_serial != serial or header_type & _OGG_FIRST:
-            return None  # chained or multiplexed streams
-        num_segments = data[position + 26]
-        lacing = data[position + 27:position + 27 + num_segments]
-        start = position + 27 + num_segments
-        end = start + sum(lacing)
-        if len(lacing) < num_segments or end > len(data):
-            return None
-        crc = int.from_bytes(data[position + 22:position + 26], "little")
-        page = bytearray(data[position:end])
-        page[22:26] = bytes(4)
-        if ogg_crc(page) != crc:
-            return None
-        if bool(header_type & _OGG_CONTINUED) != bool(pending):
-            return None
-        granule = int.from_bytes(data[position + 6:position + 14], "little", signed=True)
-        cut = start
-        for size in lacing:
+    for page in pages:
+        start = cut = page.body
+        for size in page.lacing:
             start += size
             if size < 255:
                 packets.append(pending + data[cut:start])
                 pending, cut = b"", start
         if cut < start:
             pending += data[cut:start]
-        position = end
-    if pending or not packets or granule < 0:
-        return None
-    return packets, granule
+    return packets, pages[-1].granule
 
 
 def decode_ogg_opus(data: bytes | bytearray | memoryview, sample_rate: int | None = None,
-                    source: dict[str, int] | None = None) -> tuple[np.ndarray, int] | None:
+                    source: dict[str, int] | None = None, max_samples: int | None = None,
+                    name: str = "Ogg Opus data", pages: list[OggPage] | None = None
+                    ) -> tuple[np.ndarray, int] | None:
     """Ogg Opus (one or two channels) -> `(float32 samples of channel 0, rate)` by libopus,
     at `sample_rate` if Opus decodes at it, else at libsndfile's rate
     (`opus_output_rate`); None for anything else, which `decode` leaves to libsndfile.
     `source` receives what libsndfile would report: the rate of the encoder's input
-    (`opus_output_rate`) and the channels."""
+    (`opus_output_rate`) and the channels. The length the last page claims is checked
+    before anything is allocated (see `decode`: `max_samples`, `MAX_FRAMES_PER_BYTE`);
+    damaged, truncated or hostile data raises `AudioDecodeError` naming `name`."""
     lib = _libopus()
     first = 27 + data[26] if len(data) > 27 else 0
     if lib is None or bytes(data[first:first + 8]) != _OPUS_HEAD:
         return None  # Vorbis, FLAC in Ogg, or no libopus
-    parsed = ogg_packets(data)
+    parsed = ogg_packets(data, name, pages)
     if parsed is None:
         return None
     packets, granule = parsed
@@ -323,9 +467,23 @@ def decode_ogg_opus(data: bytes | bytearray | memoryview, sample_rate: int | Non
     if head[8] != 1 or head[18] != 0 or channels not in (1, 2) or input_rate == 0:
         return None
     rate = sample_rate if sample_rate in OPUS_SAMPLE_RATES else opus_output_rate(input_rate)
+    # Ogg Opus: the first pre_skip samples (at 48 kHz) are the codec's delay; the last
+    # page's granule position (at 48 kHz, pre-skip included) is where the audio ends.
+    _check_claim(max(granule - pre_skip, 0), 48000, len(data), "OGG", name, None, None)
+    length = max(granule - pre_skip, 0) // (48000 // rate)
+    _check_claim(length, rate, len(data), "OGG", name, sample_rate, max_samples)
     if source is not None:
         source.update(rate=opus_output_rate(input_rate), channels=channels)
-    factor = 48000 // rate
+    return _decode_opus_packets(lib, packets[2:], rate, channels, gain,
+                                (pre_skip // (48000 // rate), length), name)
+
+
+def _decode_opus_packets(lib: ctypes.CDLL, packets: list[bytes], rate: int, channels: int,
+                         gain: int, span: tuple[int, int], name: str
+                         ) -> tuple[np.ndarray, int] | None:
+    """Channel 0 of the `span` (`(start, length)`, at `rate`) of the decoded packets; None
+    where libopus cannot start or rejects a packet (libsndfile then tries)."""
+    start, length = span
     error = ctypes.c_int()
     decoder = lib.opus_decoder_create(rate, channels, ctypes.byref(error))
     if not decoder or error.value != 0:
@@ -334,13 +492,14 @@ def decode_ogg_opus(data: bytes | bytearray | memoryview, sample_rate: int | Non
         if gain and lib.opus_decoder_ctl(ctypes.c_void_p(decoder), _OPUS_SET_GAIN,
                                          ctypes.c_int(gain)) != 0:
             return None
-        max_frame = _OPUS_MAX_FRAME // factor
-        out = np.empty((max(granule, 0) // factor + max_frame) * channels, np.float32)
+        max_frame = _OPUS_MAX_FRAME // (48000 // rate)
+        out = np.empty((start + length + max_frame) * channels, np.float32)
         filled, address = 0, out.ctypes.data
-        for packet in packets[2:]:
-            if (filled + max_frame) * channels > out.size:
-                out = np.concatenate([out, np.empty_like(out)])
-                address = out.ctypes.data
+        for packet in packets:
+            if filled >= start + length:
+                break  # what follows is past the end the last page gives
+            if not packet:
+                raise AudioDecodeError(f"corrupt audio {name}: an empty Opus packet")
             count = lib.opus_decode_float(decoder, packet, len(packet),
                                           address + 4 * filled * channels, max_frame, 0)
             if count < 0:
@@ -348,11 +507,11 @@ def decode_ogg_opus(data: bytes | bytearray | memoryview, sample_rate: int | Non
             filled += count
     finally:
         lib.opus_decoder_destroy(decoder)
-    # Ogg Opus: the first pre_skip samples (at 48 kHz) are the codec's delay; the last
-    # page's granule position (at 48 kHz, pre-skip included) is where the audio ends.
-    start = pre_skip // factor
-    stop = min(filled, max(granule - pre_skip, 0) // factor + start)
-    return np.ascontiguousarray(out[start * channels:stop * channels:channels]), rate
+    if filled < start + length:
+        raise AudioDecodeError(f"truncated audio {name}: its last Ogg page ends the audio at "
+                               f"{length} samples ({rate} Hz), its packets hold "
+                               f"{max(filled - start, 0)}")
+    return np.ascontiguousarray(out[start * channels:(start + length) * channels:channels]), rate
 
 
 # ---------------------------------------------------------------------- Ogg serial numbers

@@ -8,6 +8,14 @@ or truncated compressed data raises `CorruptShardError`; errors of the underlyin
 stream (storage errors) pass through as they are. The CRC-32 the index holds is that of
 the compressed file, so the loader checks it on the bytes as stored.
 
+Inflating is bounded: at most `_MAX_OUTPUT` bytes per step, however well the data
+compresses, and at most `MAX_EXPANSION` times the compressed bytes read so far once
+`EXPANSION_ALLOWANCE` bytes came out: a gzip bomb (a member of zeros inflating 1000
+times) is a corrupt shard after `EXPANSION_ALLOWANCE` bytes, not hours of inflating.
+Shards of speech barely compress (audio and features: under 2 times; a tar header with
+a short transcript: about 15). `bytes_left` bounds what the stream can still give (for
+`cat.loading.tar`, which checks a member's size against it before allocating).
+
 A compressed stream cannot seek: passing over members (an exact resume continuing after
 the utterances a shard already gave) decompresses them, from the shard's start.
 
@@ -23,13 +31,19 @@ from typing import BinaryIO
 from zlib_ng import zlib_ng
 
 from cat.loading.shardlist import GZIP_SUFFIXES, shard_name
-from cat.loading.tar import CorruptShardError
+from cat.loading.tar import CorruptShardError, bytes_left
 
 # Compressed bytes read per call: audio barely compresses, so about as much comes out.
 _CHUNK = 1 << 18
 _GZIP_WINDOW = 16 + zlib_ng.MAX_WBITS
 # At most this much decompressed per step, however well the data compresses.
 _MAX_OUTPUT = 4 << 20
+#: Deflate's own limit: at most 258 bytes from a 2-bit code, about 1032 to 1.
+DEFLATE_MAX_RATIO = 1032
+#: The most the decompressed bytes may exceed the compressed ones, as a ratio, once
+#: `EXPANSION_ALLOWANCE` bytes came out.
+MAX_EXPANSION = 100
+EXPANSION_ALLOWANCE = 64 << 20
 
 
 def is_gzip_shard(url: str) -> bool:
@@ -53,6 +67,8 @@ class GunzipReader:
         self._in_member = False  # inside a gzip member (its end not yet seen)
         self._buffer = b""
         self._offset = 0
+        self._compressed = 0  # bytes taken from `raw`
+        self._produced = 0  # bytes inflated
 
     def _more(self) -> bool:
         """Decompress more into the buffer; False at the end of the data."""
@@ -67,6 +83,7 @@ class GunzipReader:
                 self._in_member = False
             if not data:
                 data = self.raw.read(_CHUNK)
+                self._compressed += len(data)
                 if not data:
                     if self._in_member:
                         raise CorruptShardError(f"{self.where}: compressed data truncated "
@@ -82,8 +99,27 @@ class GunzipReader:
             except zlib_ng.error as error:
                 raise CorruptShardError(f"{self.where}: damaged gzip data: {error}") from None
             if output:
+                self._check_expansion(len(output))
                 self._buffer, self._offset = output, 0
                 return True
+
+    def _check_expansion(self, count: int) -> None:
+        self._produced += count
+        if self._produced > max(EXPANSION_ALLOWANCE, MAX_EXPANSION * self._compressed):
+            raise CorruptShardError(f"{self.where}: inflates to more than {MAX_EXPANSION} "
+                                    f"times its compressed size ({self._produced} bytes from "
+                                    f"{self._compressed}): a gzip bomb, not a shard of speech")
+
+    def bytes_left(self) -> int | None:
+        """The most bytes still to come (None where the compressed stream cannot say):
+        what is decompressed and not yet read, and `DEFLATE_MAX_RATIO` times the
+        compressed bytes left, plus zlib's own state."""
+        left = bytes_left(self.raw)
+        if left is None:
+            return None
+        inflate = self._inflate
+        compressed = left + len(inflate.unconsumed_tail) + len(inflate.unused_data)
+        return len(self._buffer) - self._offset + DEFLATE_MAX_RATIO * compressed + (64 << 10)
 
     def read(self, size: int = -1) -> bytes:
         parts = []

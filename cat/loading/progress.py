@@ -10,6 +10,10 @@ these it keeps:
   (`noted`: audio resampled or down-mixed, transcripts with `<unk>` tokens);
 * the position of each worker after its last batch, which is exactly what a checkpoint
   needs to resume the epoch (`state` / `restore`);
+* `repeated_keys`: trainings of a key from shards without an index entry beyond its
+  first (the loader drops such duplicates within a rank and epoch, `cat.loading.reader.
+  SeenKeys`; this counts what it cannot see: a key taken before a resume, or, over the
+  ranks' `trained_key_hashes`, by two ranks: `repeated_keys`);
 * `resume_reread_shards`: the gzip-compressed shards a resume read again from their
   start (a compressed stream cannot seek to the utterance a position names, nor to the
   buffered samples: `cat.loading.gunzip`), summed over the resumes of the epoch;
@@ -37,11 +41,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from cat.core.io import redact_urls
 from cat.loading.batch import Batch
 from cat.loading.gunzip import is_gzip_shard
-from cat.loading.samples import ORDINAL_BITS, WorkerPosition, split_ids
+from cat.loading.samples import ORDINAL_BITS, WorkerPosition, key_hash, split_ids
 from cat.loading.shardlist import ShardList
 
 #: Bin edges of the cut utterances' lengths in the coverage report, in 10 ms frames.
@@ -71,6 +76,9 @@ class StreamProgress:
         self.untrained: list[np.ndarray] = []
         self.drop_lines: list[str] = []
         self.noted: collections.Counter = collections.Counter()
+        # Hashes of the keys trained from shards without an index entry, in batches.
+        self._trained_keys: list[np.ndarray] = []
+        self._any_unindexed = bool(shards.estimated.any())
 
     def update(self, batch: Batch, trained: bool) -> None:
         """Account for a batch: its utterances (trained or not), its events always.
@@ -80,6 +88,7 @@ class StreamProgress:
         if len(batch):
             if trained:
                 self.trained += len(batch)
+                self._record_keys(batch)
             else:
                 self.untrained.append(np.asarray(batch.ids, np.int64))
         events = batch.events
@@ -102,6 +111,20 @@ class StreamProgress:
         if events.position is not None:
             self.positions[events.position.worker] = events.position
 
+    def _record_keys(self, batch: Batch) -> None:
+        if not self._any_unindexed:
+            return
+        unindexed = self.shards.estimated[split_ids(batch.ids)[0]]
+        if unindexed.any():
+            self._trained_keys.append(np.fromiter(
+                (key_hash(key) for key, own in zip(batch.keys, unindexed, strict=True) if own),
+                np.int64))
+
+    def trained_key_hashes(self) -> np.ndarray:
+        """Hashes (`key_hash`) of the keys trained from shards without an index entry."""
+        return np.concatenate(self._trained_keys) if self._trained_keys \
+            else np.zeros(0, np.int64)
+
     def state(self) -> dict[str, Any]:
         """Checkpoint state: worker positions and the totals so far."""
         return {"positions": [p.to_state() for _, p in sorted(self.positions.items())],
@@ -111,7 +134,8 @@ class StreamProgress:
                 "corrupt_missing": self.corrupt_missing,
                 "unavailable_missing": self.unavailable_missing, "retrained": self.retrained,
                 "resume_reread_shards": self.resume_reread_shards,
-                "noted": dict(self.noted)}
+                "noted": dict(self.noted),
+                "trained_keys": torch.from_numpy(self.trained_key_hashes())}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue after `state()`: the workers resume at these positions."""
@@ -125,6 +149,8 @@ class StreamProgress:
         self.unavailable_missing = int(state.get("unavailable_missing", 0))
         self.retrained = int(state.get("retrained", 0))
         self.noted = collections.Counter(state.get("noted", {}))
+        keys = state.get("trained_keys")
+        self._trained_keys = [] if keys is None else [np.asarray(keys.numpy(), np.int64)]
         self.resume_reread_shards = (int(state.get("resume_reread_shards", 0))
                                      + self._rereads(positions))
 
@@ -160,7 +186,8 @@ class StreamProgress:
                                        for s, _ in self.unavailable],
                 "shards": len(self.rank_shards), "not_trained": not_trained,
                 "retrained": self.retrained,
-                "resume_reread_shards": self.resume_reread_shards, "noted": dict(self.noted)}
+                "resume_reread_shards": self.resume_reread_shards, "noted": dict(self.noted),
+                "repeated_keys": repeated_keys([self.trained_key_hashes()])}
 
     def cut_ids(self) -> np.ndarray | None:
         """Ids of the utterances neither trained, dropped nor lost (once the epoch ended:
@@ -179,6 +206,14 @@ class StreamProgress:
                 ordinals = np.arange(start, int(self.shards.num_utts[shard]), dtype=np.int64)
                 parts.append((np.int64(shard) << ORDINAL_BITS) | ordinals)
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def repeated_keys(hashes: Sequence[np.ndarray]) -> int:
+    """Trainings of keys beyond their first over the `trained_key_hashes` of one or more
+    ranks (the training loop gathers the ranks' arrays to count keys two ranks trained)."""
+    every = np.concatenate([np.asarray(h, np.int64) for h in hashes]) if hashes \
+        else np.zeros(0, np.int64)
+    return len(every) - len(np.unique(every))
 
 
 def length_profile(shards: ShardList, ids: np.ndarray) -> dict[str, Any]:

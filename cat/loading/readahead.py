@@ -306,8 +306,8 @@ class _Prefetcher:
 
 def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
                        timeout: float, pool: BufferPool | None,
-                       keep: Mapping[int, MemberFilter], limits: Mapping[int, int]
-                       ) -> Iterator[tuple]:
+                       keep: Mapping[int, MemberFilter], limits: Mapping[int, int],
+                       caps: Mapping[str, int] | None) -> Iterator[tuple]:
     # The disk reads the next shard (the first one: alongside) while this one is decoded.
     prefetcher = _Prefetcher(read_ahead_bytes) if read_ahead_bytes > 0 else None
     try:
@@ -323,7 +323,7 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
                     stream = ChecksumReader(raw)
                     for name, data in iter_tar_members(
                             tar_stream(stream, url), url, pool, keep.get(shard),
-                            limits.get(shard, UNINDEXED_MEMBER_LIMIT)):
+                            limits.get(shard, UNINDEXED_MEMBER_LIMIT), caps):
                         yield ("member", shard, name, data)
                     checksum = stream.finish()
             except (OSError, http.client.HTTPException, CorruptShardError) as error:
@@ -338,7 +338,8 @@ def _local_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int,
 def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 0,
                      timeout: float = HTTP_TIMEOUT_SECONDS, pool: BufferPool | None = None,
                      keep: Mapping[int, MemberFilter] | None = None,
-                     limits: Mapping[int, int] | None = None) -> Iterator[tuple]:
+                     limits: Mapping[int, int] | None = None,
+                     caps: Mapping[str, int] | None = None) -> Iterator[tuple]:
     """`("member", shard, name, data)` of each shard in order, then `("end", shard,
     crc32)` (None when members were passed over by seeking), or `("error", shard,
     message, cause)` (`classify`) when a shard breaks off (its members so far are kept).
@@ -350,12 +351,15 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
     costs one extra copy per byte (~1.4x slower), so it is kept for remote streams, where
     waiting dominates. `pool`, and `keep` (a member filter per shard): see
     `iter_tar_members`; `limits`: the most bytes a member of each shard may claim (its
-    size from the index; `UNINDEXED_MEMBER_LIMIT` for shards not given).
+    size from the index; `UNINDEXED_MEMBER_LIMIT` for shards not given); `caps`: the most
+    bytes a member of each extension may take, larger ones passed over unread and given
+    as an `OversizedMember` (see `iter_tar_members`).
     """
     keep = keep or {}
     limits = limits or {}
     if read_ahead_bytes <= 0 or not any(is_url(url) for _, url in shards):
-        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool, keep, limits)
+        yield from _local_shard_items(shards, read_ahead_bytes, timeout, pool, keep, limits,
+                                      caps)
         return
     chunks = iter(ReadAhead(shards, read_ahead_bytes, timeout))
     try:
@@ -364,7 +368,8 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
             try:
                 for name, data in iter_tar_members(tar_stream(stream, url), url, pool,
                                                    keep.get(shard),
-                                                   limits.get(shard, UNINDEXED_MEMBER_LIMIT)):
+                                                   limits.get(shard, UNINDEXED_MEMBER_LIMIT),
+                                                   caps):
                     yield ("member", shard, name, data)
             except CorruptShardError as error:
                 stream.skip_rest()

@@ -10,6 +10,14 @@ counted by a `FailureBudget` that stops the worker (`DataUnavailableError`, nami
 shards and their storage) past `bad_shard_limit` or after 3 unavailable shards in a row;
 `strict_shards` makes each of them an error.
 
+Samples are dropped here, counted and named (`StreamEvents.dropped`), when a key cannot
+be decoded (`bad_key`), a member is missing (`incomplete_sample`), a member is larger
+than the length filter lets its extension be (`too_long`: passed over unread, see
+`cat.loading.tar.iter_tar_members`), or a key of a shard without an index entry was
+already taken this epoch from another shard (`duplicate_key`): `SeenKeys`, a table that
+all loader workers of a rank share, so the second copy is dropped whichever worker
+reads it.
+
 `fetch_samples` reads given samples again from their shards (only their members), to
 rebuild a worker's buffers on resume.
 
@@ -23,6 +31,7 @@ from __future__ import annotations
 import collections
 import http.client
 import logging
+import multiprocessing
 import os
 import time
 import urllib.parse
@@ -40,6 +49,7 @@ from cat.loading.readahead import iter_shard_items
 from cat.loading.samples import (
     MEMBER_TYPES,
     StreamConfig,
+    key_hash,
     missing_members,
     sample_id,
     split_ids,
@@ -53,7 +63,7 @@ from cat.loading.sources import (
     describe,
     read_shard,
 )
-from cat.loading.tar import BufferPool, CorruptShardError
+from cat.loading.tar import BufferPool, CorruptShardError, OversizedMember
 from cat.storage.stores import is_store_url, store_place
 
 logger = logging.getLogger(__name__)
@@ -149,6 +159,55 @@ class FailureBudget:
         self.in_a_row = 0
 
 
+class SeenKeys:
+    """Keys taken in an epoch from shards without an index entry, shared by every loader
+    worker of a rank: the first sample of a key is kept, each later one, whichever worker
+    reads it, is a duplicate (it would train the utterance twice).
+
+    An open-addressing table of 64-bit key hashes (`key_hash`) in shared memory, made in
+    the training process before the DataLoader starts its workers (which inherit it);
+    each slot is tagged with its epoch, so an epoch starts empty without clearing, and a
+    process lock makes look-up-and-insert one step across processes. `capacity` keys fill
+    it at most half; past 3/4 full, keys not yet in it are no longer added (`claim`
+    answers None). Memory: 16 bytes of shared memory a slot, at most 64 per key of
+    `capacity` (at least 4096 slots).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        slots = 1 << max(12, (2 * max(capacity, 1) - 1).bit_length())
+        self.hashes = torch.zeros(slots, dtype=torch.int64).share_memory_()
+        # (epoch << 32) | shard of the key's first sample
+        self.places = torch.zeros(slots, dtype=torch.int64).share_memory_()
+        self.counts = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, keys
+        self.lock = multiprocessing.Lock()
+
+    def claim(self, key: str, shard: int, epoch: int) -> int | None:
+        """The shard whose sample of `key` was taken first in `epoch`: `shard` itself for
+        a new key (now recorded); None for a new key the full table cannot take."""
+        hashes, places, counts = self.hashes.numpy(), self.places.numpy(), self.counts.numpy()
+        value, mask = key_hash(key), len(hashes) - 1
+        with self.lock:
+            if counts[0] != epoch:
+                if counts[0] > epoch:
+                    return shard  # a worker still reading an epoch that was cut short
+                counts[:] = (epoch, 0)
+            slot = value & mask
+            while places[slot] >> 32 == epoch:
+                if hashes[slot] == value:
+                    return int(places[slot] & 0xFFFFFFFF)
+                slot = (slot + 1) & mask
+            if counts[1] >= len(hashes) * 3 // 4:
+                return None
+            hashes[slot], places[slot] = value, (epoch << 32) | shard
+            counts[1] += 1
+            return shard
+
+
+#: The note of a kept sample whose key `SeenKeys` could not take (it was full): compared
+#: only with the keys its own worker read.
+UNCHECKED_KEY = "key checked against its loader worker's keys only (seen-key table full)"
+
+
 class _SkipShard(Exception):
     """The rest of the shard being read is left out (it does not match its index)."""
 
@@ -177,22 +236,31 @@ class ShardReader:
     times, waiting `retry_seconds` x 1, 2, 4...), the read continuing where it stopped; a
     shard still unreadable is unavailable. Corrupt and unavailable shards are skipped and
     reported (counted by `budget`), or raise with `config.strict_shards`.
+
+    `seen` (shared by the rank's workers) and `epoch`: where keys of shards without an
+    index entry are checked (`duplicate_key`); without it, or once it is full, against
+    this reader's own keys. `caps`: the most bytes a member of each extension may take
+    (`Judge.member_caps`); a sample with a larger one is dropped unread (`too_long`).
     """
 
     def __init__(self, shards: Sequence[int], shard_list: ShardList, events: StreamEvents,
                  config: StreamConfig, pool: BufferPool | None = None,
-                 budget: FailureBudget | None = None) -> None:
+                 budget: FailureBudget | None = None, seen: SeenKeys | None = None,
+                 epoch: int = 1, caps: Mapping[str, int] | None = None) -> None:
         self.shards = list(shards)
         self.shard_list = shard_list
         self.events = events
         self.config = config
         self.pool = pool
         self.budget = budget
+        self.seen = seen
+        self.epoch = epoch
+        self.caps = dict(caps or {})
         self.position = (0, 0)
         self.attempts: collections.Counter = collections.Counter()
         self._keys: tuple[int, list[str] | None] = (-1, None)
-        # Keys taken from shards without an index entry -> their shard: an indexed
-        # shard's keys are checked by `prep_wds index`, these only here (per worker).
+        # Keys taken from shards without an index entry -> their shard, where `seen` does
+        # not take them: an indexed shard's keys are checked by `prep_wds index`.
         self._unindexed_keys: dict[str, int] = {}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -209,7 +277,7 @@ class ShardReader:
         gates = {todo[0][0]: _OrdinalGate(skip.__le__)} if skip else {}
         limits = {shard: self.shard_list.member_limit(shard) for shard, _ in todo}
         items = iter_shard_items(todo, self.config.read_ahead_mb << 20, self.config.timeout,
-                                 self.pool, gates, limits)
+                                 self.pool, gates, limits, self.caps)
         places = {shard: first + offset for offset, (shard, _) in enumerate(todo)}
         current: dict[str, Any] = {}
         ordinals: collections.Counter = collections.Counter()
@@ -306,16 +374,40 @@ class ShardReader:
             return
         sample["key"] = key
         if keys is None and self.shard_list.estimated[shard]:
-            first = self._unindexed_keys.setdefault(key, shard)
+            first = self._first_shard(key, shard)
             if first != shard:
-                self._drop(key, f"duplicate_key also in shard {self.shard_list.urls[first]}",
-                           shard)
+                urls = self.shard_list.urls
+                self._drop(key, f"duplicate_key also in shard {urls[first]} (read first; "
+                                f"this copy: shard {urls[shard]})", shard)
                 return
         missing = missing_members(sample)
         if missing:
             self._drop(key, f"incomplete_sample missing {','.join(missing)}", shard)
             return
+        if self.caps and self._oversized(sample, key, shard):
+            return
         yield sample
+
+    def _oversized(self, sample: dict[str, Any], key: str, shard: int) -> bool:
+        """Drop (`too_long`) a sample with a member passed over for its size."""
+        for extension, member in sample.items():
+            if isinstance(member, OversizedMember):
+                # A length verdict like the filter's, so not an error under strict_shards.
+                self.events.dropped.append((key, (
+                    f"too_long member {self.shard_list.urls[shard]}:{sample['name']}."
+                    f"{extension} of {member.size} bytes, more than the {member.cap} a "
+                    f".{extension} member within the length filter may take; not read"), shard))
+                return True
+        return False
+
+    def _first_shard(self, key: str, shard: int) -> int:
+        """The shard whose sample of `key` was taken first this epoch (`shard`: this one)."""
+        if self.seen is not None:
+            first = self.seen.claim(key, shard, self.epoch)
+            if first is not None:
+                return first
+            self.events.noted[UNCHECKED_KEY] = self.events.noted.get(UNCHECKED_KEY, 0) + 1
+        return self._unindexed_keys.setdefault(key, shard)
 
     def _drop(self, key: str, reason: str, shard: int) -> None:
         if self.config.strict_shards:

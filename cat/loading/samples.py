@@ -1,7 +1,8 @@
 """Samples of the streaming loader: ids, the features codec, settings, worker positions.
 
 * A sample's id is `(shard << 32) | ordinal`, its shard's index in the shard list and its
-  place (0-based, tar order) in the shard (`sample_id`, `split_ids`).
+  place (0-based, tar order) in the shard (`sample_id`, `split_ids`); `key_hash` is the
+  64-bit hash by which keys of shards without an index are compared.
 * `decode_npy`: the features of a `.npy` member as a view on its bytes.
 * `StreamConfig`: buffer sizes and policies of the pipeline (`train.option`);
   `AudioConfig`: how audio members become features (`train.option.audio`).
@@ -16,6 +17,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import logging
 import re
@@ -58,6 +60,12 @@ def missing_members(sample: Mapping[str, Any]) -> list[str]:
 def sample_id(shard: int, ordinal: int) -> int:
     """The id of the `ordinal`-th sample (0-based, tar order) of shard `shard`."""
     return (shard << ORDINAL_BITS) | ordinal
+
+
+def key_hash(key: str) -> int:
+    """A 64-bit hash of an utterance key (signed, as int64 arrays hold it)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def split_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

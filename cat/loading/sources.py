@@ -36,7 +36,13 @@ from cat.formats.data_list import DataListError, RawEntry, read_raw_entries
 from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS, encode_key
 from cat.loading.gunzip import tar_stream
 from cat.loading.shardlist import RAW_LIST, raw_list_part
-from cat.loading.tar import BufferPool, CorruptShardError, MemberFilter, iter_tar_members
+from cat.loading.tar import (
+    BufferPool,
+    CorruptShardError,
+    MemberFilter,
+    bytes_left,
+    iter_tar_members,
+)
 from cat.storage.stores import StoreError, is_store_url, store_for
 
 logger = logging.getLogger(__name__)
@@ -233,6 +239,10 @@ class ChecksumReader:
         if self.checksum is not None and count:
             self.checksum = crc32(view[:count], self.checksum)
         return count
+
+    def bytes_left(self) -> int | None:
+        """What the wrapped stream can still give (`cat.loading.tar.bytes_left`)."""
+        return bytes_left(self.stream)
 
     def seekable(self) -> bool:
         seekable = getattr(self.stream, "seekable", None)

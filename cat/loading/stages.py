@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -26,12 +27,14 @@ from typing import Any
 import numpy as np
 
 from cat.audio.codec import (
+    MAX_BYTES_PER_SECOND,
     AudioDecodeError,
+    AudioTooLongError,
     conversion_notes,
     decode,
     to_int16,
 )
-from cat.audio.speed import choose_factor, speed_perturb
+from cat.audio.speed import choose_factor, perturbed_num_samples, speed_perturb
 from cat.features.fbank import compute_fbank, num_frames
 from cat.formats.tables import feature_verdict, transcript_verdict
 from cat.loading.batch import (
@@ -57,6 +60,12 @@ logger = logging.getLogger(__name__)
 #: The note of a kept utterance whose transcript has `<unk>` tokens (some characters the
 #: tokenizer does not know; one of only `<unk>` is dropped: `transcript_verdict`).
 PARTLY_UNKNOWN = "transcript with <unk> tokens"
+#: Bytes a member may take besides its samples (headers, Ogg tags, the .npy header).
+HEADER_BYTES = 1 << 20
+#: The most bytes of transcript per frame of the length filter's upper bound (100 frames
+#: a second: 6400 bytes a second of speech, some 50 times what anyone says).
+TRANSCRIPT_BYTES_PER_FRAME = 64
+_NO_LABEL = np.zeros(0, np.int32)
 
 
 @dataclasses.dataclass
@@ -74,6 +83,13 @@ class Judge:
     shuffle buffer holds 16-bit audio rather than float features. The first failed check
     decides: a sample to leave out carries `drop` (its reason), one that is an error
     carries `error` (its message).
+
+    Audio longer than the filter's upper bound by the length its header claims is
+    dropped (`out_of_range`, the frame count it would have had) before it is decoded;
+    audio that fails to decode in any way (`AudioDecodeError`, or any other error of the
+    decoders or of speed perturbation) is dropped as `bad_audio`, naming the shard and
+    member. `member_caps` gives the reader the most bytes a member may take for the
+    filter to keep it.
     """
 
     feat_dim: int
@@ -85,6 +101,8 @@ class Judge:
     audio: AudioConfig | None = None
     seed: int = 0
     epoch: int = 1
+    _sample_limits: dict[float, int] = dataclasses.field(default_factory=dict, init=False,
+                                                         repr=False)
 
     def __call__(self, sample: dict[str, Any]) -> None:
         where = f"shard {self.urls[sample['shard']]}: utterance {sample['key']!r}"
@@ -150,22 +168,84 @@ class Judge:
             sample["error"] = (f"{where} is {content} audio, but train.option.audio is not "
                                "set (how audio becomes features)")
             return None
+        factor = choose_factor(audio.speed_perturb, self.seed, self.epoch, sample["key"]) \
+            if audio.speed_perturb else 1.0
         source: dict[str, int] = {}
-        try:
-            waveform, _ = decode(data, f"{self.urls[sample['shard']]}:{sample['name']}."
-                                       f"{content}", audio.sample_rate, source)
-        except AudioDecodeError as error:
-            self._undecodable(sample, where, "bad_audio", error)
+        name = f"{self.urls[sample['shard']]}:{sample['name']}.{content}"
+        waveform = self._waveform(sample, data, name, where, factor, source)
+        if waveform is None:
             return None
         notes = conversion_notes(source["rate"], source["channels"], audio.sample_rate)
         if notes:
             sample.setdefault("notes", []).extend(notes)
-        if audio.speed_perturb:
-            factor = choose_factor(audio.speed_perturb, self.seed, self.epoch, sample["key"])
-            if factor != 1.0:
-                waveform = speed_perturb(waveform, audio.sample_rate, factor)
-        sample["waveform"] = to_int16(waveform)
+        sample["waveform"] = waveform
         return num_frames(len(waveform), audio.fbank)
+
+    def _waveform(self, sample: dict[str, Any], data: Any, name: str, where: str,
+                  factor: float, source: dict[str, int]) -> np.ndarray | None:
+        """The int16 samples of audio member `name`, decoded and perturbed by `factor`;
+        None, with the sample's `drop` (or `error`) set, for audio the length filter would
+        not keep by its header, and for any failure."""
+        rate = self.audio.sample_rate
+        try:
+            waveform, _ = decode(data, name, rate, source, self._sample_limit(factor))
+            if factor != 1.0:
+                waveform = speed_perturb(waveform, rate, factor)
+            return to_int16(waveform)
+        except AudioTooLongError as error:
+            frames = num_frames(perturbed_num_samples(error.num_samples, factor),
+                                self.audio.fbank)
+            sample["drop"] = (f"{self.length_filter.reason(frames, _NO_LABEL)} (the length "
+                              "its header claims; not decoded)")
+        except Exception as error:  # whatever one member's audio does, it is that member's
+            if not isinstance(error, AudioDecodeError):
+                error = AudioDecodeError(f"cannot decode audio {where}: "
+                                         f"{type(error).__name__}: {error}")
+            self._undecodable(sample, where, "bad_audio", error)
+        return None
+
+    def _high_frames(self) -> int | None:
+        """The length filter's upper bound in frames (None: no length filter or no bound)."""
+        frame_range = self.length_filter.frame_range if self.length_filter else None
+        return frame_range.high if frame_range is not None else None
+
+    def _sample_limit(self, factor: float) -> int | None:
+        """The most samples (at `audio.sample_rate`, before speed perturbation by
+        `factor`) whose features the length filter can keep; None without a bound."""
+        high = self._high_frames()
+        if high is None:
+            return None
+        limit = self._sample_limits.get(factor)
+        if limit is None:
+            def frames(count: int) -> int:
+                return num_frames(perturbed_num_samples(count, factor), self.audio.fbank)
+            low, up = 0, 1  # frames(low) < high <= frames(up): bisect the largest kept
+            while frames(up) < high:
+                low, up = up, 2 * up
+            while up - low > 1:
+                middle = (low + up) // 2
+                low, up = (middle, up) if frames(middle) < high else (low, middle)
+            limit = self._sample_limits[factor] = low
+        return limit
+
+    def member_caps(self) -> dict[str, int]:
+        """The most bytes a member of each extension may take for the length filter to
+        keep its utterance (empty without an upper bound): audio at
+        `MAX_BYTES_PER_SECOND` of its format for the longest audio kept (before speed
+        perturbation), float64 features of `feat_dim`, transcripts at
+        `TRANSCRIPT_BYTES_PER_FRAME`; each with `HEADER_BYTES` to spare."""
+        high = self._high_frames()
+        if high is None:
+            return {}
+        caps = {TRANSCRIPT: HEADER_BYTES + TRANSCRIPT_BYTES_PER_FRAME * high}
+        if self.audio is None:
+            caps["npy"] = HEADER_BYTES + 8 * self.feat_dim * high
+            return caps
+        samples = max(self._sample_limit(f) for f in self.audio.speed_perturb or (1.0,))
+        seconds = samples / self.audio.sample_rate
+        for extension, rate in MAX_BYTES_PER_SECOND.items():
+            caps[extension] = HEADER_BYTES + math.ceil(seconds * rate)
+        return caps
 
     def finish(self, sample: dict[str, Any]) -> None:
         """Fbank `features` of a kept sample's `waveform` (a no-op for features)."""

@@ -40,11 +40,26 @@ corpus.
 
 Nothing is dropped silently: every utterance left out is reported as a
 `StreamEvents.dropped` entry (reasons `empty_label`, `no_tokens`, `all_unk`,
-`out_of_range`, `no_encoder_frames`, `label_too_long`, `incomplete_sample`, `bad_key`,
-`corrupt_features`, `bad_text`), and shards whose tar breaks off or ends early are
-reported as `corrupt` (skipped with a warning). `strict_shards` turns all of these
-shard and member faults into errors. Features whose dimension differs from the model's
-are always an error naming the shard and the utterance.
+`out_of_range` (for audio also decided before decoding, by the length its header
+claims), `no_encoder_frames`, `label_too_long`, `too_long` (a member larger than the
+length filter lets its format be, passed over unread), `incomplete_sample`, `bad_key`,
+`duplicate_key` (a key of a shard without an index entry that the rank already took this
+epoch, from whichever worker: `cat.loading.reader.SeenKeys`), `non_finite`,
+`corrupt_features`, `bad_audio` (audio that fails to decode in any way, is damaged, cut
+short, or claims a length its bytes cannot hold), `bad_text`), and shards whose tar
+breaks off or ends early are reported as `corrupt` (skipped with a warning).
+`strict_shards` turns the shard and member faults into errors (not the length verdicts).
+Features whose dimension differs from the model's are always an error naming the shard
+and the utterance.
+
+Duplicate keys of shards without an index (`utts_per_shard_estimate`): within a rank and
+an epoch, the first sample of a key is trained and every later one dropped as
+`duplicate_key`, whichever of the rank's workers reads it. Not covered: a key whose
+first sample a rank took before a resume (the table starts empty in the new process),
+and a key held by shards of two ranks (each rank sees only its own shards); both are
+trained again, and `StreamProgress` counts them (`repeated_keys`, within a rank; across
+ranks the training loop compares the ranks' `trained_key_hashes`). Indexed shards are
+checked for duplicates across the whole corpus by `prep_wds index`.
 
 Every sort buffer leaves whole: its last, partial batch (its longest utterances) is sent
 too instead of waiting for the next buffer. Carried from buffer to buffer, the longest
@@ -79,7 +94,7 @@ from cat.loading.batch import (
     StreamEvents,
     collate,
 )
-from cat.loading.reader import FailureBudget, ShardReader, fetch_samples
+from cat.loading.reader import FailureBudget, SeenKeys, ShardReader, fetch_samples
 from cat.loading.samples import StreamConfig, WorkerPosition
 from cat.loading.shardlist import ShardList, assign_shards
 from cat.loading.stages import (
@@ -144,8 +159,17 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._control = torch.ones(1, dtype=torch.int64).share_memory_()
         self._failures = torch.zeros(max(num_workers, 1), dtype=torch.int64).share_memory_()
         self._resume: dict[int, WorkerPosition] = {}
+        self._seen = self._seen_keys(shards, world_size)
         self._tokenizer = None
         self._pool: tuple[int, BufferPool] | None = None
+
+    @staticmethod
+    def _seen_keys(shards: ShardList, world_size: int) -> SeenKeys | None:
+        """The rank's table of keys taken from shards without an index entry (None when
+        every shard has one), sized for the rank's share of their estimated utterances
+        with room for an uneven share."""
+        estimated = int(shards.num_utts[shards.estimated].sum())
+        return SeenKeys(-(-2 * estimated // world_size)) if estimated else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -224,7 +248,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                       config.audio, config.seed, epoch)
         budget = FailureBudget(self._failures, worker, len(self.rank_shards(epoch)),
                                config.bad_shard_limit if config.train else 1.0)
-        reader = ShardReader(shards, self.shards, events, config, pool, budget)
+        reader = ShardReader(shards, self.shards, events, config, pool, budget, self._seen,
+                             epoch, judge.member_caps())
         shuffle = ShuffleBuffer(config.shuffle_buffer if config.train else 0, rng)
         batcher = SortBatcher(config.sort_buffer, config.batch_size, config.max_frames,
                               rng if config.train else None)

@@ -4,8 +4,14 @@
 GNU long names; header checksums verified; truncation raises `CorruptShardError`), each
 read with one call, into a `BufferPool` buffer when given one. A member whose header
 claims more bytes than `limit` (the shard's size from its index, or
-`UNINDEXED_MEMBER_LIMIT`) makes the shard corrupt before anything is allocated: a
-bit-rotten size field must not become a `MemoryError` or gigabytes of zeros. `keep`
+`UNINDEXED_MEMBER_LIMIT`), or more than the stream can still hold (`bytes_left`: what is
+left of a file, of an in-memory tar, at most 1032 times what is left of a gzip stream),
+makes the shard corrupt before anything is allocated: a bit-rotten size field must not
+become a `MemoryError` or gigabytes of zeros. Where the stream cannot say (a pipe, an
+HTTP body), a member over `PIECE_BYTES` is read in pieces, so memory follows the bytes
+that arrive, not the claim. `caps` (the most bytes a member of each extension may take,
+from the loader's length filter) passes over a larger member unread and yields it as an
+`OversizedMember`, so its sample is dropped without ever being held in memory. `keep`
 lets a caller skip members without reading their data (a seek on local files), which is
 how an exact resume passes over the utterances of a shard that were already taken.
 
@@ -18,14 +24,21 @@ from __future__ import annotations
 
 import collections
 import io
-from collections.abc import Callable, Iterator
-from typing import BinaryIO
+import os
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from typing import BinaryIO, NamedTuple
 
 TAR_BLOCK = 512
 _ZERO_BLOCK = bytes(TAR_BLOCK)
 #: The largest member of a shard whose index gives no size: 1 GiB, over two hours of
 #: 16 kHz 16-bit audio, or of 80-dim float32 features, in one utterance.
 UNINDEXED_MEMBER_LIMIT = 1 << 30
+#: Members larger than this are read in pieces from streams whose length is unknown.
+PIECE_BYTES = 16 << 20
+# Claims up to this are read without asking the stream what it holds (a system call or
+# two): a false one costs no more than this.
+_UNCHECKED_BYTES = 1 << 20
 
 
 class CorruptShardError(ValueError):
@@ -34,6 +47,31 @@ class CorruptShardError(ValueError):
 
 #: `keep(member name) -> bool`, asked before a member's data is read (see iter_tar_members).
 MemberFilter = Callable[[str], bool]
+
+
+class OversizedMember(NamedTuple):
+    """What `iter_tar_members` yields, instead of the data, for a member passed over unread
+    because its `size` is over `cap`, the caller's limit for its extension."""
+
+    size: int
+    cap: int
+
+
+def bytes_left(stream: BinaryIO) -> int | None:
+    """The most bytes `stream` can still give, or None where it cannot say: its own
+    `bytes_left()` (the gzip reader, the checksum wrapper), what is left of an in-memory
+    buffer or of a regular file; a pipe, a socket or a store's stream cannot say."""
+    method = getattr(stream, "bytes_left", None)
+    if method is not None:
+        return method()
+    if isinstance(stream, io.BytesIO):
+        with stream.getbuffer() as view:
+            return view.nbytes - stream.tell()
+    try:
+        info = os.fstat(stream.fileno())
+        return info.st_size - stream.tell() if stat.S_ISREG(info.st_mode) else None
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
 
 
 # --------------------------------------------------------------------------- tar reading
@@ -142,9 +180,46 @@ def _skip(stream: BinaryIO, size: int, where: str, name: str) -> None:
         size -= len(chunk)
 
 
+def _read_pieces(stream: BinaryIO, size: int) -> bytes:
+    """Up to `size` bytes, read `PIECE_BYTES` at a time (memory follows what arrives)."""
+    pieces = []
+    while size > 0:
+        piece = _read_exact(stream, min(size, PIECE_BYTES))
+        if not piece:
+            break
+        pieces.append(piece)
+        size -= len(piece)
+    return b"".join(pieces)
+
+
+def _read_member(stream: BinaryIO, size: int, pool: BufferPool | None, where: str,
+                 name: str) -> bytes | memoryview:
+    """The `size` bytes of a regular member, checked against what the stream can hold
+    before anything is allocated for them."""
+    left = bytes_left(stream) if size > _UNCHECKED_BYTES else None
+    if left is not None and size > left:
+        raise CorruptShardError(f"{where}: member {name!r} truncated: its tar header "
+                                f"claims {size} bytes, the shard holds at most {left} more "
+                                "(or the header is damaged)")
+    if left is None and size > PIECE_BYTES:
+        data: bytes | memoryview = _read_pieces(stream, size)
+        received = len(data)
+    elif pool is not None and size >= pool.min_bytes:
+        data = memoryview(pool.take(size))[:size]
+        received = _read_into(stream, data)
+    else:
+        data = _read_exact(stream, size)
+        received = len(data)
+    if received < size:
+        raise CorruptShardError(f"{where}: member {name!r} truncated "
+                                f"({received} of {size} bytes)")
+    return data
+
+
 def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = None,
-                     keep: MemberFilter | None = None, limit: int = UNINDEXED_MEMBER_LIMIT
-                     ) -> Iterator[tuple[str, bytes | memoryview | None]]:
+                     keep: MemberFilter | None = None, limit: int = UNINDEXED_MEMBER_LIMIT,
+                     caps: Mapping[str, int] | None = None
+                     ) -> Iterator[tuple[str, bytes | memoryview | OversizedMember | None]]:
     """Yield `(name, data)` of the regular files of a tar stream, in order.
 
     Reads each member with one `read` (the stdlib `tarfile` stream mode copies every
@@ -152,8 +227,10 @@ def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = Non
     Handles ustar, pax and GNU long names; header checksums are verified. Truncation
     raises CorruptShardError. With a `pool`, members of at least `pool.min_bytes` are
     read into its buffers and yielded as memoryviews (`data.obj` is the buffer). A member
-    whose name `keep` rejects is passed over unread and yielded with `data` None. A
-    header claiming more than `limit` bytes raises CorruptShardError (nothing is
+    whose name `keep` rejects is passed over unread and yielded with `data` None; one
+    larger than `caps[its extension]` is passed over unread and yielded as an
+    `OversizedMember`. A header claiming more than `limit` bytes, or more than the
+    stream can still hold (`bytes_left`), raises CorruptShardError (nothing is
     allocated for it).
     """
     long_name: str | None = None
@@ -192,15 +269,12 @@ def iter_tar_members(stream: BinaryIO, where: str, pool: BufferPool | None = Non
                 _skip(stream, size + padding, where, name)
                 yield name, None
                 continue
-        if pool is not None and size >= pool.min_bytes and regular:
-            data = memoryview(pool.take(size))[:size]
-            received = _read_into(stream, data)
-        else:
-            data = _read_exact(stream, size)
-            received = len(data)
-        if received < size:
-            raise CorruptShardError(f"{where}: member {name!r} truncated "
-                                    f"({received} of {size} bytes)")
+            cap = caps.get(name.rpartition(".")[2]) if caps else None
+            if cap is not None and size > cap:
+                _skip(stream, size + padding, where, name)
+                yield name, OversizedMember(size, cap)
+                continue
+        data = _read_member(stream, size, pool if regular else None, where, name)
         if padding and len(_read_exact(stream, padding)) < padding:
             raise CorruptShardError(f"{where}: member {name!r} truncated (padding)")
         if kind == b"x":

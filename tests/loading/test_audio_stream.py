@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import tarfile
 import time
 import uuid
@@ -14,21 +15,30 @@ import numpy as np
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from cat.audio.codec import decode, to_float32, to_int16
+from cat.audio.codec import MAX_BYTES_PER_SECOND, decode, encode, ogg_crc, to_float32, to_int16
 from cat.audio.speed import choose_factor, speed_perturb
-from cat.features.fbank import FbankOptions, compute_fbank
+from cat.features.fbank import FbankOptions, compute_fbank, num_frames
 from cat.formats.audio_pack import pack_audio
 from cat.formats.shard_format import decode_key
-from cat.formats.tables import read_labels
+from cat.formats.tables import FrameRange, read_labels
+from cat.loading import stages
+from cat.loading.batch import LengthFilter
 from cat.loading.reader import DataUnavailableError
 from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
+from cat.loading.stages import HEADER_BYTES
 from cat.loading.stream import ShardStream
 from cat.testing.audio import make_segmented_data_dir
 from cat.testing.epochs import epoch_progress, features_by_key, run_epoch
 from cat.testing.seaweedfs import seaweedfs_s3
 from cat.testing.training import write_tiny_experiment
-from cat.testing.uio import make_uio_corpus, write_shard_list
+from cat.testing.uio import (
+    UioUtterance,
+    make_uio_corpus,
+    synth_wav,
+    write_shard_list,
+    write_uio_shard,
+)
 from cat.text import tokenizer as tk
 from cat.training.checkpoint import load_checkpoint, save_checkpoint
 
@@ -207,6 +217,98 @@ def test_feature_and_audio_shards_need_the_matching_settings(corpus, tokenizer):
     with pytest.raises(ValueError, match=r"train.option.audio makes 40-dim"):
         _stream([str(corpus.shards[0])], tokenizer,
                 audio=AudioConfig(fbank=FbankOptions(num_mel_bins=40)))
+
+
+# ------------------------------------------------------------------ hostile audio members
+
+
+def _opus(key: str, seconds: float = 0.8) -> bytes:
+    waveform, _ = decode(synth_wav(seconds, seed=len(key)), key)
+    return encode(waveform, 16000, "opus")
+
+
+def _claim_granule(data: bytes, granule: int) -> bytes:
+    """Opus `data` whose last page (CRC made valid) claims `granule` samples at 48 kHz."""
+    out = bytearray(data)
+    last = data.rindex(b"OggS")
+    out[last + 6:last + 14] = granule.to_bytes(8, "little", signed=True)
+    out[last + 22:last + 26] = bytes(4)
+    out[last + 22:last + 26] = ogg_crc(bytes(out[last:])).to_bytes(4, "little")
+    return bytes(out)
+
+
+def _drops(progress) -> dict[str, str]:
+    return dict(line.split(" ", 1) for line in progress.drop_lines)
+
+
+def test_hostile_cut_and_failing_audio_members_are_counted_drops(tokenizer, tmp_path,
+                                                                 monkeypatch):
+    """An Opus member whose last page claims 2^60 samples (valid CRC), one cut after a
+    whole page, and a member whose decoding fails with an error of another type: each a
+    counted drop naming its shard and key; the other utterances train."""
+    keys = sorted(TEXTS)[:6]
+    audio = {key: _opus(key) for key in keys}
+    hostile = audio[keys[1]] = _claim_granule(audio[keys[1]], 1 << 60)
+    audio[keys[2]] = audio[keys[2]][:audio[keys[2]].rindex(b"OggS")]
+    shards = [write_uio_shard(tmp_path / f"shards_{n:09d}.tar",
+                              [UioUtterance(key, audio[key], TEXTS[key], "opus")
+                               for key in keys[3 * n:3 * n + 3]]) for n in (0, 1)]
+    failing = f"{keys[4]}.opus"
+
+    def decode_or_fail(data, name, *args):
+        if name.endswith(failing):
+            raise MemoryError("no memory left")
+        return decode(data, name, *args)
+
+    monkeypatch.setattr(stages, "decode", decode_or_fail)
+    batches, progress = _run_epoch(_stream([str(s) for s in shards], tokenizer), 1)
+    assert sorted(_keys(batches)) == sorted([keys[0], keys[3], keys[5]])
+    assert progress.summary()["dropped"] == {"bad_audio": 3}
+    head = hostile.index(b"OpusHead")
+    pre_skip = int.from_bytes(hostile[head + 10:head + 12], "little")
+    drops = _drops(progress)
+    assert drops[keys[1]] == (
+        f"bad_audio corrupt audio {shards[0]}:{keys[1]}.opus: its header claims "
+        f"{(1 << 60) - pre_skip} samples, more than {len(hostile)} bytes of OGG can hold (at "
+        f"most {2880 * len(hostile)})")
+    assert drops[keys[2]] == (f"bad_audio truncated audio {shards[0]}:{keys[2]}.opus: Ogg "
+                              "stream 1 ends without its last page (cut short)")
+    assert drops[keys[4]] == (f"bad_audio cannot decode audio shard {shards[1]}: utterance "
+                              f"'{keys[4]}': MemoryError: no memory left")
+
+
+def test_audio_longer_than_the_length_filter_is_dropped_undecoded_or_unread(tokenizer,
+                                                                            tmp_path):
+    """By the length its header claims, before decoding (the frame count exactly that of
+    the decoded, speed-perturbed audio); by its size, before reading, when larger than
+    any audio of its format the filter keeps."""
+    keys = sorted(TEXTS)[:4]
+    audio = {keys[0]: ("wav", synth_wav(0.9)), keys[1]: ("wav", synth_wav(2.0, seed=1)),
+             keys[2]: ("opus", _opus(keys[2], 2.0)),
+             keys[3]: ("wav", encode(np.zeros(150 * 16000, np.int16), 16000, "wav"))}
+    shard = write_uio_shard(tmp_path / "shards_000000000.tar",
+                            [UioUtterance(k, audio[k][1], TEXTS[k], audio[k][0]) for k in keys])
+    length_filter = LengthFilter(FrameRange(10, 150), np.arange(3001), 1, False)
+    perturb = AudioConfig(speed_perturb=(0.9, 1.1))
+    stream = ShardStream(load_shard_list([str(shard)], 4), tokenizer,
+                         StreamConfig(batch_size=3, max_frames=0, audio=perturb),
+                         length_filter, FEAT_DIM)
+    batches, progress = _run_epoch(stream, 1)
+    assert _keys(batches) == [keys[0]]
+    assert progress.summary()["dropped"] == {"out_of_range": 2, "too_long": 1}
+    drops = _drops(progress)
+    for key in keys[1:3]:
+        factor = choose_factor(perturb.speed_perturb, 0, 1, key)
+        decoded = speed_perturb(decode(audio[key][1], key, 16000)[0], 16000, factor)
+        frames = num_frames(len(decoded), perturb.fbank)
+        assert drops[key] == (f"out_of_range num_frames={frames} range=[10:150) (the length "
+                              "its header claims; not decoded)")
+    # The longest audio kept: 24239 samples give 149 frames, from 26663 at factor 1.1.
+    longest = math.ceil(1.1 * (149 * 160 + 400 - 1 + 0.5)) - 1
+    cap = HEADER_BYTES + math.ceil(longest / 16000 * MAX_BYTES_PER_SECOND["wav"])
+    assert drops[keys[3]] == (f"too_long member {shard}:{keys[3]}.wav of "
+                              f"{len(audio[keys[3]][1])} bytes, more than the {cap} a .wav "
+                              "member within the length filter may take; not read")
 
 
 # ------------------------------------------------------------------ an S3 object store

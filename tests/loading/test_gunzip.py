@@ -4,33 +4,46 @@ the compressed shard from its start, counted), damaged data reported as corrupt.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
+import json
 import os
+import subprocess
+import sys
 import tarfile
 import uuid
+from pathlib import Path
 
 import fsspec
 import numpy as np
 import pytest
+from zlib_ng import zlib_ng
 
+import cat
 from cat.audio.codec import decode, to_float32, to_int16
 from cat.features.fbank import compute_fbank
 from cat.formats.shard_index import index_folder
-from cat.loading.gunzip import GunzipReader, is_gzip_shard
+from cat.loading.gunzip import (
+    EXPANSION_ALLOWANCE,
+    MAX_EXPANSION,
+    GunzipReader,
+    is_gzip_shard,
+)
 from cat.loading.progress import StreamProgress
 from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stream import ShardStream
 from cat.loading.tar import CorruptShardError, iter_tar_members
 from cat.testing.epochs import features_by_key, run_epoch
-from cat.testing.uio import make_uio_corpus
+from cat.testing.uio import make_uio_corpus, synth_wav
 from cat.text import tokenizer as tk
 
 TEXTS = {"BAC009S0002W0122": "而对楼市成交抑制作用最大的", "A/B/utt.1": "今天天气很好",
          "spk-2/x.y.z": "我们一起去", "IC0001W0001": "北京", "IC0001W0002": "上海市",
          "sp/0.9/IC0001W0003": "天气很好", "IC0001W0004": "一起", "IC0001W0005": "成交"}
 FEAT_DIM = 80
+REPO_ROOT = Path(cat.__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +182,109 @@ def test_gunzip_reader_reads_concatenated_members_and_refuses_damage():
     assert [is_gzip_shard(u) for u in ("a/b.tar.gz", "s3://b/c.TGZ", "https://h/x.tar.gz?t=1",
                                        "pipe:ssh host cat /d/x.tar.gz", "a.tar")] \
         == [True, True, True, True, False]
+
+
+def test_a_gzip_bomb_is_corrupt_once_it_inflates_past_the_bound():
+    """256 MiB of zeros in 261 KB: refused once `EXPANSION_ALLOWANCE` came out, not
+    inflated to its end; ordinary data of any size passes."""
+    bomb = io.BytesIO()
+    _write_gzip_tar(bomb, [("zeros.wav", b"", 256 << 20)])
+    reader = GunzipReader(io.BytesIO(bomb.getvalue()), "bomb.tar.gz")
+    with pytest.raises(CorruptShardError, match=rf"^bomb\.tar\.gz: inflates to more than "
+                                                rf"{MAX_EXPANSION} times its compressed size "
+                                                r"\(\d+ bytes from \d+\): a gzip bomb, not a "
+                                                r"shard of speech$"):
+        while reader.read(1 << 20):
+            pass
+    assert reader._produced <= EXPANSION_ALLOWANCE + (4 << 20)
+    speech = os.urandom(1 << 20) * 70  # 70 MiB that barely compresses
+    compressed = zlib_ng.compress(speech, 1, wbits=31)
+    assert GunzipReader(io.BytesIO(compressed), "x").read() == speech
+
+
+def _wav_header(num_bytes: int) -> bytes:
+    """A 16 kHz mono 16-bit WAV header for `num_bytes` of samples."""
+    return (b"RIFF" + (36 + num_bytes).to_bytes(4, "little") + b"WAVEfmt "
+            + (16).to_bytes(4, "little") + (1).to_bytes(2, "little") + (1).to_bytes(2, "little")
+            + (16000).to_bytes(4, "little") + (32000).to_bytes(4, "little")
+            + (2).to_bytes(2, "little") + (16).to_bytes(2, "little") + b"data"
+            + num_bytes.to_bytes(4, "little"))
+
+
+def _write_gzip_tar(target, members) -> None:
+    """A gzip-compressed tar of `(name, data, zeros)` members (`data`, then `zeros` zero
+    bytes), compressed as it is written: a bomb costs no memory to make."""
+    compress = zlib_ng.compressobj(6, zlib_ng.DEFLATED, 31)
+    with contextlib.ExitStack() as stack:
+        out = target if hasattr(target, "write") else stack.enter_context(open(target, "wb"))
+        for name, data, zeros in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data) + zeros
+            out.write(compress.compress(info.tobuf(tarfile.USTAR_FORMAT) + data))
+            for start in range(0, zeros, 1 << 20):
+                out.write(compress.compress(bytes(min(1 << 20, zeros - start))))
+            out.write(compress.compress(bytes(-info.size % 512)))
+        out.write(compress.compress(bytes(1024)) + compress.flush())
+
+
+_STREAM_AND_MEASURE = """
+import json, sys
+import numpy as np
+from cat.formats.tables import FrameRange
+from cat.loading.batch import LengthFilter
+from cat.loading.samples import AudioConfig, StreamConfig
+from cat.loading.shardlist import load_shard_list
+from cat.loading.stream import ShardStream
+from cat.testing.epochs import run_epoch
+tokenizer, *patterns = sys.argv[1:]
+length_filter = LengthFilter(FrameRange(10, 2000), np.arange(4001), 1, False)
+config = StreamConfig(batch_size=2, max_frames=0, shuffle_buffer=3, sort_buffer=2,
+                      bad_shard_limit=1.0, audio=AudioConfig())
+for pattern in patterns:
+    stream = ShardStream(load_shard_list(pattern, 3), tokenizer, config, length_filter, 80)
+    batches, progress = run_epoch(stream, 1)
+    # The peak of this program's memory so far (ru_maxrss would include the parent's).
+    with open("/proc/self/status") as status:
+        peak = next(line for line in status if line.startswith("VmHWM:")).split()[1]
+    print(json.dumps({"trained": sorted(k for b in batches for k in b), "peak_kib": int(peak),
+                      "summary": progress.summary(), "drops": progress.drop_lines}))
+"""
+
+
+def test_a_gzip_bomb_shard_streams_in_bounded_memory(tokenizer, tmp_path):
+    """A 48 MiB WAV of zeros (25 minutes, far over the length filter) and a 256 MiB one
+    (inflating 1000 times) in 0.3 MB of `.tar.gz`: the first dropped unread as `too_long`,
+    the second's shard corrupt once it inflated 64 MiB; the loader's peak memory is that of
+    streaming the same shards without them (measured before these bounds: 1.9 GB more)."""
+    keys = sorted(TEXTS)
+    good = {key: synth_wav(0.8, seed=i) for i, key in enumerate(keys)}
+
+    def utterance(key, audio=None, zeros=0):
+        return [(f"{key}.txt", TEXTS[key].encode(), 0),
+                (f"{key}.wav", audio if audio is not None else good[key], zeros)]
+
+    for folder, bombs in (("clean", False), ("bomb", True)):
+        (tmp_path / folder).mkdir()
+        for number, (size, first, bomb, last) in enumerate([(48 << 20, *keys[0:3]),
+                                                            (256 << 20, *keys[3:6])]):
+            members = utterance(first) + (utterance(bomb, _wav_header(size), size) if bombs
+                                          else []) + utterance(last)
+            _write_gzip_tar(tmp_path / folder / f"shards_{number:09d}.tar.gz", members)
+    # One process streams the shards without the bombs, then with them: its peak may only
+    # grow by what the bombs cost.
+    run = subprocess.run([sys.executable, "-c", _STREAM_AND_MEASURE, tokenizer,
+                          f"{tmp_path}/clean/*.tar.gz", f"{tmp_path}/bomb/*.tar.gz"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    clean, bomb = (json.loads(line) for line in run.stdout.splitlines()[-2:])
+    assert clean["trained"] == sorted([keys[0], keys[2], keys[3], keys[5]])
+    assert bomb["trained"] == sorted([keys[0], keys[2], keys[3]])
+    summary = bomb["summary"]
+    assert summary["dropped"] == {"too_long": 1, "incomplete_sample": 1}
+    assert summary["corrupt_shards"] == [f"{tmp_path}/bomb/shards_000000001.tar.gz"]
+    first = f"{tmp_path}/bomb/shards_000000000.tar.gz"
+    assert f"{keys[1]} too_long member {first}:{keys[1]}.wav of {(48 << 20) + 44} bytes, " \
+           "more than the " in "\n".join(bomb["drops"])
+    assert bomb["peak_kib"] - clean["peak_kib"] < 32 << 10, (bomb["peak_kib"],
+                                                             clean["peak_kib"])

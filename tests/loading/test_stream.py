@@ -18,7 +18,8 @@ from cat.formats import prep_wds, shard_format
 from cat.formats.mappack import write_map_pack
 from cat.formats.tables import FrameRange
 from cat.loading.batch import LengthFilter
-from cat.loading.reader import DataUnavailableError
+from cat.loading.progress import repeated_keys
+from cat.loading.reader import DataUnavailableError, SeenKeys
 from cat.loading.samples import StreamConfig, decode_npy, split_ids
 from cat.loading.shardlist import load_shard_list
 from cat.loading.stages import SortBatcher
@@ -386,3 +387,61 @@ def test_plain_webdataset_reads_what_the_pipeline_reads(experiment, shard_dir):
                                      shardshuffle=False)}
     assert set(keys) | set(INFEASIBLE) == plain
     assert os.path.exists(shard_dir / "index.jsonl")
+
+
+def _shards_sharing_a_key(folder, count=4):
+    """`count` shards without an index of 3 utterances, each also holding `dup`."""
+    rng = np.random.default_rng(5)
+    features = {f"u{i}": rng.normal(size=(40 + i, 8)).astype(np.float32) for i in range(12)}
+    shared = ("dup", rng.normal(size=(50, 8)).astype(np.float32), "的一")
+    for number in range(count):
+        own = [(key, features[key], "是在") for key in list(features)[3 * number:3 * number + 3]]
+        write_raw_shard(folder / f"data-{number}.tar", [*own[:1], shared, *own[1:]])
+    return f"{folder}/data-*.tar"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_key_in_shards_of_several_workers_is_trained_once(experiment, tmp_path, workers):
+    """Shards without an index share a key: whichever of the rank's workers reads a copy
+    after the first, it is dropped and counted, every epoch (the table is per epoch)."""
+    stream = _stream(experiment, _shards_sharing_a_key(tmp_path), estimate=3,
+                     workers=workers)
+    for epoch in (1, 2):
+        batches, progress = run_epoch(stream, epoch, workers)
+        keys = _keys(batches)
+        assert sorted(keys) == sorted(["dup", *(f"u{i}" for i in range(12))])
+        assert progress.summary()["dropped"] == {"duplicate_key": 3}
+        assert progress.summary()["repeated_keys"] == 0
+        lines = sorted(progress.drop_lines)
+        urls = stream.shards.urls
+        firsts = {re.match(r"dup duplicate_key also in shard (\S+) \(read first; this copy: "
+                           r"shard (\S+)\)$", line).groups() for line in lines}
+        assert len({first for first, _ in firsts}) == 1 and len(lines) == 3
+        assert {first for first, _ in firsts} | {copy for _, copy in firsts} == set(urls)
+
+
+def test_keys_trained_by_two_ranks_or_across_a_resume_are_counted(experiment, tmp_path):
+    """What the per-rank table cannot see: each rank trains its copy; the ranks'
+    `trained_key_hashes` tell, and they survive a checkpoint."""
+    pattern = _shards_sharing_a_key(tmp_path)
+    progresses = [run_epoch(_stream(experiment, pattern, rank, 2, estimate=3), 1)[1]
+                  for rank in (0, 1)]
+    assert [p.summary()["dropped"] for p in progresses] == [{"duplicate_key": 1}] * 2
+    hashes = [p.trained_key_hashes() for p in progresses]
+    assert [len(h) for h in hashes] == [7, 7]
+    assert repeated_keys(hashes) == 1 and repeated_keys(hashes[:1]) == 0
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"format": "cat-checkpoint", "version": 1,
+                           "data": progresses[0].state()})
+    resumed = epoch_progress(_stream(experiment, pattern, 0, 2, estimate=3), 1, 0)
+    resumed.restore(load_checkpoint(path)["data"])
+    np.testing.assert_array_equal(resumed.trained_key_hashes(), hashes[0])
+
+
+def test_the_seen_key_table_stops_taking_keys_when_full_and_still_finds_them():
+    seen = SeenKeys(1)  # 4096 slots, 3072 keys
+    assert [seen.claim(f"k{i}", i % 7, 1) for i in range(3072)] == [i % 7 for i in range(3072)]
+    assert seen.claim("new", 3, 1) is None
+    assert seen.claim("k10", 5, 1) == 3  # still found: k10 came first from shard 3
+    assert seen.claim("k10", 5, 2) == 5  # a new epoch starts empty
+    assert seen.claim("k11", 6, 1) == 6  # a worker of the cut epoch: not recorded

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -94,12 +96,21 @@ def test_shard_items_pass_the_filter_of_each_shard(shard):
 _READ_UNDER_A_MEMORY_LIMIT = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from cat.loading.gunzip import tar_stream
 from cat.loading.tar import BufferPool, CorruptShardError, iter_tar_members
 path, limit = sys.argv[1], int(sys.argv[2])
+
+
+class Pipe:  # a stream that cannot say how much it holds
+    def __init__(self, stream):
+        self.read = stream.read
+
+
 with open(path, "rb") as f:
+    stream = Pipe(f) if len(sys.argv) > 3 else tar_stream(f, path)
     try:
-        for _ in iter_tar_members(f, path, BufferPool(), limit=limit) if limit else \\
-                iter_tar_members(f, path, BufferPool()):
+        for _ in iter_tar_members(stream, path, BufferPool(), limit=limit) if limit else \\
+                iter_tar_members(stream, path, BufferPool()):
             pass
     except CorruptShardError as error:
         print(f"corrupt: {error}")
@@ -125,4 +136,29 @@ def test_a_header_claiming_a_huge_member_is_corrupt_and_allocates_nothing(shard,
     assert run.returncode == 0, run.stderr[-2000:]
     assert f"corrupt: {damaged}: member {name!r}: its tar header claims {claim} bytes" \
         in run.stdout, run.stdout
+    assert int(run.stdout.split("VmHWM:")[1].split()[0]) < 200 << 10  # KiB: under 200 MiB
+
+
+@pytest.mark.parametrize("kind", ["plain", "gzip", "pipe"])
+def test_a_claim_the_shard_cannot_hold_allocates_nothing(shard, tmp_path, kind):
+    """900 MB claimed in a small shard without an index (under the 1 GiB sanity bound):
+    checked against what the file, or at most 1032 times what the gzip stream, still
+    holds, before anything is allocated; a stream that cannot say is read in pieces, so
+    memory follows what arrives (before: a 0.9 GB buffer, then the error)."""
+    damaged = tmp_path / "data-00000.tar"
+    damaged.write_bytes(shard.read_bytes())
+    name = claim_member_size(damaged, 900_000_000, member=2)
+    if kind == "gzip":
+        damaged = damaged.with_name("data-00000.tar.gz")
+        damaged.write_bytes(gzip.compress((tmp_path / "data-00000.tar").read_bytes()))
+    run = subprocess.run([sys.executable, "-c", _READ_UNDER_A_MEMORY_LIMIT, str(damaged), "0",
+                          *(["pipe"] if kind == "pipe" else [])], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    message = (rf"corrupt: {damaged}: member {name!r} truncated \(\d+ of 900000000 bytes\)"
+               if kind == "pipe" else
+               rf"corrupt: {damaged}: member {name!r} truncated: its tar header claims "
+               rf"900000000 bytes, the shard holds at most \d+ more \(or the header is "
+               rf"damaged\)")
+    assert re.search(message, run.stdout), run.stdout
     assert int(run.stdout.split("VmHWM:")[1].split()[0]) < 200 << 10  # KiB: under 200 MiB
