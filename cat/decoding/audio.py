@@ -21,8 +21,10 @@ holding `Piece`s (its utterances), with the list line each came from:
 utterance's 80-dim fbank exactly as stage 1 does (`cat.features.extract.utterance_features`:
 resampled to 16 kHz with libsoxr, segments cut as Kaldi's extract-segments cuts them), or
 why it has none: unreadable, truncated or missing audio, a segment outside its recording,
-a shard member without audio. Every reason starts with the list line (`wav.scp:3: no
-such file: ...`) or the shard and member it concerns.
+a shard member without audio, an utterance longer than the transcription window (refused
+from the file's header, before its samples are read). Of 16 kHz audio only each
+utterance's samples are read, a block at a time. Every reason starts with the list line
+(`wav.scp:3: no such file: ...`) or the shard and member it concerns.
 
 Usage:
     audio = from_wav_scp("data/test/wav.scp", "data/test/segments")
@@ -33,18 +35,21 @@ Usage:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import datetime
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import soundfile
 
 from cat.audio.codec import READ_EXTENSIONS, AudioDecodeError, decode
 from cat.core.io import PathLike, TableError, iter_table
-from cat.features.extract import utterance_features
-from cat.features.fbank import AudioError, FbankOptions, read_audio
-from cat.features.plan import scan_segments
+from cat.features.extract import cut_features, segment_span, utterance_features
+from cat.features.fbank import AudioError, FbankOptions, num_frames, open_audio, read_channel
+from cat.features.plan import DEFAULT_MAX_OVERSHOOT, scan_segments
 from cat.formats.data_list import URL_PREFIXES, DataListError, read_data_list
 from cat.loading.sources import describe, read_shard
 from cat.loading.tar import CorruptShardError
@@ -199,25 +204,106 @@ def from_data_list(path: PathLike) -> AudioList:
 # ----------------------------------------------------------------------------- features
 
 
-def recording_features(recording: Recording, options: FbankOptions
+#: The environment variable holding the seconds of the longest utterance transcription
+#: reads (`cat.decoding.transcribe`; default 1800).
+WINDOW_VARIABLE = "CAT_TRANSCRIBE_WINDOW_SECONDS"
+
+
+def recording_features(recording: Recording, options: FbankOptions,
+                       max_frames: int | None = None
                        ) -> Iterator[tuple[str, np.ndarray | str]]:
-    """`(key, features or why there are none)` of each utterance of `recording`, in order."""
+    """`(key, features or why there are none)` of each utterance of `recording`, in order.
+
+    A file or command is opened once (`open_audio`); at `options.sample_rate`, only each
+    utterance's samples are read (`read_channel`), so a long recording cut by segments
+    takes the memory of its longest segment; at another rate it is read whole and
+    resampled, as stage 1 does. An utterance of more than `max_frames` frames (None: no
+    limit) is not read: its reason names it, its duration and `WINDOW_VARIABLE`.
+    """
     if recording.shard:
-        yield from _shard_features(recording, options)
+        yield from _shard_features(recording, options, max_frames)
         return
+    with contextlib.ExitStack() as stack:
+        try:
+            audio, name = stack.enter_context(open_audio(recording.source))
+        except AudioError as error:
+            for piece in recording.pieces:
+                yield piece.key, f"{recording.where}: {error}"
+            return
+        yield from _pieces_features(recording.pieces, audio, name, options, max_frames)
+
+
+def _pieces_features(pieces: Sequence[Piece], audio: soundfile.SoundFile, name: str,
+                     options: FbankOptions, max_frames: int | None
+                     ) -> Iterator[tuple[str, np.ndarray | str]]:
+    rate, target = audio.samplerate, options.sample_rate
+    # At another rate, an estimate of the resampled length: enough to refuse by length.
+    length = audio.frames if rate == target else round(audio.frames * target / rate)
+    spans = [segment_span(piece.start, piece.end, length, target, DEFAULT_MAX_OVERSHOOT)
+             for piece in pieces]
+    reasons: dict[int, str] = {}
+    for index, (piece, span) in enumerate(zip(pieces, spans, strict=True)):
+        if isinstance(span, str):
+            if rate == target:  # else stage 1's code finds it, with the exact length
+                reasons[index] = span
+        elif max_frames is not None and num_frames(span[1] - span[0], options) > max_frames:
+            reasons[index] = _too_long(piece, name, (span[1] - span[0]) / target,
+                                       max_frames, options)
+    if rate == target:
+        results: Iterable[np.ndarray | str] = (
+            reasons[index] if index in reasons else _span_features(piece, span, audio, name,
+                                                                    options)
+            for index, (piece, span) in enumerate(zip(pieces, spans, strict=True)))
+    else:
+        results = _resampled_features(pieces, reasons, audio, name, options)
+    for piece, result in zip(pieces, results, strict=True):
+        yield piece.key, f"{piece.where}: {result}" if isinstance(result, str) else result
+
+
+def _span_features(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,
+                   name: str, options: FbankOptions) -> np.ndarray | str:
+    """Stage 1's features of one utterance, only its samples read."""
     try:
-        waveform, rate = read_audio(recording.source)
+        samples = read_channel(audio, name, *span)
     except AudioError as error:
-        for piece in recording.pieces:
-            yield piece.key, f"{recording.where}: {error}"
-        return
-    wheres = {piece.key: piece.where for piece in recording.pieces}
-    pieces = [(piece.key, piece.start, piece.end) for piece in recording.pieces]
-    for key, result in utterance_features(waveform, rate, pieces, options):
-        yield key, f"{wheres[key]}: {result}" if isinstance(result, str) else result
+        return str(error)
+    return cut_features(samples, piece.key, options)
 
 
-def _shard_features(recording: Recording, options: FbankOptions
+def _resampled_features(pieces: Sequence[Piece], reasons: dict[int, str],
+                        audio: soundfile.SoundFile, name: str, options: FbankOptions
+                        ) -> Iterator[np.ndarray | str]:
+    """Audio at another rate: read whole, resampled and cut by stage 1's own code."""
+    wanted = [(piece.key, piece.start, piece.end) for index, piece in enumerate(pieces)
+              if index not in reasons]
+    features: Iterator[tuple[str, np.ndarray | str]] = iter(())
+    if wanted:
+        try:
+            features = utterance_features(read_channel(audio, name), audio.samplerate,
+                                          wanted, options)
+        except AudioError as error:
+            reasons.update((index, str(error)) for index in range(len(pieces))
+                           if index not in reasons)
+    for index in range(len(pieces)):
+        yield reasons[index] if index in reasons else next(features)[1]
+
+
+def _too_long(piece: Piece, name: str, seconds: float, max_frames: int,
+              options: FbankOptions) -> str:
+    what = "the recording" if (piece.start, piece.end) == (0.0, -1.0) else \
+        f"the segment {piece.start:g} s to {piece.end:g} s of it"
+    window = max_frames * options.frame_shift_ms / 1000
+    return (f"{name}: {what} lasts {seconds:.1f} s ({_clock(seconds)}), longer than the "
+            f"transcription window of {window:g} s: an utterance is decoded whole, so it is "
+            "not read; split it into shorter utterances (a segments file), or raise "
+            f"${WINDOW_VARIABLE} (seconds)")
+
+
+def _clock(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def _shard_features(recording: Recording, options: FbankOptions, max_frames: int | None
                     ) -> Iterator[tuple[str, np.ndarray | str]]:
     """Utterances of a WeNet shard: consecutive members with the same key form one."""
     where = f"{recording.where}: {recording.source}"
@@ -231,7 +317,7 @@ def _shard_features(recording: Recording, options: FbankOptions
                 continue
             if member_key != key:
                 if key is not None:
-                    yield from _member_features(key, members, where, options)
+                    yield from _member_features(key, members, where, options, max_frames)
                 key, members = member_key, {}
             members[extension] = bytes(data)
     except (CorruptShardError, OSError) as error:
@@ -242,11 +328,12 @@ def _shard_features(recording: Recording, options: FbankOptions
             yield key, f"{where}: the shard breaks off at key {key!r}: {describe(error)}"
         return
     if key is not None:
-        yield from _member_features(key, members, where, options)
+        yield from _member_features(key, members, where, options, max_frames)
 
 
 def _member_features(key: str, members: dict[str, bytes], where: str,
-                     options: FbankOptions) -> Iterator[tuple[str, np.ndarray | str]]:
+                     options: FbankOptions, max_frames: int | None
+                     ) -> Iterator[tuple[str, np.ndarray | str]]:
     if not key or any(char.isspace() for char in key):
         yield key, f"{where}: key {key!r} is empty or holds whitespace"
         return
@@ -261,6 +348,11 @@ def _member_features(key: str, members: dict[str, bytes], where: str,
         waveform, rate = decode(members[audio[0]], name)
     except AudioDecodeError as error:
         yield key, str(error)
+        return
+    seconds = len(waveform) / rate
+    if max_frames is not None and num_frames(round(seconds * options.sample_rate),
+                                             options) > max_frames:
+        yield key, _too_long(Piece(key, 0.0, -1.0, where), name, seconds, max_frames, options)
         return
     for utterance, result in utterance_features(waveform, rate, [(key, 0.0, -1.0)], options):
         yield utterance, f"{name}: {result}" if isinstance(result, str) else result

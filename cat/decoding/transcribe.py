@@ -15,8 +15,18 @@ whatever the size of the list. With one process and a list shorter than a window
 batches are exactly stage 4's. With a GPU, `nj` processes compute features and the GPU
 decodes.
 
-Audio that cannot be used (missing, unreadable, truncated, too short, a segment outside
-its recording, a shard member without audio) is skipped, logged and counted with the
+An utterance is decoded whole, and its words cannot be joined across a cut without
+their times, which the searches do not give; so an utterance longer than the window (a
+3-hour recording given as one file) is not cut but refused before its audio is read,
+skipped with a reason naming the list line, the file, its duration and
+`$CAT_TRANSCRIBE_WINDOW_SECONDS`, which raises the window (seconds, default 1800; a
+larger window holds that much audio in memory). Cut a long recording with a `segments`
+file instead: each segment's samples alone are read (`cat.decoding.audio`), so a
+recording of hours with segments is transcribed in the memory of its longest segment.
+
+Audio that cannot be used (missing, unreadable, truncated, too short or longer than the
+window, a segment outside its recording, a shard member without audio, a `wav.scp` command
+that fails or outlives `$CAT_WAV_SCP_TIMEOUT`) is skipped, logged and counted with the
 list line it came from; the rest is decoded. Nothing decodable at all is an error.
 
 Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
@@ -38,9 +48,10 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +61,7 @@ from cat.core.config import CONFIG_NAME, load_config
 from cat.core.io import PathLike, atomic_write
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
-from cat.decoding.audio import AudioList, Recording, recording_features
+from cat.decoding.audio import WINDOW_VARIABLE, AudioList, Recording, recording_features
 from cat.decoding.searcher import (
     FRAME_SHIFT_SECONDS,
     NO_LABEL,
@@ -69,7 +80,8 @@ from cat.loading.batch import Utterance
 
 logger = logging.getLogger(__name__)
 
-#: Frames of features a process gathers before sorting and decoding them (30 minutes).
+#: Frames of features a process gathers before sorting and decoding them (30 minutes),
+#: and the longest utterance it reads; `$CAT_TRANSCRIBE_WINDOW_SECONDS` overrides it.
 WINDOW_FRAMES = 180_000
 #: Where an utterance stands in the list: (recording index, position in the recording).
 Order = tuple[int, int]
@@ -118,29 +130,50 @@ def check_feature_dim(exp_dir: PathLike, options: FbankOptions) -> None:
 # ----------------------------------------------------------------------------- in a process
 
 
-def _features(recordings: Iterable[tuple[int, Recording]], fbank: FbankOptions
+def window_frames_setting() -> int:
+    """The window in frames: `$CAT_TRANSCRIBE_WINDOW_SECONDS`, else `WINDOW_FRAMES`."""
+    text = os.environ.get(WINDOW_VARIABLE, "").strip()
+    if not text:
+        return WINDOW_FRAMES
+    try:
+        frames = round(float(text) / FRAME_SHIFT_SECONDS)
+    except (ValueError, OverflowError):
+        frames = 0
+    if frames < 1:
+        raise TranscribeError(f"{WINDOW_VARIABLE}={text!r}: expected a positive number of "
+                              "seconds")
+    return frames
+
+
+def _features(recordings: Iterable[tuple[int, Recording]], fbank: FbankOptions,
+              window_frames: int = WINDOW_FRAMES
               ) -> Iterator[tuple[Order, str, np.ndarray | str]]:
     for index, recording in recordings:
-        for position, (key, result) in enumerate(recording_features(recording, fbank)):
+        results = recording_features(recording, fbank, window_frames)
+        for position, (key, result) in enumerate(results):
             yield (index, position), key, result
 
 
-def _recording_features(index: int, recording: Recording, fbank: FbankOptions
-                        ) -> list[tuple[Order, str, np.ndarray | str]]:
+def _recording_features(index: int, recording: Recording, fbank: FbankOptions,
+                        window_frames: int) -> list[tuple[Order, str, np.ndarray | str]]:
     """All utterances of one recording (a feature process's task when a GPU decodes)."""
-    return list(_features([(index, recording)], fbank))
+    return list(_features([(index, recording)], fbank, window_frames))
 
 
 def _pooled_features(pool: Executor, recordings: list[Recording], fbank: FbankOptions,
-                     ahead: int) -> Iterator[tuple[Order, str, np.ndarray | str]]:
+                     ahead: int, window_frames: int = WINDOW_FRAMES
+                     ) -> Iterator[tuple[Order, str, np.ndarray | str]]:
     """Features computed by the pool, in list order, at most `ahead` recordings ahead."""
     tasks = iter(enumerate(recordings))
-    pending = collections.deque(pool.submit(_recording_features, index, recording, fbank)
-                                for index, recording in itertools.islice(tasks, ahead))
+
+    def submit(index: int, recording: Recording) -> Future:
+        return pool.submit(_recording_features, index, recording, fbank, window_frames)
+
+    pending = collections.deque(submit(*task) for task in itertools.islice(tasks, ahead))
     while pending:
         items = pending.popleft().result()
-        for index, recording in itertools.islice(tasks, 1):
-            pending.append(pool.submit(_recording_features, index, recording, fbank))
+        for task in itertools.islice(tasks, 1):
+            pending.append(submit(*task))
         yield from items
 
 
@@ -193,7 +226,7 @@ def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptio
     """Read, featurize and decode `share` in this process."""
     searcher = Searcher(exp_dir, checkpoint, kind, options, device,
                         [fusion] if fusion is not None else [])
-    return _decode(searcher, _features(share, fbank), options, window_frames)
+    return _decode(searcher, _features(share, fbank, window_frames), options, window_frames)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -217,10 +250,11 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
         searcher = Searcher(exp_dir, checkpoint, kind, options, device,
                             [fusion] if fusion is not None else [])
         if workers == 1:
-            items = _features(enumerate(audio.recordings), fbank)
+            items = _features(enumerate(audio.recordings), fbank, window_frames)
             return [_decode(searcher, items, options, window_frames)], 1
         with process_pool(workers) as pool:  # feature workers; decoding reports here
-            items = _pooled_features(pool, audio.recordings, fbank, 2 * workers)
+            items = _pooled_features(pool, audio.recordings, fbank, 2 * workers,
+                                     window_frames)
             return [_decode(searcher, items, options, window_frames)], workers
     shares = _shares(audio, workers)
     arguments = (exp_dir, checkpoint, kind, options, device, fusion)
@@ -235,9 +269,11 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
 def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: str,
                options: DecodeOptions, fusion: FusionSpec | None = None,
                fbank: FbankOptions | None = None,
-               window_frames: int = WINDOW_FRAMES) -> Transcript:
-    """Decode every utterance of `audio` (see the module docstring)."""
+               window_frames: int | None = None) -> Transcript:
+    """Decode every utterance of `audio` (see the module docstring); `window_frames`
+    default: `window_frames_setting()`."""
     fbank = fbank or FbankOptions()
+    window_frames = window_frames or window_frames_setting()
     check_feature_dim(exp_dir, fbank)
     if fusion is not None and options.method != "beam":
         raise ValueError(f"decoding with language models needs method 'beam', got "

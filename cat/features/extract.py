@@ -33,6 +33,12 @@ spec, its log `log/extract.<job>.log`); a failed task stops the stage naming it 
 log, and a re-run submits only the jobs not done. Unreadable audio is skipped, listed and counted;
 the run fails only if every utterance failed or an input table is malformed.
 
+A `wav.scp` command gets `$CAT_WAV_SCP_TIMEOUT` seconds (default 600, 0 for no limit;
+`cat.features.fbank.command_timeout`) to write its audio; one that takes longer is killed
+with its process group and its utterances are skipped (`<utt> command '<command>' did not
+finish within 600 s: killed ...` in skipped.txt). The variable reaches the job processes
+and array tasks. A command the shell cannot run (status 126, 127) stops its job instead.
+
 Usage:
     python -m cat.features.extract --nj 4 --speed-perturb 0.9,1.1 data/train data/train_sp_fbank
     python -m cat.features.extract --nj 40 --cmd "launch.sh --backend slurm --mem-per-job 2G" \
@@ -190,11 +196,18 @@ def utterance_features(
                 yield key, span
                 continue
             begin, stop = _perturbed_span(span, len(waveform), len(audio), factor)
-            try:
-                yield key, compute_fbank(audio[begin:stop], sample_rate, options,
-                                         seed=zlib.crc32(key.encode()))
-            except AudioError as error:
-                yield key, str(error)
+            yield key, cut_features(audio[begin:stop], key, options)
+
+
+def cut_features(samples: np.ndarray, key: str, options: FbankOptions) -> np.ndarray | str:
+    """The fbank stage 1 gives the utterance `key` of `samples` (its audio at
+    `options.sample_rate`, already cut; dither, if any, seeded by the key), or why it
+    has none."""
+    try:
+        return compute_fbank(samples, options.sample_rate, options,
+                             seed=zlib.crc32(key.encode()))
+    except AudioError as error:
+        return str(error)
 
 
 def _recording_features(

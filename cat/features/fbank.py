@@ -6,6 +6,15 @@
   that fails; a command the shell cannot run at all (status 126 or 127: the program is
   missing on this machine) is a `PipeCommandError`, which stops a job instead of skipping
   its utterances;
+* `open_audio` / `read_channel`: the same entry opened, and channel 0 of any span of it
+  read a block at a time (what transcription reads long recordings with);
+* commands (`run_command`): run by `/bin/sh` in a process group of their own, their
+  output written to a temporary file as it comes (not held in memory). A command gets
+  `$CAT_WAV_SCP_TIMEOUT` seconds (default 600; 0: no limit) to write its audio and
+  exit; after that its whole process group is killed and the entry is an `AudioError`
+  (`command '<command>' did not finish within 600 s: killed (...)`), skipped and counted
+  as a failing command is. The variable reaches every stage that reads `wav.scp`
+  (stage 1, audio shards, transcription) and their worker processes and array tasks;
 * `compute_fbank`: 80-dim log-mel fbank, the computation of
   `torchaudio.compliance.kaldi.fbank` (`FbankOptions`: 25 ms window, 10 ms shift, dither
   0 unless asked, other options at their Kaldi defaults) on audio scaled to the int16
@@ -14,7 +23,12 @@
   Povey window, 512-point real FFT, mel banks, log), but builds the window and mel banks
   once per `FbankOptions` (`fbank_tables`) and takes the power spectrum as re^2 + im^2
   instead of squaring complex magnitudes: about 1.7 times as fast, within 1e-5 of
-  torchaudio's (`tests/features/test_fbank.py` holds it to 1e-4).
+  torchaudio's (`tests/features/test_extract.py` holds it to 1e-5). Frames are computed
+  `FBANK_WINDOW_FRAMES` (10 s) at a time, each window of N frames from its N * 160 + 240
+  samples, so a recording of hours takes about 10 MB besides its samples and features
+  (before: about 9 KB per frame at once, 8 GB for 3 hours); the frames are those of the
+  whole waveform (with dither, the noise is drawn window by window: reproducible with a
+  seed, but not the noise of one draw).
 
 Resampling (`cat.audio.codec.resample`) and speed perturbation (`cat.audio.speed`) are
 libsoxr's, as sox does them: nothing the new rate cannot hold is left in the top bins.
@@ -31,12 +45,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import logging
 import os
 import re
+import select
+import signal
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 import soundfile
@@ -88,7 +107,8 @@ def read_audio(spec: str) -> tuple[np.ndarray, int]:
 
     Returns `(waveform, sample_rate)`: float32 mono samples in [-1, 1] (channel 0 of
     multi-channel audio). Raises `AudioError` naming the source for missing, corrupt or
-    truncated audio and for failing commands.
+    truncated audio and for failing commands or ones that outlive their time limit
+    (`command_timeout`).
     """
     waveform, sample_rate, _ = read_audio_with_channels(spec)
     return waveform, sample_rate
@@ -96,27 +116,74 @@ def read_audio(spec: str) -> tuple[np.ndarray, int]:
 
 def read_audio_with_channels(spec: str) -> tuple[np.ndarray, int, int]:
     """`read_audio`, plus the number of channels the audio had."""
+    with open_audio(spec) as (audio, name):
+        return read_channel(audio, name), audio.samplerate, audio.channels
+
+
+@contextlib.contextmanager
+def open_audio(spec: str) -> Iterator[tuple[soundfile.SoundFile, str]]:
+    """A `wav.scp` value opened for reading in pieces: `(audio, its name in messages)`.
+
+    A command's output is written to a temporary file as it comes (see `run_command`),
+    so neither it nor the samples are held in memory; the file is removed on leaving.
+    Raises `AudioError` (or `PipeCommandError`) as `read_audio` does.
+    """
     spec = spec.strip()
-    if spec.endswith("|"):
-        command = spec[:-1].strip()
-        source: str | io.BytesIO = io.BytesIO(_run_pipe(command))
-        name = f"command '{command}'"
-    else:
-        if not os.path.isfile(spec):
-            raise AudioError(f"no such file: {spec}")
-        source, name = spec, spec
+    with contextlib.ExitStack() as stack:
+        if spec.endswith("|"):
+            command = spec[:-1].strip()
+            source: str | BinaryIO = stack.enter_context(run_command(command))
+            name = f"command '{command}'"
+        else:
+            if not os.path.isfile(spec):
+                raise AudioError(f"no such file: {spec}")
+            source, name = spec, spec
+        try:
+            audio = stack.enter_context(soundfile.SoundFile(source))
+        except soundfile.SoundFileError as error:
+            # Of a file object (a command's output) libsndfile gives its repr: say only why.
+            detail = error if isinstance(source, str) else \
+                getattr(error, "error_string", None) or error
+            raise AudioError(f"cannot decode {name}: {detail}") from error
+        _check_not_truncated(audio, name)
+        yield audio, name
+
+
+#: Bytes of decoded samples `read_channel` reads at once.
+READ_BLOCK_BYTES = 1 << 22
+
+
+def read_channel(audio: soundfile.SoundFile, name: str, start: int = 0,
+                 stop: int | None = None) -> np.ndarray:
+    """Float32 samples `start` to `stop` (default: the end) of channel 0 of `audio`,
+    read a block at a time (channels other than 0 are never held whole). Raises
+    `AudioError` naming `name` when the data cannot be decoded."""
+    stop = audio.frames if stop is None else min(stop, audio.frames)
+    out = np.empty(max(0, stop - start), np.float32)
+    block = max(1, READ_BLOCK_BYTES // (4 * audio.channels))
+    filled = 0
     try:
-        with soundfile.SoundFile(source) as audio:
-            _check_not_truncated(audio, name)
-            data = audio.read(dtype="float32", always_2d=True)
-            sample_rate = audio.samplerate
+        if start:
+            audio.seek(start)
+        while filled < len(out):
+            data = audio.read(min(block, len(out) - filled), dtype="float32", always_2d=True)
+            if not len(data):
+                break
+            out[filled:filled + len(data)] = data[:, 0]
+            filled += len(data)
     except soundfile.SoundFileError as error:
         raise AudioError(f"cannot decode {name}: {error}") from error
-    return np.ascontiguousarray(data[:, 0]), sample_rate, data.shape[1]
+    return out[:filled]
 
 
 #: The shell's statuses of a command it could not run: not executable, not found.
 COMMAND_NOT_RUN_STATUSES = {126: "not executable", 127: "not found"}
+#: The environment variable holding the seconds a `wav.scp` command may run (0: no limit).
+COMMAND_TIMEOUT_VARIABLE = "CAT_WAV_SCP_TIMEOUT"
+#: Its default: a command converting a recording is done within seconds; one waiting on
+#: a hung mount or a prompt would hold its job forever.
+DEFAULT_COMMAND_TIMEOUT = 600.0
+_READ_BYTES = 1 << 20
 
 
 class PipeCommandError(RuntimeError):
@@ -127,22 +194,98 @@ class PipeCommandError(RuntimeError):
     only the jobs that stopped."""
 
 
-def _run_pipe(command: str) -> bytes:
-    # Kaldi runs wav.scp commands with the shell too (popen).
-    result = subprocess.run(command, shell=True, capture_output=True, check=False)
-    if result.returncode in COMMAND_NOT_RUN_STATUSES:
-        message = result.stderr.decode("utf-8", "replace").strip().splitlines()
+def command_timeout() -> float | None:
+    """Seconds a `wav.scp` command may run: `$CAT_WAV_SCP_TIMEOUT`, else 600; None
+    when it is 0 (no limit)."""
+    text = os.environ.get(COMMAND_TIMEOUT_VARIABLE, "").strip()
+    try:
+        seconds = float(text) if text else DEFAULT_COMMAND_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{COMMAND_TIMEOUT_VARIABLE}={text!r}: expected seconds (a "
+                         "non-negative number; 0 for no limit)")
+    return seconds or None
+
+
+@contextlib.contextmanager
+def run_command(command: str) -> Iterator[BinaryIO]:
+    """Run a `wav.scp` command with the shell, as Kaldi does (popen): its standard output
+    in a temporary file, positioned at its start.
+
+    The command runs in a process group of its own; when it has not finished within
+    `command_timeout()` seconds (reading its output included), or the caller stops
+    waiting, the whole group is killed. Raises `AudioError` for a command that failed,
+    wrote nothing or ran out of time, `PipeCommandError` for one the shell could not run.
+    """
+    limit = command_timeout()
+    with tempfile.TemporaryFile() as output, tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(command, shell=True, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=errors,
+                                   start_new_session=True)
+        try:
+            with process.stdout:
+                _copy_output(process, output, limit, command)
+        finally:
+            if process.poll() is None:
+                _kill_group(process.pid)
+            process.wait()
+        _check_status(command, process.returncode, _last_line(errors))
+        if not output.tell():
+            raise AudioError(f"command '{command}' wrote no audio")
+        output.seek(0)
+        yield output
+
+
+def _copy_output(process: subprocess.Popen, output: BinaryIO, limit: float | None,
+                 command: str) -> None:
+    """Copy the command's standard output into `output` until it ends and the command
+    exits, within `limit` seconds; else kill its process group."""
+    deadline = None if limit is None else time.monotonic() + limit
+
+    def remaining() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    descriptor = process.stdout.fileno()
+    finished = False
+    while select.select([descriptor], [], [], remaining())[0]:
+        data = os.read(descriptor, _READ_BYTES)
+        if not data:
+            finished = True
+            break
+        output.write(data)
+    if finished:
+        # Its output ended; a command may still run (`cat a.wav; sleep 1000`).
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(remaining())
+    if not finished or process.poll() is None:
+        _kill_group(process.pid)
+        raise AudioError(f"command '{command}' did not finish within {limit:g} s: killed "
+                         f"(the limit is ${COMMAND_TIMEOUT_VARIABLE}, in seconds)")
+
+
+def _kill_group(pid: int) -> None:
+    """Kill the command's process group: the shell and all it started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _last_line(errors: BinaryIO) -> str:
+    """The last line of a command's standard error (its last 64 KB read)."""
+    size = errors.seek(0, os.SEEK_END)
+    errors.seek(max(0, size - (1 << 16)))
+    lines = errors.read().decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def _check_status(command: str, status: int, message: str) -> None:
+    detail = f": {message}" if message else ""
+    if status in COMMAND_NOT_RUN_STATUSES:
         raise PipeCommandError(
             f"command '{command}' could not run on {os.uname().nodename} (status "
-            f"{result.returncode}: {COMMAND_NOT_RUN_STATUSES[result.returncode]}"
-            f"{': ' + message[-1] if message else ''})")
-    if result.returncode != 0:
-        message = result.stderr.decode("utf-8", "replace").strip().splitlines()
-        detail = f": {message[-1]}" if message else ""
-        raise AudioError(f"command '{command}' exited with status {result.returncode}{detail}")
-    if not result.stdout:
-        raise AudioError(f"command '{command}' wrote no audio")
-    return result.stdout
+            f"{status}: {COMMAND_NOT_RUN_STATUSES[status]}{detail})")
+    if status != 0:
+        raise AudioError(f"command '{command}' exited with status {status}{detail}")
 
 
 def _check_not_truncated(audio: soundfile.SoundFile, name: str) -> None:
@@ -170,34 +313,77 @@ def num_frames(num_samples: int, options: FbankOptions | None = None) -> int:
 
 
 def compute_fbank(waveform: np.ndarray | torch.Tensor, sample_rate: int,
-                  options: FbankOptions | None = None, seed: int | None = None) -> np.ndarray:
+                  options: FbankOptions | None = None, seed: int | None = None,
+                  window_frames: int | None = None) -> np.ndarray:
     """Log-mel fbank of one waveform -> float32 array `[frames, bins]`.
 
     The waveform is floats in [-1, 1], or int16 samples (as the streaming loader keeps
     them; the same features as their floats / 32768). It is resampled to
     `options.sample_rate` (`cat.audio.codec.resample`) if `sample_rate` differs, and
-    scaled to the int16 range as Kaldi reads audio. `seed` makes dithering (only used
-    when `options.dither > 0`) reproducible without touching the global RNG. Raises
-    `AudioError` if the waveform is shorter than one frame.
+    scaled to the int16 range as Kaldi reads audio. The frames are computed
+    `window_frames` at a time (default `FBANK_WINDOW_FRAMES`), so the memory it takes
+    beyond its input and output does not grow with the waveform; every frame is the one
+    the whole waveform gives. `seed` makes dithering (only used when `options.dither >
+    0`) reproducible without touching the global RNG. Raises `AudioError` if the
+    waveform is shorter than one frame.
     """
     options = options or FbankOptions()
-    waveform = np.asarray(waveform)
-    if waveform.dtype == np.int16 and sample_rate == options.sample_rate:
-        # int16 / 32768 * 32768 is the int16 value exactly: skip both passes.
-        tensor = torch.from_numpy(waveform).to(torch.float32)
-    else:
-        tensor = torch.from_numpy(resample(waveform, sample_rate, options.sample_rate)
-                                  ) * INT16_SCALE
-    if tensor.numel() < options.window_size:
-        raise AudioError(f"too short for one frame: {tensor.numel()} samples at "
+    samples = _int16_range(np.asarray(waveform), sample_rate, options)
+    count = num_frames(len(samples), options)
+    if count == 0:
+        raise AudioError(f"too short for one frame: {len(samples)} samples at "
                          f"{options.sample_rate} Hz, need {options.window_size}")
+    window_frames = window_frames or FBANK_WINDOW_FRAMES
+    if window_frames < 1:
+        raise ValueError(f"window_frames must be at least 1, got {window_frames}")
+    features = np.empty((count, options.num_mel_bins), np.float32)
+    output = torch.from_numpy(features)
     rng = torch.random.fork_rng(devices=[]) if options.dither > 0 and seed is not None \
         else contextlib.nullcontext()
     with rng:
         if options.dither > 0 and seed is not None:
             torch.manual_seed(seed)
-        features = _fbank(tensor, options)
-    return features.numpy()
+        for first in range(0, count, window_frames):
+            last = min(first + window_frames, count)
+            output[first:last] = _fbank(samples.window(first, last), options)
+    return features
+
+
+#: Frames `compute_fbank` computes at once (10 s of audio): a window of them takes about
+#: 9 KB of intermediate tensors per frame (9 MB), however long the waveform. Windows that
+#: fit the CPU's caches are also faster: 2 minutes of audio take 0.07 s in windows of
+#: 1000 frames, 0.12 s at once (one thread).
+FBANK_WINDOW_FRAMES = 1000
+
+
+@dataclass(frozen=True)
+class _Samples:
+    """A waveform at the fbank rate, turned into int16-range float32 one window at a
+    time: int16 samples are converted, float samples scaled by 32768, as the whole
+    waveform would be."""
+
+    data: np.ndarray
+    options: FbankOptions
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def window(self, first: int, last: int) -> torch.Tensor:
+        """The samples of frames `first` to `last` (exclusive): consecutive windows
+        overlap by the frame length less one shift."""
+        shift = self.options.window_shift
+        piece = torch.from_numpy(self.data[first * shift:(last - 1) * shift
+                                           + self.options.window_size])
+        if self.data.dtype == np.int16:
+            # int16 / 32768 * 32768 is the int16 value exactly: skip both passes.
+            return piece.to(torch.float32)
+        return piece * INT16_SCALE
+
+
+def _int16_range(waveform: np.ndarray, sample_rate: int, options: FbankOptions) -> _Samples:
+    if waveform.dtype == np.int16 and sample_rate == options.sample_rate:
+        return _Samples(waveform, options)
+    return _Samples(resample(waveform, sample_rate, options.sample_rate), options)
 
 
 # Kaldi's defaults, as torchaudio.compliance.kaldi.fbank has them.

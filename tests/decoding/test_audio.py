@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cat.core.io import write_table
+from cat.decoding import audio as decoding_audio
 from cat.decoding.audio import (
     AudioListError,
     from_data_list,
@@ -18,7 +19,7 @@ from cat.decoding.audio import (
     recording_features,
 )
 from cat.features.extract import extract
-from cat.features.fbank import FbankOptions
+from cat.features.fbank import FbankOptions, read_channel
 from cat.testing.audio import make_audio_file, make_corrupt_file, write_kaldi_data_dir
 from cat.testing.uio import UioUtterance, write_raw_list, write_shard_list, write_uio_shard
 
@@ -175,3 +176,61 @@ def test_shard_members_are_grouped_by_the_last_dot(tmp_path, recordings):
                                     "'A/B/utt.1'")
     assert results[5][1].startswith(f"{list_path}:3: {tmp_path / 'shards/missing.tar'}: "
                                     "FileNotFoundError")
+
+
+def _recording_reads(monkeypatch) -> list[tuple[str, int, int | None]]:
+    """Every `read_channel` call of `recording_features`: (name, start, stop)."""
+    reads: list[tuple[str, int, int | None]] = []
+
+    def counting(audio, name, start=0, stop=None):
+        reads.append((name, start, stop))
+        return read_channel(audio, name, start, stop)
+
+    monkeypatch.setattr(decoding_audio, "read_channel", counting)
+    return reads
+
+
+def test_an_utterance_longer_than_the_window_is_refused_unread(tmp_path, recordings,
+                                                               monkeypatch):
+    data_dir = write_kaldi_data_dir(tmp_path / "data", recordings)
+    expected = stage1(data_dir, tmp_path / "fbank")
+    reads = _recording_reads(monkeypatch)
+    wav_scp = data_dir / "wav.scp"
+    got = {key: result for recording in from_wav_scp(wav_scp).recordings
+           for key, result in recording_features(recording, FbankOptions(), max_frames=95)}
+    # 0.95 s: a (1.1 s), c (1.0 s) and the command p (a) are refused; b and d fit.
+    assert got["a"] == (
+        f"{wav_scp}:1: {recordings['a']}: the recording lasts 1.1 s (0:00:01), longer than "
+        "the transcription window of 0.95 s: an utterance is decoded whole, so it is not "
+        "read; split it into shorter utterances (a segments file), or raise "
+        "$CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+    assert got["c"].startswith(f"{wav_scp}:3: {recordings['c']}: the recording lasts 1.0 s")
+    assert got["p"].startswith(f"{wav_scp}:5: command '{recordings['p'][:-1].strip()}': the "
+                               "recording lasts 1.1 s (0:00:01), longer than the "
+                               "transcription window of 0.95 s")
+    for key in "bd":
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    assert reads == [(recordings["b"], 0, None), (recordings["d"], 0, None)]
+
+
+def test_segments_of_a_long_recording_read_only_their_samples(tmp_path, monkeypatch):
+    long = make_audio_file(tmp_path / "audio/long.flac", 6.0, seed=6)
+    segments = {"L-1": ("long", 0.5, 1.2), "L-2": ("long", 4.0, 4.6),
+                "L-3": ("long", 2.0, 5.9),   # 3.9 s: longer than the window
+                "L-4": ("long", 5.5, -1)}    # to the end
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"long": str(long)},
+                                    segments=segments)
+    expected = stage1(data_dir, tmp_path / "fbank")
+    reads = _recording_reads(monkeypatch)
+    got = {key: result for recording in
+           from_wav_scp(data_dir / "wav.scp", data_dir / "segments").recordings
+           for key, result in recording_features(recording, FbankOptions(), max_frames=200)}
+    for key in ("L-1", "L-2", "L-4"):
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    assert got["L-3"] == (
+        f"{data_dir / 'segments'}:3: {long}: the segment 2 s to 5.9 s of it lasts 3.9 s "
+        "(0:00:04), longer than the transcription window of 2 s: an utterance is decoded "
+        "whole, so it is not read; split it into shorter utterances (a segments file), or "
+        "raise $CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+    assert reads == [(str(long), 8000, 19200), (str(long), 64000, 73600),
+                     (str(long), 88000, 96000)]

@@ -5,6 +5,12 @@ are the fbank of real audio files."""
 from __future__ import annotations
 
 import json
+import os
+import resource
+import struct
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +147,8 @@ def test_unreadable_audio_is_reported_and_skipped(recipe, tmp_path, caplog):
 
 
 def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
-    """Segments of one long recording; features gathered 1.5 s at a time."""
+    """Segments of one long recording; features gathered 1.6 s at a time (the longest
+    utterance: a longer one would be refused)."""
     kind, experiment, _ = recipe
     audio = experiment.test_audio()
     pieces, segments, position = [], {}, 0.0
@@ -163,7 +170,7 @@ def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
                        str(data_dir / "segments"), "--out", str(tmp_path / "out")]) == 0
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == stage4
     transcript = transcribe(EXP, from_wav_scp(data_dir / "wav.scp", data_dir / "segments"),
-                            CHECKPOINT, kind, options, window_frames=150)
+                            CHECKPOINT, kind, options, window_frames=160)
     assert dict(transcript.hypotheses) == stage4
 
 
@@ -209,3 +216,103 @@ def test_a_feature_pool_feeds_the_decoder_in_list_order(recipe):
                                                          for i, key in enumerate(keys)]
     for (_, key, features), (_, _, reference) in zip(pooled, expected, strict=True):
         np.testing.assert_array_equal(features, reference, err_msg=key)
+
+
+def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration(
+        recipe, tmp_path, monkeypatch, caplog):
+    kind, experiment, hyps = recipe
+    audio = experiment.test_audio()  # 0.6, 1.3, 0.9, 1.6, 1.1 and 0.8 s long
+    write_table(tmp_path / "wav.scp", [(utt, str(path)) for utt, path in audio.items()])
+    wav_scp = read_table(tmp_path / "wav.scp")
+    monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "1.2")
+    assert main(kind, [EXP, "--wav-scp", str(tmp_path / "wav.scp"),
+                       "--out", str(tmp_path / "out")]) == 0
+    skipped = read_table(tmp_path / "out/skipped.txt")
+    long = [utt for utt, path in audio.items() if soundfile.info(path).duration > 1.2]
+    assert list(skipped) == long and len(long) == 2
+    line = list(wav_scp).index(long[1]) + 1
+    assert skipped[long[1]] == (
+        f"{tmp_path / 'wav.scp'}:{line}: {audio[long[1]]}: the recording lasts 1.6 s "
+        "(0:00:02), longer than the transcription window of 1.2 s: an utterance is decoded "
+        "whole, so it is not read; split it into shorter utterances (a segments file), or "
+        "raise $CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+    assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == {
+        utt: text for utt, text in hyps.items() if utt not in long}
+    assert json.loads((tmp_path / "out/decode.log").read_text())["num_skipped"] == 2
+
+    # Nothing else to decode: an error naming the file, its duration and the setting.
+    caplog.clear()
+    assert main(kind, [EXP, "--audio", str(audio[long[1]])]) == 1
+    assert "nothing to transcribe in command line audio files: 1 utterance(s), all " \
+           f"skipped; first: {long[1]}: command line audio file 1: {audio[long[1]]}: the " \
+           "recording lasts 1.6 s" in caplog.text
+    monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "-1")
+    caplog.clear()
+    assert main(kind, [EXP, "--audio", str(audio[long[0]])]) == 1
+    assert "CAT_TRANSCRIBE_WINDOW_SECONDS='-1': expected a positive number of seconds" \
+        in caplog.text
+
+
+#: A recording of 3 hours and where the test utterances are in it (seconds).
+LONG_SECONDS = 3 * 3600
+LONG_PLACES = (0.0, 1800.5, 3600.25, 5400.0, 9000.0, 10790.0)
+
+
+def write_long_wav(path: Path, seconds: float, inserts: dict[float, np.ndarray]) -> None:
+    """A 16 kHz 16-bit WAV of `seconds` of silence, sparse on disk (nothing held in
+    memory), with `inserts` (int16 samples by start second) written in."""
+    num_bytes = 2 * int(seconds * 16000)
+    header = struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", 36 + num_bytes, b"WAVE", b"fmt ", 16,
+                         1, 1, 16000, 32000, 2, 16, b"data", num_bytes)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + num_bytes)
+        for start, samples in inserts.items():
+            f.seek(len(header) + 2 * int(start * 16000))
+            f.write(samples.astype("<i2").tobytes())
+
+
+def peak_rss_mb(argv: list[str]) -> tuple[int, float, str]:
+    """Run a command (its address space limited to 6 GB, so that a regression fails
+    fast): its exit status, peak RSS in MB and standard error."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    with tempfile.TemporaryFile() as errors:
+        process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=errors,
+                                   preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        errors.seek(0)
+        return process.returncode, usage.ru_maxrss / 1024, errors.read().decode()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trained", ["ctc"], indirect=True)  # reading audio is measured
+def test_a_three_hour_recording_in_bounded_memory(recipe, tmp_path):
+    """Whole, it is refused unread; cut by segments, each segment's samples alone are read
+    and decoded as stage 4 decodes them; either way under 1 GB (before: past 6 GB within
+    half a minute, the fbank of the whole recording)."""
+    kind, experiment, hyps = recipe
+    audio = experiment.test_audio()
+    utts = sorted(audio)
+    inserts = {start: soundfile.read(audio[utt], dtype="int16")[0]
+               for start, utt in zip(LONG_PLACES, utts, strict=True)}
+    long = tmp_path / "long.wav"
+    write_long_wav(long, LONG_SECONDS, inserts)
+    decode = [sys.executable, "-m", f"cat.{kind}.decode", EXP]
+
+    status, peak, errors = peak_rss_mb([*decode, "--audio", str(long)])
+    assert status == 1 and peak < 1024, (status, peak, errors[-2000:])
+    assert f"{long}: the recording lasts 10800.0 s (3:00:00), longer than the transcription " \
+           "window of 1800 s" in errors
+
+    segments = {f"long-{utt}": ("long", start, start + len(inserts[start]) / 16000)
+                for start, utt in zip(LONG_PLACES, utts, strict=True)}
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"long": str(long)}, segments=segments)
+    status, peak, errors = peak_rss_mb([*decode, "--wav-scp", str(data_dir / "wav.scp"),
+                                        "--segments", str(data_dir / "segments"),
+                                        "--out", str(tmp_path / "out")])
+    assert status == 0 and peak < 1024, (status, peak, errors[-2000:])
+    assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == {
+        f"long-{utt}": hyps[utt] for utt in utts}

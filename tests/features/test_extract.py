@@ -211,6 +211,23 @@ def test_unreadable_audio_is_skipped_listed_and_counted(tmp_path, caplog):
     assert read_table(feat_dir / "spk2utt") == {"S1": "S1U1 S1U2"}
 
 
+@pytest.mark.timeout(120)
+def test_a_wav_scp_command_that_never_ends_is_killed_and_a_counted_skip(tmp_path, caplog,
+                                                                        monkeypatch):
+    monkeypatch.setenv("CAT_WAV_SCP_TIMEOUT", "1")
+    good = make_audio_file(tmp_path / "audio/good.wav", 0.5, seed=1)
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"S1U1": str(good),
+                                                        "S1U2": "sleep 100000 |"})
+    feat_dir = tmp_path / "fbank"
+    with caplog.at_level(logging.INFO):
+        assert main([str(data_dir), str(feat_dir), "--no-progress"]) == 0
+    assert list(load_feats(feat_dir)) == ["S1U1"]
+    assert read_table(feat_dir / "skipped.txt") == {
+        "S1U2": "command 'sleep 100000' did not finish within 1 s: killed (the limit is "
+                "$CAT_WAV_SCP_TIMEOUT, in seconds)"}
+    assert "1 utterance(s) skipped" in caplog.text
+
+
 def test_every_utterance_failing_is_an_error(tmp_path, caplog):
     data_dir = write_kaldi_data_dir(tmp_path / "data", {"u1": str(tmp_path / "none.wav")})
     assert main([str(data_dir), str(tmp_path / "fbank"), "--no-progress"]) == 1
