@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from cat.core.process import pid_alive
+
 PathLike = str | os.PathLike
 
 
@@ -34,15 +36,7 @@ _TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp\.(?P<pid>\d+)")
 
 
 def _writer_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+    return pid == os.getpid() or pid_alive(pid)
 
 
 def _locked(path: Path) -> bool:

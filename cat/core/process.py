@@ -67,6 +67,17 @@ def set_parent_death_signal() -> bool:
         return False
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def parent_death_preexec() -> Callable[[], None]:
     """A `preexec_fn` for `subprocess.Popen` that makes the child SIGKILLed when the
     thread that started it ends (Linux; elsewhere it does nothing). libc is looked up

@@ -8,7 +8,10 @@ config.json (as CAT names the keys)::
 `den_lm` (relative to the recipe directory) is the denominator graph stage 2 builds
 (`cat.crf.den_graph`). It is read when training starts (`prepare_training`, which checks it
 belongs to the run's tokenizer) or on the first loss; decoding does not need it. The loss
-runs in float32 even under autocast. Decoding (greedy, prefix beam, LM fusion) is the CTC
+runs in float32 even under autocast. An utterance without a path through its numerator
+graph or the denominator (`CtcCrfLoss`'s `infeasible`) gets loss 0 and no gradient; the
+trainer counts them per epoch (`infeasible` in `log/epoch-<EEE>.json` and
+`log/coverage.jsonl`, and a warning). Decoding (greedy, prefix beam, LM fusion) is the CTC
 model's; WFST decoding with TLG is `cat.crf.wfst`.
 """
 

@@ -65,10 +65,12 @@ class _LogSoftmaxHead(nn.Module):
 
 
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
-           checkpoint: PathLike | None = None, chunk_size: int | None = None) -> Path:
+           checkpoint: PathLike | None = None, chunk_size: int | None = None,
+           allow_config_change: bool | None = None) -> Path:
     """Write `model.onnx`, `tokens.txt` and `export.json` of a CTC experiment; with
     `chunk_size`, also `streaming.onnx` (chunk log-probabilities, state in and out)."""
-    model, tokenizer, path = load_experiment_model(exp_dir, "ctc", checkpoint)
+    model, tokenizer, path = load_experiment_model(exp_dir, "ctc", checkpoint,
+                                                   allow_config_change)
     metadata: dict[str, Any] = {
         "family": "ctc", "model_type": "zipformer2_ctc", "framework": "cat",
         "vocab_size": int(model.num_classes), "blank_id": 0, "checkpoint": path.name,

@@ -10,17 +10,32 @@ they change); without it, the best checkpoint (else the latest).
 `average_checkpoints` averages the `model` state dicts of checkpoint files: floating-point
 tensors are averaged (accumulated in float64, stored in their own dtype); integer and
 boolean tensors, such as BatchNorm's `num_batches_tracked`, are taken from the last file.
-All must hold the same keys with the same shapes and dtypes (`cat.utils.avgmodel` is its
-command line).
+All must hold the same keys with the same shapes and dtypes. `averaged_checkpoint` is the
+file an average is written as (here and by `cat.utils.avgmodel`, its command line): the
+weights, `averaged_from`, and the `meta` of the last file, so the average records the
+`config.json` it was trained with as its checkpoints do (a warning names the keys when
+the checkpoints averaged record different ones).
+
+`check_model_config` compares the experiment's `config.json` with the one a checkpoint
+records, every section but `scheduler`: decoding, transcribing, streaming and exporting
+(`cat.decoding.searcher.load_model`) build the model from the experiment's file, and a
+key changed since training (`causal_conv`, a time reduction without parameters, ...)
+builds another model from the same weights. A difference is `ModelConfigChangedError`
+naming each key (old -> new), unless the change is accepted explicitly
+(`allow_config_change`), then it is logged as a warning. A checkpoint written before
+checkpoints recorded their config (or an average of such) is decoded with a warning
+that only its parameter shapes could be checked.
 
 Usage:
     checkpoint = select_checkpoint("exp/synth-ctc", load_hyper("exp/synth-ctc/hyper-p.json"))
     averaged = average_checkpoints(["check/ckpt-e002.pt", "check/ckpt-e003.pt"])
+    check_model_config(meta, config, "check/avg-best-5.pt", "exp/synth-ctc/config.json")
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +44,22 @@ import torch
 
 from cat.core.io import PathLike, atomic_write
 from cat.core.stages import is_done, mark_done, signature
-from cat.training.checkpoint import CheckpointManager, read_model_state
+from cat.training.checkpoint import (
+    CheckpointManager,
+    config_changes,
+    model_config,
+    read_model_checkpoint,
+    recorded_config,
+)
 
 logger = logging.getLogger(__name__)
+
+#: Part of the signature of an average: averages of an earlier format are made again.
+AVERAGE_FORMAT = 2
+
+
+class ModelConfigChangedError(ValueError):
+    """The experiment's config.json differs from the one the checkpoint was trained with."""
 
 
 def _check_compatible(reference: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
@@ -48,22 +76,78 @@ def _check_compatible(reference: dict[str, torch.Tensor], state: dict[str, torch
                              f"{expected.dtype} {tuple(expected.shape)} in {reference_name}")
 
 
-def average_checkpoints(paths: Sequence[PathLike]) -> dict[str, torch.Tensor]:
-    """Average the `model` state dicts of `paths` (see the module docstring)."""
+def _average(paths: Sequence[PathLike]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The averaged weights of `paths` and the `meta` of the last."""
     if not paths:
         raise ValueError("no checkpoints to average")
-    first = read_model_state(paths[0])
+    first, meta = read_model_checkpoint(paths[0])
     sums = {key: value.to(torch.float64) for key, value in first.items()
             if value.is_floating_point()}
     last = first
     for path in paths[1:]:
-        state = read_model_state(path)
+        state, next_meta = read_model_checkpoint(path)
         _check_compatible(first, state, str(paths[0]), str(path))
+        _warn_config_differs(meta, next_meta, paths[0], path)
         for key in sums:
             sums[key] += state[key].to(torch.float64)
-        last = state
-    return {key: ((sums[key] / len(paths)).to(value.dtype) if key in sums else value.clone())
-            for key, value in last.items()}
+        last, meta = state, next_meta
+    averaged = {key: ((sums[key] / len(paths)).to(value.dtype) if key in sums
+                      else value.clone()) for key, value in last.items()}
+    return averaged, meta
+
+
+def _warn_config_differs(meta: dict[str, Any], other: dict[str, Any], name: PathLike,
+                         other_name: PathLike) -> None:
+    configs = [recorded_config(meta), recorded_config(other)]
+    if None in configs:
+        return
+    changes = config_changes(model_config(configs[0]), model_config(configs[1]))
+    if changes:
+        logger.warning("averaging checkpoints trained with different model configs: %s -> "
+                       "%s: %s; the average records the last one's", name, other_name,
+                       "; ".join(changes))
+
+
+def average_checkpoints(paths: Sequence[PathLike]) -> dict[str, torch.Tensor]:
+    """Average the `model` state dicts of `paths` (see the module docstring)."""
+    return _average(paths)[0]
+
+
+def averaged_checkpoint(paths: Sequence[PathLike]) -> dict[str, Any]:
+    """The file an average of `paths` is written as: `model`, `averaged_from` (the paths
+    as given) and the `meta` of the last (see the module docstring)."""
+    averaged, meta = _average(paths)
+    checkpoint: dict[str, Any] = {"model": averaged,
+                                  "averaged_from": [os.fspath(p) for p in paths]}
+    if meta:
+        checkpoint["meta"] = meta
+    return checkpoint
+
+
+def check_model_config(meta: dict[str, Any], config: dict[str, Any], checkpoint: PathLike,
+                       config_path: PathLike, allow_config_change: bool = False) -> None:
+    """Compare `config` (read from `config_path`) with the config the checkpoint's `meta`
+    records; raise ModelConfigChangedError naming the changed keys, or with
+    `allow_config_change` log them (see the module docstring)."""
+    recorded = recorded_config(meta)
+    if recorded is None:
+        logger.warning("%s records no config.json (written before checkpoints recorded "
+                       "theirs): %s cannot be compared with the config it was trained with, "
+                       "only the parameter shapes are", checkpoint, config_path)
+        return
+    changes = config_changes(model_config(recorded), model_config(config))
+    if not changes:
+        return
+    listed = "; ".join(changes)
+    if not allow_config_change:
+        raise ModelConfigChangedError(
+            f"{checkpoint}: {config_path} changed since this model was trained: {listed}. "
+            "The model built from it would compute something else with the same weights. "
+            "Restore it, or accept the change explicitly: --allow-config-change (the decode, "
+            "stream and export commands), or inference.infer.option.allow_config_change: "
+            "true in hyper-p.json (stage 4 and the decode command)")
+    logger.warning("%s: %s changed since this model was trained (accepted by "
+                   "allow_config_change): %s", checkpoint, config_path, listed)
 
 
 def select_checkpoint(exp_dir: PathLike, hyper: dict[str, Any]) -> Path:
@@ -80,11 +164,12 @@ def select_checkpoint(exp_dir: PathLike, hyper: dict[str, Any]) -> Path:
     if not paths:
         raise FileNotFoundError(f"{manager.directory}: no checkpoint (run stage 3 first)")
     out = manager.directory / f"avg-{mode}-{num}.pt"
-    sig = signature("avgmodel", [p.name for p in paths], files=paths)
+    sig = signature("avgmodel", [p.name for p in paths], AVERAGE_FORMAT, files=paths)
     if not is_done(out, sig):
-        averaged = average_checkpoints(paths)
+        checkpoint = averaged_checkpoint(paths)
+        checkpoint["averaged_from"] = [p.name for p in paths]
         with atomic_write(out, "wb") as f:
-            torch.save({"model": averaged, "averaged_from": [p.name for p in paths]}, f)
+            torch.save(checkpoint, f)
         mark_done(out, sig)
         logger.info("averaged %d %s checkpoints into %s", len(paths), mode, out)
     return out

@@ -12,6 +12,12 @@ to the int16 range (`cat.features.fbank`: 25 ms windows every 10 ms, `snip_edges
 bins from 20 Hz to Nyquist, no dither). Global CMVN, when the model has it, is folded
 into the encoder graph: the features go in raw.
 
+The model exported is that of `cat.decoding.searcher.load_model`: a `config.json` changed
+since the checkpoint was trained (`causal_conv` turned on, a time reduction without
+parameters added: the same weights, another model) is an error naming the changed keys,
+and nothing is written, unless `hyper-p.json`'s `inference.infer.option.
+allow_config_change` accepts it (then the keys are logged).
+
 Usage:
     model, tokenizer, checkpoint = load_experiment_model("exp/synth-ctc")
     recognizer = sherpa_recognizer("exp/synth-ctc/export")   # sherpa_onnx.OfflineRecognizer
@@ -49,10 +55,12 @@ class ExportError(RuntimeError):
     """An experiment cannot be exported; the message says why."""
 
 
-def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | None = None
+def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | None = None,
+                          allow_config_change: bool | None = None
                           ) -> tuple[torch.nn.Module, Any, Path]:
     """The experiment's model (eval mode, CPU) with the weights stage 4 decodes with
-    (`select_checkpoint`) or `checkpoint`, its tokenizer and the checkpoint's path."""
+    (`select_checkpoint`) or `checkpoint`, its tokenizer and the checkpoint's path; the
+    checkpoint's config is checked as `load_model` does (`allow_config_change` as there)."""
     exp_dir = Path(exp_dir)
     hyper = load_hyper(exp_dir / HYPER_NAME)
     found = model_kind(load_config(exp_dir / CONFIG_NAME))
@@ -65,7 +73,8 @@ def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | N
         raise ExportError(f"cannot export {exp_dir}: {error}") from None
     if not path.is_file():
         raise ExportError(f"cannot export {exp_dir}: no checkpoint {path}")
-    model, tokenizer = load_model(exp_dir, path, kind, torch.device("cpu"))
+    model, tokenizer = load_model(exp_dir, path, kind, torch.device("cpu"),
+                                  allow_config_change)
     return model, tokenizer, path
 
 
@@ -223,11 +232,15 @@ def export_main(kind: str, export: Callable[..., Path], argv: list[str] | None =
     parser.add_argument("--chunk-size", type=int,
                         help=f"also write {STREAMING_NAME}, chunk-by-chunk encoding with state "
                              "in and out, for chunks of this many encoder output frames")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="export although config.json changed since the checkpoint was "
+                             "trained (the changed keys are logged)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     try:
-        out = export(args.exp_dir, args.out, args.checkpoint, args.chunk_size)
+        out = export(args.exp_dir, args.out, args.checkpoint, args.chunk_size,
+                     args.allow_config_change or None)
     except (ExportError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

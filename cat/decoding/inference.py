@@ -83,7 +83,7 @@ from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
-from cat.decoding.checkpoint import select_checkpoint
+from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
 from cat.decoding.searcher import (
     FRAME_SHIFT_SECONDS,
     NO_LABEL,
@@ -99,6 +99,7 @@ from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
+from cat.training.checkpoint import CheckpointMismatchError
 
 __all__ = ["DecodeOptions", "DecodeSummary", "FusionSpec", "decode_passes", "decode_set",
            "main", "plan_batches", "read_lengths"]
@@ -343,6 +344,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         options.add_argument("--" + name.replace("_", "-"), type=kind, choices=spec.get("enum"),
                              help=f"{spec['description']} (built-in default: "
                                   f"{getattr(defaults, name)})")
+    options.add_argument("--allow-config-change", action="store_true",
+                         help="decode although config.json changed since the checkpoint was "
+                              "trained (the changed keys are logged)")
     lm = parser.add_argument_group("shallow fusion (beam search; also writes nbest.jsonl)")
     lm.add_argument("--lm", help="token-level n-gram (ARPA or kenlm binary)")
     lm.add_argument("--alpha", type=float, default=0.3, help="LM weight")
@@ -393,7 +397,8 @@ def main(kind: str, argv: Sequence[str] | None = None) -> int:
     hyper = load_hyper(hyper_path)
     options = DecodeOptions.of_experiment(hyper, str(hyper_path), {
         "method": args.method, "beam_size": args.beam_size, "nj": args.nj,
-        "max_frames": args.max_frames, "batch_size": args.batch_size, "device": args.device})
+        "max_frames": args.max_frames, "batch_size": args.batch_size, "device": args.device,
+        "allow_config_change": args.allow_config_change or None})
     spec = FusionSpec(args.lm, args.alpha, args.beta, args.lodr, args.lodr_weight) \
         if args.lm else None
     try:
@@ -403,7 +408,8 @@ def main(kind: str, argv: Sequence[str] | None = None) -> int:
             summary = _decode_features(args, kind, checkpoint, options, spec)
         else:
             summary = _transcribe(args, kind, checkpoint, options, spec)
-    except (AudioListError, TranscribeError, FileNotFoundError) as error:
+    except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
+            CheckpointMismatchError) as error:
         logger.error("%s", error)
         return 1
     skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""

@@ -2,7 +2,12 @@
 length, and `Searcher`, one process's model decoding batches of utterances.
 
 `DecodeOptions` come from `hyper-p.json: inference.infer.option` (what stage 4 uses),
-overridden by the command line (`DecodeOptions.of_experiment`). `Searcher` decodes a
+overridden by the command line (`DecodeOptions.of_experiment`); besides the search
+options there (`OPTIONS_SCHEMA`), `allow_config_change` accepts a `config.json` changed
+since training (`ACCEPT_SCHEMA`). `load_model` builds the experiment's model and loads a
+checkpoint into it after comparing its config with the one the checkpoint records
+(`cat.decoding.checkpoint.check_model_config`): a changed key is an error naming it
+unless the change is accepted. `Searcher` decodes a
 batch with the family's `decode` (greedy or beam search, best hypothesis), or with its
 `nbest` beam search once per shallow-fusion setting (`FusionSpec`, `cat.lm.scorer`)
 after one network forward. `plan_batches` groups utterances of similar length within a
@@ -36,11 +41,12 @@ from cat.core.config import (
 )
 from cat.core.io import PathLike, atomic_write
 from cat.core.threads import configure_threads
+from cat.decoding.checkpoint import check_model_config
 from cat.lm.scorer import ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import build_model
 from cat.text.tokenizer import load as load_tokenizer
-from cat.training.checkpoint import load_model_state, read_model_state
+from cat.training.checkpoint import load_model_state, read_model_checkpoint
 
 FRAME_SHIFT_SECONDS = 0.01
 NO_LABEL = np.zeros(0, np.int32)
@@ -66,9 +72,20 @@ OPTIONS_SCHEMA: dict[str, Any] = {
 }
 
 
+#: Options of `inference.infer.option` that are not search options (and not on the
+#: decoding command line, whose flags are those of OPTIONS_SCHEMA).
+ACCEPT_SCHEMA: dict[str, Any] = {
+    "allow_config_change": {
+        "type": "boolean",
+        "description": "decode although config.json changed since the checkpoint was "
+                       "trained (the changed keys are logged); without it, an error naming "
+                       "them"},
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """See `OPTIONS_SCHEMA`."""
+    """See `OPTIONS_SCHEMA` and `ACCEPT_SCHEMA`."""
 
     method: str = "beam"
     beam_size: int = 10
@@ -76,10 +93,13 @@ class DecodeOptions:
     max_frames: int = 40000
     batch_size: int = 64
     device: str = "auto"
+    allow_config_change: bool = False
 
     @classmethod
     def from_dict(cls, options: dict[str, Any], source: str) -> DecodeOptions:
-        check_against_schema(options, OPTIONS_SCHEMA, source)
+        schema = {**OPTIONS_SCHEMA,
+                  "properties": {**OPTIONS_SCHEMA["properties"], **ACCEPT_SCHEMA}}
+        check_against_schema(options, schema, source)
         return cls(**options)
 
     @classmethod
@@ -133,9 +153,14 @@ class FusionSpec:
 
 
 def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
-               device: torch.device) -> tuple[torch.nn.Module, Any]:
+               device: torch.device, allow_config_change: bool | None = None
+               ) -> tuple[torch.nn.Module, Any]:
     """The experiment's model (eval mode, on `device`) with `checkpoint`'s weights, and its
-    tokenizer."""
+    tokenizer. The weights must fit the model built from `config.json`
+    (`CheckpointMismatchError`), and `config.json` must be the one the checkpoint was
+    trained with (`ModelConfigChangedError` naming the changed keys) unless
+    `allow_config_change` (None: `inference.infer.option.allow_config_change` of
+    `hyper-p.json`)."""
     exp_dir = Path(exp_dir)
     hyper = load_hyper(exp_dir / HYPER_NAME)
     config = load_config(exp_dir / CONFIG_NAME)
@@ -144,9 +169,14 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     if kind != expected_kind:
         raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model; decode it with "
                          f"cat.{kind}.decode")
+    if allow_config_change is None:
+        allow_config_change = DecodeOptions.of_experiment(
+            hyper, str(exp_dir / HYPER_NAME), {}).allow_config_change
     tokenizer = load_tokenizer(tokenizer_file(hyper, str(exp_dir / HYPER_NAME)))
     model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
-    load_model_state(model, read_model_state(checkpoint), checkpoint, exp_dir / CONFIG_NAME)
+    state, meta = read_model_checkpoint(checkpoint)
+    load_model_state(model, state, checkpoint, exp_dir / CONFIG_NAME)
+    check_model_config(meta, config, checkpoint, exp_dir / CONFIG_NAME, allow_config_change)
     return model.to(device).eval(), tokenizer
 
 
@@ -186,7 +216,8 @@ class Searcher:
             configure_threads(1)  # processes (--nj) are the unit of parallelism
         self.device = torch.device(device)
         self.options = options
-        self.model, self.tokenizer = load_model(exp_dir, checkpoint, kind, self.device)
+        self.model, self.tokenizer = load_model(exp_dir, checkpoint, kind, self.device,
+                                                options.allow_config_change)
         pieces = [self.tokenizer.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
         models: dict[str, TokenLM] = {}
         self.fusions = [spec.build(pieces, models) if spec is not None else None

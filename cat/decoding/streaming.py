@@ -14,6 +14,9 @@ start when its last sample has arrived and the previous chunk is done. First-tok
 latency is when the first token's chunk is done, from the start of the audio; final
 latency when the last chunk is done, from the end of the audio.
 
+The model is that of `cat.decoding.searcher.load_model`: a `config.json` changed since the
+checkpoint was trained is an error naming the keys, unless `--allow-config-change`.
+
 Usage:
     python -m cat.ctc.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
         --chunk-size 16 --out exp/synth-ctc-stream/stream-c16/test
@@ -165,6 +168,10 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     parser.add_argument("--piece-seconds", type=float, default=0.1,
                         help="audio fed per call (the result does not depend on it)")
     parser.add_argument("--out", required=True, help="output directory (hyp, stream.json)")
+    parser.add_argument("--allow-config-change", action="store_true", default=None,
+                        help="decode although config.json changed since the checkpoint was "
+                             "trained (the changed keys are logged; default: hyper-p.json "
+                             "inference.infer.option.allow_config_change)")
     return parser
 
 
@@ -175,8 +182,9 @@ def main(kind: str, searcher: Builder, argv: Sequence[str] | None = None) -> int
     torch.set_num_threads(1)
     checkpoint = Path(args.checkpoint) if args.checkpoint else \
         select_checkpoint(args.exp_dir, load_hyper(Path(args.exp_dir) / HYPER_NAME))
-    model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"))
     try:
+        model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"),
+                                      args.allow_config_change)
         encoder = StreamingEncoder(model.encoder, args.chunk_size)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

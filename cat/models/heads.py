@@ -68,7 +68,10 @@ def batch_loss(losses: torch.Tensor, labels: torch.Tensor, label_lens: torch.Ten
                lengths: torch.Tensor, infeasible: torch.Tensor, loss_normalization: str
                ) -> tuple[torch.Tensor, dict[str, float]]:
     """The batch's loss from per-utterance `losses`, divided by its utterances or label
-    tokens (`loss_normalization`), and the statistics the trainer logs and sums."""
+    tokens (`loss_normalization`), and the statistics the trainer logs and sums;
+    `num_infeasible` counts the utterances of `infeasible` (no alignment: their loss is 0,
+    they get no gradient), which the trainer adds up per epoch (`log/epoch-<EEE>.json`,
+    `log/coverage.jsonl`: `infeasible`)."""
     loss_sum = losses.sum()
     num_tokens = int(label_lens.sum())
     normalizer = float(labels.size(0) if loss_normalization == "utterance"

@@ -112,11 +112,13 @@ def _export_decoder(model: nn.Module, path: Path, metadata: dict[str, Any]) -> N
 
 
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
-           checkpoint: PathLike | None = None, chunk_size: int | None = None) -> Path:
+           checkpoint: PathLike | None = None, chunk_size: int | None = None,
+           allow_config_change: bool | None = None) -> Path:
     """Write `encoder.onnx`, `decoder.onnx`, `joiner.onnx`, `tokens.txt` and
     `export.json` of an RNN-T experiment; with `chunk_size`, also `streaming.onnx` (the
     encoder chunk by chunk, projected for the joiner, state in and out)."""
-    model, tokenizer, path = load_experiment_model(exp_dir, "rnnt", checkpoint)
+    model, tokenizer, path = load_experiment_model(exp_dir, "rnnt", checkpoint,
+                                                   allow_config_change)
     predictor = model.predictor
     stateless = isinstance(predictor, StatelessPredictor)
     metadata: dict[str, Any] = {

@@ -19,19 +19,29 @@ A checkpoint is a dict saved with `torch.save` that `torch.load(weights_only=Tru
     dev_loss            mean dev loss at this point (float)
     data                {"kind": "map" | "stream", "seed", "epoch", "epoch_seed": [seed, epoch],
                          "world_size", "identity", "epoch_start_step",
-                         "ranks": [per-rank state] | None}
+                         "ranks": [per-rank state] | None, "skipped", "infeasible"}
                         `identity`: what decides the data (`identity()` of the training
                         data in `cat.training.train_data`), compared on resume. Per rank,
                         map: {"batches", "trained", "logs"}; stream: {"progress": worker
                         positions and totals (`cat.loading.progress`), "logs"}; `logs`
                         holds the sizes of the epoch's log files. `ranks` is None when
-                        the epoch has not started (resume at its beginning).
+                        the epoch has not started (resume at its beginning); so are
+                        `skipped` and `infeasible`, else per rank the epoch's utterances
+                        of skipped updates (and those updates) and of infeasible ones.
     rng                 per rank {"torch": ByteTensor, "cuda": ByteTensor | None}
-    meta                {"num_classes", "train_bin", "elapsed_seconds"}
+    meta                {"num_classes", "train_bin", "elapsed_seconds",
+                         "settings": {"config.json": the config it was trained with,
+                                      "hyper-p.json": the update settings}}
 
 Every file is written to a temporary name and renamed; the list is rewritten (atomically)
 after the new file exists, and only then are pruned files removed. Kept: the `keep` most
 recent checkpoints plus the `keep` best by dev loss.
+
+An average of checkpoints (`cat.decoding.checkpoint`, `cat.utils.avgmodel`) holds `model`,
+`averaged_from` and the `meta` of the last checkpoint averaged. `read_model_checkpoint`
+gives the weights and the `config.json` recorded with them (`recorded_config`; None for
+files written before checkpoints recorded it), which decoding compares with the
+experiment's (`model_config`: every section but `scheduler`, `config_changes`).
 
 `load_model_state` puts a checkpoint's weights into a model built from `config.json`; a
 checkpoint that does not fit (the config or the tokenizer changed since it was written) is
@@ -112,8 +122,8 @@ def load_checkpoint(path: PathLike, map_location: str | torch.device = "cpu") ->
     return state
 
 
-def read_model_state(path: PathLike) -> dict[str, torch.Tensor]:
-    """The `model` state dict (on CPU) of a checkpoint or of an average of checkpoints."""
+def _read_model_file(path: PathLike) -> dict[str, Any]:
+    """A checkpoint or an average (weights-only), its `model` checked to be tensors."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -122,12 +132,63 @@ def read_model_state(path: PathLike) -> dict[str, torch.Tensor]:
         raise ValueError(_load_error(path, error)) from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         raise ValueError(f"{path}: not a checkpoint dict with a 'model' state dict")
-    state = checkpoint["model"]
-    for key, value in state.items():
+    for key, value in checkpoint["model"].items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{path}: model entry {key!r} is a {type(value).__name__}, "
                              f"not a tensor")
-    return state
+    return checkpoint
+
+
+def read_model_state(path: PathLike) -> dict[str, torch.Tensor]:
+    """The `model` state dict (on CPU) of a checkpoint or of an average of checkpoints."""
+    return _read_model_file(path)["model"]
+
+
+def read_model_checkpoint(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The `model` state dict (on CPU) of a checkpoint or an average, and its `meta` (empty
+    when it has none)."""
+    checkpoint = _read_model_file(path)
+    meta = checkpoint.get("meta")
+    return checkpoint["model"], meta if isinstance(meta, dict) else {}
+
+
+def recorded_config(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The `config.json` a checkpoint's `meta` records it was trained with (None: written
+    before checkpoints recorded it)."""
+    settings = meta.get("settings")
+    config = settings.get("config.json") if isinstance(settings, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+#: Sections of config.json that do not describe the model: how it was optimised.
+NOT_MODEL_SECTIONS = ("scheduler",)
+
+
+def model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The sections of `config.json` that describe the model (all but NOT_MODEL_SECTIONS)."""
+    return {key: value for key, value in config.items() if key not in NOT_MODEL_SECTIONS}
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a.b.c": leaf}` of nested dicts (an empty dict is a leaf)."""
+    if isinstance(value, dict) and value:
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    return {prefix: value}
+
+
+def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key: old -> new` (values as JSON, `(absent)` for a missing key) for each key that
+    differs, sorted by key."""
+    old, new = flatten(recorded), flatten(current)
+
+    def shown(values: dict[str, Any], key: str) -> str:
+        return json.dumps(values[key], ensure_ascii=False) if key in values else "(absent)"
+
+    return [f"{key}: {shown(old, key)} -> {shown(new, key)}"
+            for key in sorted(set(old) | set(new)) if shown(old, key) != shown(new, key)]
 
 
 class CheckpointMismatchError(ValueError):

@@ -4,8 +4,13 @@
 of a torchrun job, or alone): it loads and checks `hyper-p.json` and `config.json`,
 joins the process group, and runs the `Manager`.
 
+The job holds the experiment's lock (`exp/<name>/train.lock`, `cat.training.lock`) from
+before it touches its checkpoints and logs to its end: a second training of the same
+experiment is refused, naming the first (host, pid, since when).
+
 SIGTERM, SIGUSR1 and SIGINT save a checkpoint after the update in flight and end the
-process with status 75 (`cat.training.preemption`); `--resume` continues exactly there.
+process with status 75 (`cat.training.preemption`), the lock released; `--resume`
+continues exactly there.
 
 Usage:
     python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch |
@@ -26,6 +31,7 @@ from cat.core.config import model_kind
 from cat.core.io import setup_logging
 from cat.core.process import die_with_parent
 from cat.training.distributed import init_distributed, shutdown_distributed
+from cat.training.lock import experiment_lock
 from cat.training.manager import Manager
 from cat.training.preemption import STOPPED_EXIT_STATUS, StopRequest, TrainingStopped
 
@@ -57,7 +63,7 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
     if not context.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        with StopRequest() as stop:
+        with experiment_lock(experiment.directory, context), StopRequest() as stop:
             manager = Manager(experiment, context, resume or restart_epoch or allow_config_change,
                               restart_epoch, allow_config_change, stop)
             try:

@@ -54,9 +54,10 @@ is written (`cat.training.report`). With `threads` 0 a `ThreadGovernor`
 (`cat.core.threads`) lowers the torch threads while other processes keep the CPUs busy.
 
 Coverage: at the end of every epoch, `exp/<name>/log/coverage.jsonl` gets a line with
-the utterances trained, dropped per reason, lost in corrupt shards, cut by the epoch's
-end (and the share of the epoch this is), retrained, skipped (with their updates), and
-the lengths of the cut ones
+the utterances trained (and of those, `infeasible`: the loss found no alignment, so they
+got loss 0 and no gradient; logged with a warning), dropped per reason, lost in corrupt
+shards, cut by the epoch's end (and the share of the epoch this is), retrained, skipped
+(with their updates), and the lengths of the cut ones
 (histogram and mean against the corpus mean), so any epoch can be audited afterwards.
 
 Usage:
@@ -81,7 +82,12 @@ from cat.core.config import Experiment
 from cat.core.io import atomic_write
 from cat.core.threads import ThreadGovernor
 from cat.training import setup
-from cat.training.checkpoint import CheckpointManager, load_checkpoint, load_model_state
+from cat.training.checkpoint import (
+    CheckpointManager,
+    flatten,
+    load_checkpoint,
+    load_model_state,
+)
 from cat.training.distributed import DistributedContext, set_threads
 from cat.training.monitor import Monitor, plot_scalars
 from cat.training.preemption import NoStopRequest, StopRequest, TrainingStopped
@@ -117,21 +123,12 @@ def training_settings(experiment: Experiment) -> dict[str, Any]:
                              for key in UPDATE_OPTIONS}}
 
 
-def _flatten(value: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(value, dict) and value:
-        flat: dict[str, Any] = {}
-        for key, item in value.items():
-            flat.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-        return flat
-    return {prefix: value}
-
-
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """'file: key: old -> new' for each setting that differs."""
     changes = []
     for name in sorted(set(recorded) | set(current)):
-        old = _flatten(recorded.get(name, {}), "")
-        new = _flatten(current.get(name, {}), "")
+        old = flatten(recorded.get(name, {}))
+        new = flatten(current.get(name, {}))
         for key in sorted(set(old) | set(new)):
             if old.get(key, "(absent)") != new.get(key, "(absent)"):
                 changes.append(f"{name}: {key}: {old.get(key, '(absent)')!r} -> "
@@ -168,6 +165,8 @@ class Manager:
         # This rank's updates skipped for a non-finite gradient in the epoch, and their
         # utterances (taken, not trained).
         self.skipped = {"updates": 0, "utterances": 0}
+        # This rank's trained utterances of the epoch the loss found infeasible.
+        self.infeasible = 0
         self.watchdog: Watchdog | NoWatchdog = NoWatchdog()
 
         self.threads = set_threads(self.options.threads, context)
@@ -200,7 +199,8 @@ class Manager:
                 "epoch_seed": [self.options.seed, self.epoch],
                 "world_size": self.context.world_size, "identity": self.train_data.identity(),
                 "epoch_start_step": self.epoch_start_step, "ranks": ranks,
-                "skipped": self.context.gather(dict(self.skipped)) if self.in_epoch else None}
+                "skipped": self.context.gather(dict(self.skipped)) if self.in_epoch else None,
+                "infeasible": self.context.gather(self.infeasible) if self.in_epoch else None}
 
     def _rng_state(self) -> dict[str, Any]:
         device = self.context.device
@@ -286,9 +286,11 @@ class Manager:
             return None
         changes = self.train_data.identity_changes(data.get("identity"))
         if not changes:
-            skipped = data.get("skipped")
+            skipped, infeasible = data.get("skipped"), data.get("infeasible")
             if skipped and len(skipped) == self.context.world_size:
                 self.skipped = dict(skipped[self.context.rank])
+            if infeasible and len(infeasible) == self.context.world_size:
+                self.infeasible = int(infeasible[self.context.rank])
             return ranks[self.context.rank]
         trained = sum(int(r["trained"] if "trained" in r else r["progress"]["trained"])
                       for r in ranks)
@@ -362,6 +364,7 @@ class Manager:
             self.epoch_start_step = self.step
         if self.resume_state is None:
             self.skipped = {"updates": 0, "utterances": 0}
+            self.infeasible = 0
         self.resume_state = None
         self.in_epoch = True
         self.model.train()
@@ -387,6 +390,8 @@ class Manager:
             if stats["skipped"]:
                 self.skipped["updates"] += 1
                 self.skipped["utterances"] += sum(len(batch) for batch in batches)
+            else:
+                self.infeasible += stats["infeasible"]
             self.step += 1
             self.watchdog.beat(self.step)
             threads = self.thread_governor.check()
@@ -439,7 +444,7 @@ class Manager:
         summary = {**self.train_data.summary(), "updates": steps,
                    "cut_lengths": self.train_data.cut_profile(),
                    "skipped": self.skipped["utterances"],
-                   "skipped_updates": self.skipped["updates"]}
+                   "skipped_updates": self.skipped["updates"], "infeasible": self.infeasible}
         summaries = self.context.gather(summary)
         if isinstance(self.train_data, StreamTrainData):
             self.train_data.last_steps = steps
@@ -469,15 +474,20 @@ class Manager:
         write_coverage(self.log_dir / "coverage.jsonl", coverage)
         dropped, cut = record["dropped"], record["not_trained"]
         details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
-        logger.info("epoch %d: %d updates, %d utterances trained; skipped (%d updates with a "
-                    "non-finite gradient): %d; dropped: %s; lost in "
-                    "corrupt shards: %d, in unavailable shards: %d; not trained (epoch cut at "
-                    "the first rank out of data): %s; retrained: %d", epoch, record["steps"],
-                    record["trained"], record["skipped_updates"], record["skipped"], details,
-                    record["corrupt_missing"],
-                    record["unavailable_missing"],
+        logger.info("epoch %d: %d updates, %d utterances trained (%d of them infeasible for "
+                    "the loss); skipped (%d updates with a non-finite gradient): %d; dropped: "
+                    "%s; lost in corrupt shards: %d, in unavailable shards: %d; not trained "
+                    "(epoch cut at the first rank out of data): %s; retrained: %d", epoch,
+                    record["steps"], record["trained"], record["infeasible"],
+                    record["skipped_updates"], record["skipped"], details,
+                    record["corrupt_missing"], record["unavailable_missing"],
                     "unknown" if cut is None else f"{cut} ({record['cut_fraction']:.2%})",
                     record["retrained"])
+        if record["infeasible"]:
+            logger.warning("epoch %d: %d trained utterance(s) were infeasible for the loss (no "
+                           "alignment of the transcript fits the frames, or none passes the "
+                           "CTC-CRF graphs): they got loss 0 and no gradient", epoch,
+                           record["infeasible"])
         if cut is not None and cut < 0:
             logger.error("epoch %d: %d more utterances were trained or dropped than the "
                          "indexes list: the shards hold utterances their index.jsonl does not "

@@ -1,7 +1,8 @@
 """Epoch reports: totals over ranks, the coverage report, and the checks that stop training.
 
 `epoch_record` sums the ranks' summaries of an epoch (`log/epoch-<EEE>.json`);
-`write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained, dropped per
+`write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained and, of those,
+infeasible for the loss: no alignment, loss 0 and no gradient; dropped per
 reason, lost, cut by the epoch's end and its lengths, retrained, skipped with an update
 skipped for a non-finite gradient, compressed shards a resume read again from their
 start, kept utterances per note: audio resampled or down-mixed, transcripts with `<unk>`
@@ -65,7 +66,9 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
     # Utterances of updates skipped for a non-finite gradient were taken, not trained.
     skipped = sum(s.get("skipped", 0) for s in summaries)
     return {"epoch": epoch, "steps": steps, "expected": total,
-            "trained": sum(s["trained"] for s in summaries) - skipped, "dropped": dropped,
+            "trained": sum(s["trained"] for s in summaries) - skipped,
+            # Of the trained: the loss found no alignment (loss 0, no gradient).
+            "infeasible": sum(s.get("infeasible", 0) for s in summaries), "dropped": dropped,
             "skipped": skipped,
             "skipped_updates": max((s.get("skipped_updates", 0) for s in summaries), default=0),
             "corrupt_missing": sum(s.get("corrupt_missing", 0) for s in summaries),

@@ -15,7 +15,9 @@ update's micro-batches on all ranks, and each micro-batch back-propagates
 utterance (or token) of the update on every rank, whatever the batch sizes.
 Non-final micro-batches run under `no_sync`. Gradients are clipped to `grad_norm`, an
 update with a non-finite gradient norm is skipped (counted; its utterances count as
-skipped, not trained, and too many stop training: `Manager`), AMP (float16 autocast +
+skipped, not trained, and too many stop training: `Manager`), the utterances the loss
+found infeasible (the model's `num_infeasible`: no alignment, loss 0 and no gradient) are
+counted per update for the epoch's record, AMP (float16 autocast +
 GradScaler) is used on GPU only, and the learning rate follows the scheduler per update.
 
 Usage:
@@ -126,9 +128,11 @@ class Updater:
         return StepTotals(total[0], total[1], total[2] > 0, total[3] > 0, total[4] > 0)
 
     def update(self, batches: list[Batch], step_normalizer: float) -> dict[str, float]:
-        """Forward/backward every micro-batch, clip, step; returns logging stats."""
+        """Forward/backward every micro-batch, clip, step; returns logging stats (`loss`,
+        `grad_norm`, `lr`, `skipped`, and `infeasible`: the update's utterances without a
+        loss)."""
         model = self.ddp or self.model
-        loss_sum = normalizer_sum = 0.0
+        loss_sum = normalizer_sum = infeasible = 0.0
         for position, batch in enumerate(batches):
             batch = batch.to(self.device, non_blocking=True)
             sync = position == len(batches) - 1 or self.ddp is None
@@ -143,6 +147,7 @@ class Updater:
                 self.scaler.scale(loss * scale).backward()
             loss_sum += stats["loss_sum"]
             normalizer_sum += normalizer
+            infeasible += stats.get("num_infeasible", 0.0)
         self.scaler.unscale_(self.optimizer)
         max_norm = self.options.grad_norm if self.options.grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
@@ -159,7 +164,7 @@ class Updater:
         lr = self.scheduler.lr
         self.scheduler.step()
         return {"loss": loss_sum / max(normalizer_sum, 1e-12), "grad_norm": grad_norm, "lr": lr,
-                "skipped": skipped}
+                "skipped": skipped, "infeasible": int(infeasible)}
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable[Batch]) -> float:

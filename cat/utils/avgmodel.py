@@ -8,23 +8,26 @@ Each checkpoint is a dict saved with `torch.save` holding at least
 float64, stored in their own dtype); integer and boolean tensors, such as
 BatchNorm's `num_batches_tracked`, are taken from the last checkpoint given.
 All checkpoints must hold the same keys with the same shapes and dtypes.
-The output `{"model": averaged, "averaged_from": [paths]}` is written to a
-temporary file and renamed, so a failed run leaves no partial file. The averaging is
-`cat.decoding.checkpoint.average_checkpoints`.
+The output `{"model": averaged, "averaged_from": [paths], "meta": ...}` is written to a
+temporary file and renamed, so a failed run leaves no partial file; `meta` is the last
+checkpoint's, with the `config.json` it was trained with, which decoding compares with
+the experiment's (`cat.decoding.checkpoint.check_model_config`). The averaging is
+`cat.decoding.checkpoint.averaged_checkpoint`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 import torch
 
 from cat.core.io import atomic_write, setup_logging
-from cat.decoding.checkpoint import average_checkpoints
+from cat.decoding.checkpoint import average_checkpoints, averaged_checkpoint
+
+__all__ = ["average_checkpoints", "averaged_checkpoint", "build_parser", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Average the checkpoints and write the result; returns the exit status."""
     args = build_parser().parse_args(argv)
     setup_logging()
-    averaged = average_checkpoints(args.checkpoints)
+    averaged = averaged_checkpoint(args.checkpoints)
     with atomic_write(args.out, "wb") as f:
-        torch.save({"model": averaged,
-                    "averaged_from": [os.fspath(p) for p in args.checkpoints]}, f)
+        torch.save(averaged, f)
     logger.info("averaged %d checkpoints (%d tensors) into %s", len(args.checkpoints),
-                len(averaged), args.out)
+                len(averaged["model"]), args.out)
     return 0
 
 

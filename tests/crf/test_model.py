@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+
 import pytest
 import torch
 
 from cat.core.config import ConfigError, model_kind
+from cat.crf.den_graph import build_for_tokenizer
 from cat.crf.model import CRFModel
 from cat.graph.denominator import DenGraphError, build_den_graph, save_den_graph
 from cat.models.registry import build_model
-from cat.testing.training import tiny_model_config
+from cat.testing.training import tiny_model_config, write_tiny_experiment
+from cat.training import setup
+from cat.training.cli import train
 
 UNITS = ["<blk>", "<unk>", "a", "b", "c", "d"]
 
@@ -66,3 +73,39 @@ def test_a_graph_of_another_tokenizer_is_refused(tmp_path):
     model = build_model(crf_config(tmp_path / "small.npz"), num_classes=6)
     with pytest.raises(DenGraphError, match="built for 5 classes, the model has 6"):
         model.prepare_training(UNITS)
+
+
+# Utterances with more labels than encoder frames (14 input frames: 2 encoder frames): the
+# CRF loss finds no path through their numerator graphs.
+INFEASIBLE = {"BAC009S0009W9001": (14, "的一是在不了有和人这"),
+              "BAC009S0009W9002": (14, "的一是在不")}
+
+
+def test_training_counts_the_utterances_the_crf_loss_finds_infeasible(tmp_path, monkeypatch,
+                                                                       caplog):
+    experiment = write_tiny_experiment(tmp_path, num_train=16, extra_train=INFEASIBLE,
+                                       options={"epochs": 1})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    build_for_tokenizer(experiment.exp_dir / "tokenizer.tknz", [experiment.train.text],
+                        experiment.exp_dir / "den_lm.npz", order=2)
+    path = experiment.exp_dir / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["trainer"] = {"use_crf": True, "den_lm": "exp/tiny/den_lm.npz"}
+    path.write_text(json.dumps(config), encoding="utf-8")
+    # The length filter drops what the frame count alone rules out; let these through, as
+    # utterances the graphs reject for other reasons pass it.
+    build_filter = setup.build_length_filter
+    monkeypatch.setattr(setup, "build_length_filter", lambda *args: dataclasses.replace(
+        build_filter(*args), ctc=False))
+    with caplog.at_level(logging.INFO):
+        train("exp/tiny", "cat.ctc.train")
+    record = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert (record["trained"], record["infeasible"]) == (18, 2)
+    coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text())
+    assert coverage["infeasible"] == 2
+    assert "epoch 1: 5 updates, 18 utterances trained (2 of them infeasible for the loss)" \
+        in caplog.text
+    assert ("epoch 1: 2 trained utterance(s) were infeasible for the loss (no alignment of "
+            "the transcript fits the frames, or none passes the CTC-CRF graphs): they got "
+            "loss 0 and no gradient") in caplog.text

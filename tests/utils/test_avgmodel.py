@@ -91,3 +91,19 @@ def test_failed_average_leaves_no_output(tmp_path):
         main(["--out", str(out), good, other])
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt", "b.pt"]
+
+
+def test_cli_keeps_the_config_the_checkpoints_were_trained_with(tmp_path, caplog):
+    config = {"encoder": {"kwargs": {"hdim": 4}}, "scheduler": {"kwargs": {"peak_lr": 0.1}}}
+    later = {**config, "encoder": {"kwargs": {"hdim": 4, "dropout": 0.1}}}
+    paths = [save_checkpoint(tmp_path / "a.pt", tiny_model(0),
+                             meta={"settings": {"config.json": config}}),
+             save_checkpoint(tmp_path / "b.pt", tiny_model(1),
+                             meta={"settings": {"config.json": later}, "num_classes": 4})]
+    out = tmp_path / "avg.pt"
+    assert main(["--out", str(out), *paths]) == 0
+    saved = torch.load(out, weights_only=True)
+    assert saved["meta"] == {"settings": {"config.json": later}, "num_classes": 4}
+    assert (f"averaging checkpoints trained with different model configs: {paths[0]} -> "
+            f"{paths[1]}: encoder.kwargs.dropout: (absent) -> 0.1; the average records the "
+            "last one's") in caplog.text

@@ -1,0 +1,218 @@
+"""The model decoding builds (`cat.decoding.searcher.load_model`): a `config.json` changed
+since the checkpoint was trained is refused by decoding, transcription, streaming and
+export, naming the changed keys, unless the change is accepted explicitly; averaged
+checkpoints keep the config their checkpoints were trained with; checkpoints written
+before checkpoints recorded it decode with a warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from cat.core.config import load_experiment
+from cat.ctc import export as ctc_export
+from cat.ctc.stream import CtcChunkSearch
+from cat.decoding.audio import from_files
+from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
+from cat.decoding.export import export_main
+from cat.decoding.inference import decode_set
+from cat.decoding.inference import main as decode_main
+from cat.decoding.searcher import DecodeOptions, Searcher, load_model
+from cat.decoding.streaming import main as stream_main
+from cat.decoding.transcribe import transcribe
+from cat.models.registry import build_model
+from cat.testing.training import write_tiny_experiment
+from cat.text.tokenizer import load as load_tokenizer
+from cat.training.checkpoint import CheckpointManager
+from cat.training.manager import training_settings
+
+NAME = "exp/tiny"
+CONFIG = f"{NAME}/config.json"
+FIRST = f"{NAME}/check/ckpt-e001-s00000010.pt"
+OPTIONS = DecodeOptions(method="greedy", device="cpu")
+ACCEPT = ("Restore it, or accept the change explicitly: --allow-config-change (the decode, "
+          "stream and export commands), or inference.infer.option.allow_config_change: true "
+          "in hyper-p.json (stage 4 and the decode command)")
+
+
+def _changes(checkpoint: str) -> str:
+    """The error of a model whose convolutions became causal and whose frame rate halved
+    (no parameters change: the weights still fit)."""
+    return (f"{checkpoint}: {CONFIG} changed since this model was trained: "
+            "encoder.kwargs.causal_conv: (absent) -> true; encoder.kwargs.max_chunk_size: "
+            "(absent) -> 4; encoder.kwargs.time_reduction_factor: (absent) -> 2; "
+            "encoder.kwargs.time_reduction_mode: (absent) -> \"subsample\". The model built "
+            f"from it would compute something else with the same weights. {ACCEPT}")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny experiment (80-dim features) with three checkpoints in the training's
+    format, as a training of its config.json writes them (weights of an untrained model)."""
+    root = tmp_path_factory.mktemp("recipe")
+    experiment = write_tiny_experiment(root, feat_dim=80, num_train=8, num_dev=4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        loaded = load_experiment(NAME)
+        vocab = load_tokenizer(f"{NAME}/tokenizer.tknz").vocab_size
+        manager = CheckpointManager(f"{NAME}/check", keep=5)
+        for step in (10, 20, 30):
+            torch.manual_seed(step)
+            model = build_model(loaded.config, vocab)
+            manager.save({"format": "cat-checkpoint", "version": 1,
+                          "model": model.state_dict(), "epoch": 1, "step": step,
+                          "meta": {"num_classes": vocab, "train_bin": "cat.ctc.train",
+                                   "settings": training_settings(loaded)}},
+                         1, step, dev_loss=1.0 / step)
+    return experiment
+
+
+@pytest.fixture
+def recipe(trained, monkeypatch):
+    """`trained`, run from its recipe directory; config.json and hyper-p.json restored
+    after the test."""
+    monkeypatch.chdir(trained.root)
+    saved = {path: path.read_text() for path in (trained.exp_dir / "config.json",
+                                                 trained.hyper_path)}
+    yield trained
+    for path, text in saved.items():
+        path.write_text(text)
+    for made in ("check/avg-best-2.pt", "check/avg-best-2.pt.done", "decode", "export",
+                 "stream"):
+        path = trained.exp_dir / made
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _make_streaming(experiment) -> None:
+    """Edit config.json as a user turning on streaming and CAT's time reduction after
+    training would: no parameter changes."""
+    path = experiment.exp_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=4,
+                                       time_reduction_factor=2,
+                                       time_reduction_mode="subsample")
+    path.write_text(json.dumps(config))
+
+
+def _accept_in_hyper(experiment) -> None:
+    hyper = experiment.hyper()
+    hyper["inference"]["infer"]["option"]["allow_config_change"] = True
+    experiment.hyper_path.write_text(json.dumps(hyper))
+
+
+def _wav(directory: Path) -> Path:
+    path = directory / "utt.wav"
+    samples = np.random.default_rng(0).normal(scale=0.1, size=16000).astype(np.float32)
+    soundfile.write(path, samples, 16000)
+    (directory / "wav.scp").write_text(f"utt {path}\n")
+    return path
+
+
+def test_decoding_a_model_whose_config_changed_since_training_is_refused(recipe):
+    _make_streaming(recipe)
+    with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", OPTIONS)
+    assert not (recipe.exp_dir / "decode/hyp").exists()
+
+
+def test_transcription_and_streaming_refuse_it_too(recipe, capsys):
+    _make_streaming(recipe)
+    with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
+        Searcher(NAME, FIRST, "ctc", OPTIONS, "cpu")
+    wav = _wav(recipe.root)
+    with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
+        transcribe(NAME, from_files([str(wav)]), FIRST, "ctc", OPTIONS)
+    status = stream_main("ctc", CtcChunkSearch, [
+        NAME, "--wav-scp", "wav.scp", "--chunk-size", "4", "--checkpoint", FIRST,
+        "--out", f"{NAME}/stream"])
+    assert status == 1
+    assert f"error: {_changes(FIRST)}" in capsys.readouterr().err
+    assert not (recipe.exp_dir / "stream").exists()
+
+
+def test_export_refuses_it_and_writes_nothing(recipe, capsys):
+    _make_streaming(recipe)
+    # Stage 4's model: the average of the two best checkpoints, which keeps their config.
+    assert export_main("ctc", ctc_export.export, [NAME]) == 1
+    assert f"error: {_changes(f'{NAME}/check/avg-best-2.pt')}" in capsys.readouterr().err
+    assert not (recipe.exp_dir / "export").exists()
+
+
+def test_the_decode_and_export_commands_refuse_it_unless_told_to_accept_it(recipe, caplog):
+    _make_streaming(recipe)
+    decode = [NAME, "--data", "data/fbank/dev", "--checkpoint", FIRST, "--out",
+              f"{NAME}/decode", "--method", "greedy", "--device", "cpu"]
+    assert decode_main("ctc", decode) == 1
+    assert _changes(FIRST) in caplog.text
+    assert decode_main("ctc", [*decode, "--allow-config-change"]) == 0
+    assert (recipe.exp_dir / "decode/hyp").is_file()
+    assert export_main("ctc", ctc_export.export,
+                       [NAME, "--checkpoint", FIRST, "--allow-config-change"]) == 0
+    assert (recipe.exp_dir / "export/model.onnx").is_file()
+
+
+def test_averaged_checkpoints_record_the_config_they_were_trained_with(recipe):
+    average = select_checkpoint(NAME, recipe.hyper())
+    assert average == Path(f"{NAME}/check/avg-best-2.pt")
+    saved = torch.load(average, weights_only=True)
+    assert saved["averaged_from"] == ["ckpt-e001-s00000030.pt", "ckpt-e001-s00000020.pt"]
+    assert saved["meta"]["settings"]["config.json"] == json.loads(
+        (recipe.exp_dir / "config.json").read_text())
+    _make_streaming(recipe)
+    with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(str(average)))):
+        load_model(NAME, average, "ctc", torch.device("cpu"))
+
+
+def test_an_accepted_change_is_logged_and_decoded(recipe, capsys, caplog):
+    _make_streaming(recipe)
+    _accept_in_hyper(recipe)
+    options = DecodeOptions.of_experiment(recipe.hyper(), "hyper-p.json",
+                                          {"method": "greedy", "device": "cpu"})
+    assert options.allow_config_change
+    with caplog.at_level(logging.WARNING):
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", options)
+    assert (f"{FIRST}: {CONFIG} changed since this model was trained (accepted by "
+            "allow_config_change): encoder.kwargs.causal_conv: (absent) -> true;"
+            in caplog.text)
+    log = json.loads((recipe.exp_dir / "decode/decode.log").read_text())
+    assert log["allow_config_change"] is True and log["num_utts"] == 4
+    hyper = recipe.hyper()  # streaming: accepted on its command line
+    hyper["inference"]["infer"]["option"].pop("allow_config_change")
+    recipe.hyper_path.write_text(json.dumps(hyper))
+    _wav(recipe.root)
+    assert stream_main("ctc", CtcChunkSearch, [
+        NAME, "--wav-scp", "wav.scp", "--chunk-size", "4", "--checkpoint", FIRST,
+        "--out", f"{NAME}/stream", "--allow-config-change"]) == 0
+    assert (recipe.exp_dir / "stream/hyp").is_file()
+
+
+def test_optimizer_settings_are_not_part_of_the_model(recipe, caplog):
+    path = recipe.exp_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["scheduler"]["kwargs"]["peak_lr"] = 0.5
+    path.write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        load_model(NAME, FIRST, "ctc", torch.device("cpu"))
+    assert "changed since" not in caplog.text
+
+
+def test_a_checkpoint_without_a_recorded_config_decodes_with_a_warning(recipe, caplog):
+    old = recipe.exp_dir / "old.pt"
+    state = torch.load(FIRST, weights_only=True)
+    del state["meta"]["settings"]
+    torch.save(state, old)
+    _make_streaming(recipe)
+    with caplog.at_level(logging.WARNING):
+        load_model(NAME, old, "ctc", torch.device("cpu"))
+    assert (f"{old} records no config.json (written before checkpoints recorded theirs): "
+            f"{CONFIG} cannot be compared with the config it was trained with, only the "
+            "parameter shapes are") in caplog.text
+    old.unlink()
