@@ -25,7 +25,8 @@ similar size during backward. Example: 32 utterances of 10 s (T' = 250 after x4
 subsampling), U = 40 characters, V = 4232, hdim = 320 need
 32*250*41*(320+8464)*4 bytes, about 11.5 GB. Batches are trimmed to their
 longest T' and U; bound batches by `B * T' * U` (sorting by length helps), or
-raise the encoder's time reduction.
+raise the encoder's time reduction. A batch whose logits would exceed 2^31 - 1 elements is
+computed in sub-batches (`loss_parts`): the loss kernel indexes them with 32-bit integers.
 """
 
 from __future__ import annotations
@@ -161,6 +162,37 @@ class JointNet(nn.Module):
                           self.project_predictor(predictor_out)[:, None])
 
 
+#: Largest logits tensor one `rnnt_loss` call is given: its CUDA kernel indexes the
+#: [B, T', U+1, V] logits with 32-bit integers, and a larger batch (e.g. 32 x 250 frames x
+#: 61 x 5,537 classes, 2.7e9 elements) is an illegal memory access on the GPU.
+RNNT_LOSS_MAX_ELEMENTS = 2**31 - 1
+
+
+def loss_parts(lengths: torch.Tensor, label_lens: torch.Tensor, num_classes: int,
+               limit: int | None = None) -> list[slice]:
+    """Consecutive sub-batches whose logits, each trimmed to its own longest T' and U+1,
+    hold at most `limit` (default `RNNT_LOSS_MAX_ELEMENTS`) elements: one part for
+    every batch that fits. One utterance over the limit is a ValueError naming its size."""
+    limit = RNNT_LOSS_MAX_ELEMENTS if limit is None else limit
+    frames = lengths.clamp(min=1).tolist()
+    labels = label_lens.tolist()
+    parts: list[slice] = []
+    start, longest_t, longest_u = 0, 0, 0
+    for index, (t, u) in enumerate(zip(frames, labels, strict=True)):
+        if t * (u + 1) * num_classes > limit:
+            raise ValueError(f"utterance {index} of the batch: {t} encoder frames x {u + 1} "
+                             f"label positions x {num_classes} classes exceed the RNN-T "
+                             f"loss's {limit} logits; filter such utterances out")
+        grown_t, grown_u = max(longest_t, t), max(longest_u, u)
+        if index > start and (index - start + 1) * grown_t * (grown_u + 1) * num_classes > limit:
+            parts.append(slice(start, index))
+            start, grown_t, grown_u = index, t, u
+        longest_t, longest_u = grown_t, grown_u
+    if len(frames) > start or not parts:
+        parts.append(slice(start, len(frames)))
+    return parts
+
+
 class TransducerModel(nn.Module):
     """RNN-T model trained with `torchaudio.functional.rnnt_loss` (blank = 0).
 
@@ -194,22 +226,29 @@ class TransducerModel(nn.Module):
         if self.training and self.specaug is not None:
             feats = self.specaug(feats, feat_lens)
         encoder_out, lengths = self.encoder(feats, feat_lens)
+        # Without frames nothing can be emitted: such utterances get loss 0.
+        infeasible = lengths < 1
+        losses = torch.cat([self._losses(encoder_out[part], lengths[part], labels[part],
+                                         label_lens[part])
+                            for part in loss_parts(lengths, label_lens, self.num_classes)])
+        losses = losses.masked_fill(infeasible, 0.0)
+        return batch_loss(losses, labels, label_lens, lengths, infeasible,
+                          self.loss_normalization)
+
+    def _losses(self, encoder_out: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+                label_lens: torch.Tensor) -> torch.Tensor:
+        """Per-utterance RNN-T losses of a (sub-)batch, trimmed to its longest T' and U
+        (rnnt_loss needs the padded sizes to equal the longest lengths)."""
         max_frames = int(lengths.max()) if lengths.numel() else 0
         max_labels = int(label_lens.max()) if label_lens.numel() else 0
-        # rnnt_loss needs the padded sizes to equal the longest lengths.
         encoder_out = encoder_out[:, :max(max_frames, 1)]
         labels = labels[:, :max_labels]
         if max_frames == 0:
             encoder_out = nn.functional.pad(encoder_out, (0, 0, 0, 1 - encoder_out.size(1)))
-        # Without frames nothing can be emitted: such utterances get loss 0.
-        infeasible = lengths < 1
         logits = self.joiner(encoder_out, self.predictor(labels))
-        losses = torchaudio.functional.rnnt_loss(
+        return torchaudio.functional.rnnt_loss(
             logits.float().contiguous(), labels.int().contiguous(),
             lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none")
-        losses = losses.masked_fill(infeasible, 0.0)
-        return batch_loss(losses, labels, label_lens, lengths, infeasible,
-                          self.loss_normalization)
 
     @torch.no_grad()
     def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchaudio
 
 from cat.models.encoder import ConformerNet
-from cat.rnnt.model import JointNet, LSTMPredictor, StatelessPredictor, TransducerModel
+from cat.rnnt import model as rnnt_model
+from cat.rnnt.model import (
+    JointNet,
+    LSTMPredictor,
+    StatelessPredictor,
+    TransducerModel,
+    loss_parts,
+)
 
 
 def tiny_transducer(num_classes: int = 6, predictor: str = "lstm",
@@ -176,3 +184,53 @@ def test_batch_without_any_encoder_frame():
     model.eval()
     assert model.decode(feats, feat_lens, method="greedy") == [[], []]
     assert model.decode(feats, feat_lens, method="beam") == [[], []]
+
+
+def test_loss_parts_bound_every_call_and_cover_the_batch():
+    lengths = torch.tensor([10, 9, 3, 8, 2])
+    label_lens = torch.tensor([4, 1, 2, 6, 0])
+    parts = loss_parts(lengths, label_lens, num_classes=7, limit=700)
+    covered = [i for part in parts for i in range(len(lengths))[part]]
+    assert covered == list(range(5)) and len(parts) > 1
+    for part in parts:
+        size = (part.stop - part.start) * int(lengths[part].max()) * \
+            (int(label_lens[part].max()) + 1) * 7
+        assert size <= 700
+    assert loss_parts(lengths, label_lens, 7) == [slice(0, 5)]
+    with pytest.raises(ValueError, match="utterance 3 of the batch: 8 encoder frames x 7"):
+        loss_parts(lengths, label_lens, 7, limit=360)
+
+
+def test_a_batch_over_the_kernel_limit_is_split_with_the_same_loss_and_gradients(monkeypatch):
+    # The CUDA loss kernel indexes the logits with 32-bit integers: no call may see more
+    # than RNNT_LOSS_MAX_ELEMENTS of them (measured: 2.7e9 was an illegal memory access).
+    feats, feat_lens, labels, label_lens = make_task()
+    model = tiny_transducer().eval()
+    whole, _ = model(feats, feat_lens, labels, label_lens)
+    whole.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    sizes = []
+    loss_function = torchaudio.functional.rnnt_loss
+
+    def recording(logits, *args, **kwargs):
+        sizes.append(logits.numel())
+        return loss_function(logits, *args, **kwargs)
+
+    monkeypatch.setattr(torchaudio.functional, "rnnt_loss", recording)
+    limit = max(sizes_of_one(model, feats, feat_lens, labels, label_lens))
+    monkeypatch.setattr(rnnt_model, "RNNT_LOSS_MAX_ELEMENTS", limit)
+    sizes.clear()
+    split, _ = model(feats, feat_lens, labels, label_lens)
+    split.backward()
+    assert len(sizes) > 1 and max(sizes) <= limit
+    assert split.item() == pytest.approx(whole.item(), rel=1e-5)
+    for grad, reference in zip((p.grad for p in model.parameters()), expected, strict=True):
+        assert torch.allclose(grad, reference, atol=1e-6)
+
+
+def sizes_of_one(model, feats, feat_lens, labels, label_lens) -> list[int]:
+    """Logits elements of each utterance alone (the smallest limit that still runs)."""
+    _, lengths = model.encoder(feats, feat_lens)
+    return [int(t) * (int(u) + 1) * model.num_classes
+            for t, u in zip(lengths, label_lens, strict=True)]
