@@ -94,8 +94,8 @@ def _stream(patterns: str, tokenizer: Path, audio: AudioConfig | None, batch: in
     """The training's stream of one worker: batches padded into a ring of shared slots
     (as `cat.training.train_data.shared_collate` sizes them: the batch of the longest
     utterance; prefetch 2 + 3 held by the loop)."""
-    config = StreamConfig(batch_size=batch, max_frames=0, shuffle_buffer=500,
-                          sort_buffer=100, audio=audio, seed=1)
+    config = StreamConfig.with_defaults(batch_size=batch, max_frames=0, shuffle_buffer=500,
+                                        sort_buffer=100, audio=audio, seed=1)
     shards = load_shard_list(patterns)
     shared = SharedCollate(batch * shards.longest * 80 * 4, 5) if shards.longest else None
     return ShardStream(shards, str(tokenizer), config, None, 80, num_workers=1,

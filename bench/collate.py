@@ -162,7 +162,7 @@ def stream_seconds(root: Path, dtype: str, tokenizer: Path, dim: int,
     """Seconds of one epoch of the streaming loader (in this process, page-cached shards,
     the schema's default buffers) with `collate_fn`."""
     shards = load_shard_list(str(root / dtype / "data-*.tar"))
-    stream = ShardStream(shards, str(tokenizer), StreamConfig(), None, dim,
+    stream = ShardStream(shards, str(tokenizer), StreamConfig.with_defaults(), None, dim,
                          collate_fn=collate_fn)
     stream.set_epoch(1)
     start = time.perf_counter()

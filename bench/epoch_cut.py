@@ -58,8 +58,8 @@ def balance(root: Path, seeds: int) -> None:
         corpus, tokenizer = write_stream_corpus(folder, frames, seed)
         write_uneven_shards(corpus, folder / "shards", sizes)
         shards = load_shard_list(str(folder / "shards/*/data-*.tar"))
-        config = StreamConfig(batch_size=4, max_frames=0, shuffle_buffer=8, sort_buffer=8,
-                              seed=seed)
+        config = StreamConfig.with_defaults(batch_size=4, max_frames=0, shuffle_buffer=8,
+                                            sort_buffer=8, seed=seed)
         for epoch in (1, 2, 3):
             cut, total = cut_of_epoch(shards, tokenizer, config, 3, epoch)
             shares.append(len(cut) / total)

@@ -71,7 +71,7 @@ from cat.loading.shardlist import load_shard_list
 from cat.testing.features import utterance_ids, write_feature_corpus
 from cat.text import tokenizer as tokenizers
 from cat.training.distributed import DistributedContext
-from cat.training.train_data import MapTrainData, StreamTrainData
+from cat.training.train_data import MapTrainData, StreamTrainData, TrainData
 
 MEGABYTE = 1e6
 FEAT_DIM = 80
@@ -362,7 +362,7 @@ def _length_filter() -> LengthFilter:
 class _TrainDataLoader:
     """A manager training-data object iterated as the training loop does."""
 
-    data: MapTrainData | StreamTrainData
+    data: TrainData
     files: list[str]  # what the cold passes evict
 
     def epoch(self, epoch: int) -> Iterator[tuple[int, int]]:

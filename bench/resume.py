@@ -154,7 +154,7 @@ def main() -> None:
         print(f"plan, {ranks} ranks x 8 workers: {seconds * 1e3:.0f} ms; {len(split)} worker "
               f"lists; rank loads within {(max(loads) - min(loads)) / np.mean(loads):.2%}")
 
-    config = StreamConfig(seed=0)  # the recipe's buffers
+    config = StreamConfig.with_defaults()  # the recipe's buffers: the schema's defaults
     tokenizer = str(args.out / "tokenizer.tknz")
     stream = ShardStream(shards, tokenizer, config, None, 80, 0, 8, 0)
     stream.set_epoch(1)

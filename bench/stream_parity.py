@@ -18,10 +18,10 @@ from cat.core.config import load_hyper
 from cat.core.io import read_table
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.export import OnnxChunkEncoder
+from cat.decoding.online import StreamingRecognizer, _chunk_encoder, decode_utterance
 from cat.decoding.searcher import load_model
-from cat.decoding.streaming import StreamingRecognizer, _chunk_encoder, decode_utterance
 from cat.features.fbank import read_audio
-from cat.models.streaming import StreamingEncoder
+from cat.models.chunked import StreamingEncoder
 
 
 def main() -> None:

@@ -86,3 +86,49 @@ def test_generic_code_names_no_model_family():
 
     assert all(FLOORS[module.split(".")[1]] > FLOORS["decoding"]
                for module in FAMILIES.values())
+
+
+# Where a model kind or a family's module may be named in code: the one definition of the
+# kinds (`model_kind`), the registry that maps them to families, and the translation of
+# CAT's own experiment files, whose format names CAT's families.
+NAMING_FAMILIES = {"core/config.py", "models/registry.py", "utils/migrate_config.py",
+                   "utils/migrate_hyper.py"}
+
+
+def family_names(root: Path = CAT, kinds: tuple[str, ...] = ("ctc", "rnnt", "crf")
+                 ) -> list[str]:
+    """Every string in the code (docstrings aside) of a generic module (not a family's, not
+    `testing` or `shared`, CAT's compatibility names) that is a model kind or names a
+    family's module: generic code must find a family through the registry."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if (len(relative.parts) < 2 or relative.parts[0] in {*kinds, "testing", "shared"}
+                or relative.as_posix() in NAMING_FAMILIES):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        documentation = {id(node.value) for node in ast.walk(tree)
+                         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in documentation
+                    and (node.value in kinds
+                         or any(node.value.startswith(f"cat.{kind}") for kind in kinds))):
+                found.append(f"cat/{relative}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_generic_code_names_no_kind_and_no_family_module():
+    assert family_names() == []
+
+
+def test_a_kind_named_in_generic_code_is_caught(tmp_path):
+    (tmp_path / "decoding").mkdir()
+    (tmp_path / "decoding" / "searcher.py").write_text(
+        '"""Decoding "ctc" models is fine in a docstring."""\n'
+        'kind = "rnnt" if bin == "cat.rnnt.train" else "ctc"\n')
+    (tmp_path / "ctc").mkdir()
+    (tmp_path / "ctc" / "model.py").write_text('KIND = "ctc"\n')
+    assert sorted(family_names(tmp_path)) == [
+        "cat/decoding/searcher.py:2: 'cat.rnnt.train'", "cat/decoding/searcher.py:2: 'ctc'",
+        "cat/decoding/searcher.py:2: 'rnnt'"]

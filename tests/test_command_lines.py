@@ -31,7 +31,7 @@ def test_decode_options_take_their_help_from_the_option_schema(capsys):
     from cat.decoding.searcher import OPTIONS_SCHEMA
 
     with pytest.raises(SystemExit):
-        build_parser("ctc").parse_args(["--help"])
+        build_parser("cat.decode").parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for name, spec in OPTIONS_SCHEMA["properties"].items():
         assert f"--{name.replace('_', '-')}" in text

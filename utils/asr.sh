@@ -8,7 +8,7 @@
 #      data/fbank/<train_set>_sp when --speed_perturb is given), for the feature dirs the
 #      experiment's hyper-p.json data names (none for a training set packed as audio
 #      shards, data.shards.audio, which the loader turns into features)
-#   2  tokenizer and map-style packs (cat.utils.pipeline prepare); the tar shards the
+#   2  tokenizer and map-style packs (cat.utils.stage_driver prepare); the tar shards the
 #      experiment streams, in the length groups of its hyper-p.json data.shards, of
 #      features or (data.shards.audio) of audio (local/prep_wds.py pack-exp; nothing for a
 #      map-style experiment); CTC-CRF (config.json trainer.use_crf): the lexicon (phone)
@@ -80,7 +80,7 @@ fi
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   log "Stage 1: fbank features"
   # Only the feature dirs the experiment reads: none for a training set packed as audio.
-  needed=$(python -m cat.utils.pipeline feature-dirs "$exp")
+  needed=$(python -m cat.utils.stage_driver feature-dirs "$exp")
   for part in "$train_set" $test_sets; do
     out=data/fbank/$part
     opts=()
@@ -104,23 +104,23 @@ fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: tokenizer, packs and shards for $exp"
-  run python -m cat.utils.pipeline prepare "$exp"
+  run python -m cat.utils.stage_driver prepare "$exp"
   run python local/prep_wds.py pack-exp "$exp" --nj "$nj" "${cpu_opts[@]}"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log "Stage 3: training $exp"
-  run python -m cat.utils.pipeline train "$exp" --nproc "$nproc" "${train_opts[@]}"
+  run python -m cat.utils.stage_driver train "$exp" --nproc "$nproc" "${train_opts[@]}"
 fi
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: decoding and scoring $exp"
-  run python -m cat.utils.pipeline decode "$exp" --nj "$nj" "${decode_opts[@]}"
+  run python -m cat.utils.stage_driver decode "$exp" --nj "$nj" "${decode_opts[@]}"
   cat "$exp/RESULTS.md"
 fi
 
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
   log "Stage 5: language models and decoding $exp with them"
-  run python -m cat.utils.pipeline lm "$exp" --nj "$nj" "${decode_opts[@]}"
+  run python -m cat.utils.stage_driver lm "$exp" --nj "$nj" "${decode_opts[@]}"
 fi
 log "Done: stages $stage-$stop_stage"

@@ -55,8 +55,8 @@ zero crossings, rolloff 0.99) by measurement (`bench/audio_bytes.py`, one core):
 torchaudio leaves a tone above the new Nyquist frequency only 11 dB down (aliasing into
 the top mel bins) and loses 1.8 dB at 7 kHz, where soxr removes it by 136 dB or more and
 keeps 7 kHz within 0.01 dB; soxr was 3 to 4 times faster from 48, 44.1 and 8 kHz, 0.7
-to 1.0 times as fast from 22.05 kHz, and runs at about 5 000 times real time at the 9:10
-and 11:10 ratios of speed perturbation (0.7 to 0.9 times torchaudio's speed there).
+times as fast from 22.05 kHz, and runs at about 5 000 times real time at the 9:10
+and 11:10 ratios of speed perturbation (0.7 to 0.8 times torchaudio's speed there).
 
 Usage:
     data = encode(waveform, 16000, "opus")

@@ -5,7 +5,8 @@ An experiment directory `exp/<name>/` holds two JSON files:
 * `hyper-p.json` (pipeline; schema `cat/core/schemas/hyper-p.schema.json`), with the
   sections `data` (Kaldi feature dirs `train`/`dev`/`test`, frame range `filter`),
   `tokenizer` (`type`, `option-train`, `file`), `env` (environment variables),
-  `train` (`bin` = `cat.ctc.train` | `cat.rnnt.train`, `option` = the manager's options)
+  `train` (`bin` = `cat.train`, or its aliases `cat.ctc.train` | `cat.rnnt.train`; `option` = the
+  manager's options)
   and `inference` (`avgmodel`, `infer`, `er`). Every key is documented in the schema.
 * `config.json` (model; schema `cat/core/schemas/config.schema.json`, checked by
   `load_config`; the model kind is `ctc` with a `ctc` section, `rnnt` with `decoder` and
@@ -138,18 +139,33 @@ def check_against_schema(instance: Any, schema: dict[str, Any], source: str) -> 
 
 
 def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
-    """'ctc' when the config has a `ctc` section ('crf' with `trainer.use_crf`), 'rnnt' when
-    it has `decoder` and `joiner`."""
+    """The model kind of a config.json, the one place it is worked out: 'rnnt' when it has
+    `decoder` and `joiner` (a `ctc` section is then an auxiliary CTC head with its
+    `weight`), else 'ctc' when it has a `ctc` section (with or without an `attention`
+    decoder head; 'crf' with `trainer.use_crf`)."""
     has_ctc = "ctc" in config
+    ctc = config["ctc"] if isinstance(config.get("ctc"), dict) else {}
     rnnt_keys = [key for key in ("decoder", "joiner") if key in config]
-    if has_ctc and rnnt_keys:
-        raise ConfigError(f"{source}: (top level): a CTC model ('ctc') cannot also have "
-                          f"{' and '.join(map(repr, rnnt_keys))}; keep 'ctc' for CTC, or "
-                          f"'decoder' and 'joiner' for RNN-T")
+    transducer = len(rnnt_keys) == 2
+    if len(rnnt_keys) == 1:
+        raise ConfigError(f"{source}: (top level): an RNN-T model needs both 'decoder' and "
+                          f"'joiner'; found only {rnnt_keys[0]!r}")
+    if transducer and has_ctc and "weight" not in ctc:
+        raise ConfigError(f"{source}: ctc.weight: in an RNN-T model ('decoder' and "
+                          f"'joiner') the 'ctc' section is an auxiliary CTC head and needs "
+                          f"its weight in the loss (e.g. 0.3); remove 'ctc' for RNN-T alone")
+    if not transducer and "weight" in ctc:
+        raise ConfigError(f"{source}: ctc.weight: only for the auxiliary CTC head of an RNN-T "
+                          f"model ('decoder' and 'joiner'); a CTC model's loss is its CTC")
+    if "attention" in config and (transducer or not has_ctc):
+        raise ConfigError(f"{source}: attention: an attention decoder head is trained with a "
+                          f"CTC model's head (U2): give 'ctc' without 'decoder' and 'joiner', "
+                          f"or remove 'attention'")
     crf = config.get("trainer", {}) if isinstance(config.get("trainer"), dict) else {}
     if crf.get("use_crf") is True:
-        if not has_ctc:
-            raise ConfigError(f"{source}: trainer.use_crf: CTC-CRF needs a 'ctc' section")
+        if not has_ctc or transducer:
+            raise ConfigError(f"{source}: trainer.use_crf: CTC-CRF needs a 'ctc' section and "
+                              f"no 'decoder' and 'joiner'")
         if "den_lm" not in crf:
             raise ConfigError(f"{source}: trainer.den_lm: CTC-CRF (trainer.use_crf) needs "
                               f"its denominator graph")
@@ -159,13 +175,19 @@ def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
     if unused:
         raise ConfigError(f"{source}: trainer.{unused[0]}: only used by CTC-CRF; set "
                           f"trainer.use_crf to true or remove it")
+    if transducer:
+        return "rnnt"
     if has_ctc:
         return "ctc"
-    if len(rnnt_keys) == 2:
-        return "rnnt"
     raise ConfigError(f"{source}: (top level): the model kind is undefined: give a 'ctc' "
                       f"section (CTC) or both 'decoder' and 'joiner' (RNN-T); found "
                       f"{', '.join(map(repr, config)) or 'no keys'}")
+
+
+def experiment_kind(exp_dir: PathLike) -> str:
+    """The model kind of the experiment `exp_dir` (`model_kind` of its `config.json`)."""
+    path = Path(exp_dir) / CONFIG_NAME
+    return model_kind(load_config(path), str(path))
 
 
 def validate_config(config: Any, source: str = "config.json") -> None:
@@ -420,11 +442,8 @@ def resolve_train_options(hyper: dict[str, Any], exp_dir: PathLike,
     return train_options_class()(**option)
 
 
-def load_experiment(exp_dir: PathLike, expected_bin: str | None = None) -> Experiment:
-    """Load, validate and resolve `exp_dir/hyper-p.json` and `exp_dir/config.json`.
-
-    With `expected_bin` (e.g. "cat.ctc.train"), `train.bin` must name it.
-    """
+def load_experiment(exp_dir: PathLike) -> Experiment:
+    """Load, validate and resolve `exp_dir/hyper-p.json` and `exp_dir/config.json`."""
     exp_dir = Path(exp_dir)
     hyper_path = exp_dir / HYPER_NAME
     hyper = load_hyper(hyper_path)
@@ -432,9 +451,6 @@ def load_experiment(exp_dir: PathLike, expected_bin: str | None = None) -> Exper
         raise ConfigError(f"{hyper_path}: train: missing (needed for training: "
                           "{\"bin\": \"cat.ctc.train\", \"option\": {...}})")
     train_bin = hyper["train"]["bin"]
-    if expected_bin is not None and train_bin != expected_bin:
-        raise ConfigError(f"{hyper_path}: train.bin is {train_bin!r}, but this is "
-                          f"{expected_bin}; run 'python -m {train_bin} {exp_dir}'")
     options = resolve_train_options(hyper, exp_dir, str(hyper_path))
     config = load_config(exp_dir / CONFIG_NAME)
     resolved = json.loads(json.dumps(hyper))

@@ -10,11 +10,11 @@ them again when they stop), from the load average, since a thread that must shar
 core with another process delays every parallel region of its siblings.
 
 `passive_waiting` sets `OMP_WAIT_POLICY=PASSIVE` (unless the user set a policy): OpenMP
-worker threads then sleep between parallel regions instead of spinning. With the default
-(active) policy a worker spins while another process holds its core, and on a busy machine
-a 2-thread training step becomes about 10x slower than a 1-thread one (`bench/threads.py`);
-with passive waiting it slows in proportion to the load. The OpenMP runtime reads the
-variable once, when torch is first imported, so `cat/__init__.py` calls it: every
+worker threads then sleep between parallel regions instead of spinning, off the cores
+other processes need. On a busy machine a 2-thread training step is 10-30 times slower
+than a 1-thread one, spinning or not (`bench/threads.py`: passive waiting did not
+measurably change that; fewer threads do, hence `ThreadGovernor`). The OpenMP runtime
+reads the variable once, when torch is first imported, so `cat/__init__.py` calls it: every
 `python -m cat....` entry point, and every worker process started by `spawn`, imports
 `cat` before torch. This module imports no torch itself.
 

@@ -6,13 +6,13 @@ config.json (as CAT names the keys)::
     "trainer": {"use_crf": true, "lamb": 0.01, "den_lm": "exp/crf-v1/den_lm.npz"}
 
 `den_lm` (relative to the recipe directory) is the denominator graph stage 2 builds
-(`cat.crf.den_graph`). It is read when training starts (`prepare_training`, which checks it
+(`cat.graph.den_graph`). It is read when training starts (`prepare_training`, which checks it
 belongs to the run's tokenizer) or on the first loss; decoding does not need it. The loss
 runs in float32 even under autocast. An utterance without a path through its numerator
 graph or the denominator (`CtcCrfLoss`'s `infeasible`) gets loss 0 and no gradient; the
 trainer counts them per epoch (`infeasible` in `log/epoch-<EEE>.json` and
 `log/coverage.jsonl`, and a warning). Decoding (greedy, prefix beam, LM fusion) is the CTC
-model's; WFST decoding with TLG is `cat.crf.wfst`.
+model's; WFST decoding with TLG is `cat.decoding.wfst`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from cat.core.config import ConfigError
 from cat.crf.loss import CtcCrfLoss
 from cat.ctc.model import CTCModel
 from cat.graph.denominator import load_den_graph
-from cat.models.heads import batch_loss, check_batch, on_device
+from cat.models.heads import batch_loss, encode_batch
 from cat.models.specaug import SpecAugment
 
 
@@ -58,11 +58,9 @@ class CRFModel(CTCModel):
         """Return (normalised loss, stats) as `CTCModel.forward` does."""
         if self._loss is None:
             self.prepare_training()
-        feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
-        check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
-        if self.training and self.specaug is not None:
-            feats = self.specaug(feats, feat_lens)
-        log_probs, lengths = self.log_probs(feats, feat_lens)
+        hidden, lengths, labels, label_lens = encode_batch(self, feats, feat_lens, labels,
+                                                           label_lens)
+        log_probs = self.ctc_log_probs(hidden)
         with torch.autocast(device_type=log_probs.device.type, enabled=False):
             losses, infeasible = self._loss(log_probs.float(), lengths, labels, label_lens)
         return batch_loss(losses, labels, label_lens, lengths, infeasible,
@@ -75,6 +73,9 @@ def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
     trainer = {k: v for k, v in config.get("trainer", {}).items()
                if k not in ("use_crf", "den_lm_order", "den_lm_extra_states",
                             "den_lm_estimator")}  # stage 2's
+    if "attention" in config:
+        raise ConfigError(f"{source}: attention: an attention decoder is trained with CTC "
+                          f"(U2), not with the CTC-CRF loss; remove it or trainer.use_crf")
     try:
         return CRFModel(encoder, num_classes, specaug, **{**config["ctc"], **trainer})
     except ValueError as error:

@@ -38,7 +38,7 @@ from cat.decoding.export import (
     write_export,
     write_tokens,
 )
-from cat.models.streaming import StreamingEncoder
+from cat.models.chunked import StreamingEncoder
 
 MODEL_NAME = "model.onnx"
 
@@ -121,4 +121,4 @@ class OnnxCtcChunkSearch(CtcChunkSearch):
 
 
 if __name__ == "__main__":
-    sys.exit(export_main("ctc", export))
+    sys.exit(export_main("cat.ctc.export"))

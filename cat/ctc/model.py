@@ -11,8 +11,13 @@ Interface shared with `cat.rnnt.model.TransducerModel` (what the trainer uses):
         `num_tokens`, `num_frames` (encoder frames) and `num_infeasible`
         (utterances whose labels cannot fit the encoder frames; their loss is set
         to 0 and they get no gradient).
-  * `model.decode(feats, feat_lens, method="greedy"|"beam", beam_size=10) -> list[list[int]]`.
+  * `model.decode(feats, feat_lens, method="greedy"|"beam", beam_size=10) -> list[list[int]]`;
+    `decode_methods` names the methods a model has.
   * `model.log_probs(feats, feat_lens) -> (log_probs [B, T', V], lengths [B])` (CTC only).
+
+With an attention decoder head (config.json `attention`, `cat.models.attention`) the loss
+is `ctc_weight * ctc + (1 - ctc_weight) * attention` and decoding has the method
+`attention_rescoring`: the prefix beam search's N-best ranked again by the decoder.
 
 Loss normalisation (`loss_normalization`): "utterance" divides the batch sum
 by the number of utterances, "token" by the number of label tokens. For
@@ -36,21 +41,15 @@ from torch import nn
 from cat.core.config import ConfigError
 from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
 from cat.lm.scorer import ShallowFusion
+from cat.models.attention import AttentionHead, build_attention, rescore
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     batch_loss,
-    check_batch,
+    ctc_losses,
+    encode_batch,
     init_blank_bias,
-    on_device,
 )
 from cat.models.specaug import SpecAugment
-
-
-def ctc_min_frames(labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
-    """Frames CTC needs for each label sequence: length + number of adjacent repeats."""
-    valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
-    repeats = (labels[:, 1:] == labels[:, :-1]) & valid[:, 1:]
-    return label_lens + repeats.sum(dim=1)
 
 
 class CTCModel(nn.Module):
@@ -64,6 +63,7 @@ class CTCModel(nn.Module):
         dropout: dropout before the linear head.
         loss_normalization: "utterance" or "token" (see the module docstring).
         blank_init_prob: initial blank probability of the head (see `init_blank_bias`).
+        attention: an attention decoder head trained with the CTC head (U2), or None.
     """
 
     # CTC needs at least as many encoder frames as labels (plus adjacent repeats): the
@@ -72,7 +72,7 @@ class CTCModel(nn.Module):
 
     def __init__(self, encoder: nn.Module, num_classes: int, specaug: SpecAugment | None = None,
                  dropout: float = 0.0, loss_normalization: str = "utterance",
-                 blank_init_prob: float = 0.5) -> None:
+                 blank_init_prob: float = 0.5, attention: AttentionHead | None = None) -> None:
         super().__init__()
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
@@ -86,65 +86,99 @@ class CTCModel(nn.Module):
         self.head = nn.Linear(encoder.output_dim, num_classes)
         init_blank_bias(self.head, blank_init_prob)
         self.loss_normalization = loss_normalization
+        self.attention = attention
+
+    @property
+    def decode_methods(self) -> tuple[str, ...]:
+        """The `method`s `decode` accepts."""
+        return ("greedy", "beam") + (("attention_rescoring",) if self.attention is not None else ())
+
+    def ctc_log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """CTC log-probabilities [B, T', V] (float32) of encoder output `hidden`."""
+        # log_softmax in float32 even under autocast: CTC needs the precision.
+        return torch.log_softmax(self.head(self.dropout(hidden)).float(), dim=-1)
 
     def log_probs(self, feats: torch.Tensor,
                   feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder-side CTC log-probabilities: ([B, T', V] float32, lengths [B])."""
         hidden, lengths = self.encoder(feats, feat_lens.to(feats.device))
-        logits = self.head(self.dropout(hidden))
-        # log_softmax in float32 even under autocast: CTC needs the precision.
-        return torch.log_softmax(logits.float(), dim=-1), lengths
+        return self.ctc_log_probs(hidden), lengths
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
                 label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Return (normalised loss, stats); see the module docstring."""
-        feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
-        check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
-        if self.training and self.specaug is not None:
-            feats = self.specaug(feats, feat_lens)
-        log_probs, lengths = self.log_probs(feats, feat_lens)
-        if log_probs.size(1) == 0:
-            # ctc_loss rejects an empty time axis; a frame nobody may use keeps it defined.
-            log_probs = nn.functional.pad(log_probs, (0, 0, 0, 1))
-        losses = nn.functional.ctc_loss(
-            log_probs.transpose(0, 1), labels, lengths, label_lens, blank=0,
-            reduction="none", zero_infinity=True)
-        infeasible = lengths < ctc_min_frames(labels, label_lens)
-        return batch_loss(losses, labels, label_lens, lengths, infeasible,
-                          self.loss_normalization)
+        hidden, lengths, labels, label_lens = encode_batch(self, feats, feat_lens, labels,
+                                                           label_lens)
+        losses, infeasible = ctc_losses(self.ctc_log_probs(hidden), lengths, labels, label_lens)
+        if self.attention is None:
+            return batch_loss(losses, labels, label_lens, lengths, infeasible,
+                              self.loss_normalization)
+        attention, extra = self.attention.losses(hidden, lengths, labels, label_lens)
+        weight = self.attention.ctc_weight
+        combined = (weight * losses + (1 - weight) * attention).masked_fill(infeasible, 0.0)
+        loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
+                                 self.loss_normalization)
+        stats.update(extra, ctc_loss_sum=float(losses.detach().sum()),
+                     att_loss_sum=float(attention.detach().sum()))
+        return loss, stats
 
     @torch.no_grad()
     def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `nbest` searches: the log-probabilities and their lengths (one network
-        forward for any number of searches)."""
-        return self.log_probs(feats, feat_lens)
+                      ) -> tuple[torch.Tensor, ...]:
+        """What `nbest` searches: the log-probabilities and their lengths, and the encoder
+        output for attention rescoring when the model has that head (one network forward
+        for any number of searches)."""
+        hidden, lengths = self.encoder(feats, feat_lens.to(feats.device))
+        log_probs = self.ctc_log_probs(hidden)
+        return ((log_probs, lengths, hidden) if self.attention is not None
+                else (log_probs, lengths))
 
-    def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
-              fusion: ShallowFusion | None = None) -> list:
-        """N-best lists of a batch: CTC prefix beam search, with shallow fusion when given."""
-        return ctc_prefix_beam_search(*inputs, beam_size, fusion=fusion)
+    def nbest(self, inputs: tuple[torch.Tensor, ...], beam_size: int,
+              fusion: ShallowFusion | None = None, method: str = "beam",
+              **rescoring: Any) -> list:
+        """N-best lists of a batch: CTC prefix beam search, with shallow fusion when given;
+        method `attention_rescoring` ranks them again (`rescoring`: `ctc_weight`,
+        `decoder_weight`, `reverse_weight` of `cat.models.attention.rescore`)."""
+        nbest = ctc_prefix_beam_search(inputs[0], inputs[1], beam_size, fusion=fusion)
+        if method != "attention_rescoring":
+            return nbest
+        self._check_method(method)
+        return rescore(self.attention, inputs[2], inputs[1], nbest, **rescoring)
+
+    def _check_method(self, method: str) -> None:
+        if method not in self.decode_methods:
+            hint = "" if self.attention is not None else \
+                " (attention_rescoring needs an attention decoder: config.json 'attention')"
+            raise ValueError(f"unknown CTC decoding method {method!r}; allowed: "
+                             f"{', '.join(self.decode_methods)}{hint}")
 
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
-               beam_size: int = 10, token_topk: int | None = None) -> list[list[int]]:
-        """Decode a batch to token ids (blank removed) with greedy or prefix beam search.
+               beam_size: int = 10, token_topk: int | None = None,
+               **rescoring: Any) -> list[list[int]]:
+        """Decode a batch to token ids (blank removed) with greedy or prefix beam search,
+        or attention rescoring of the prefix beam's N-best (`rescoring` as in `nbest`).
 
         Uses the module's current mode: call `model.eval()` first.
         """
+        self._check_method(method)
+        if method == "attention_rescoring":
+            nbest = self.nbest(self.search_inputs(feats, feat_lens), beam_size, None,
+                               method, **rescoring)
+            return [hyps[0][0] if hyps else [] for hyps in nbest]
         log_probs, lengths = self.log_probs(feats, feat_lens)
         if method == "greedy":
             return ctc_greedy_search(log_probs, lengths)
-        if method == "beam":
-            nbest = ctc_prefix_beam_search(log_probs, lengths, beam_size, token_topk)
-            return [hyps[0][0] if hyps else [] for hyps in nbest]
-        raise ValueError(f"unknown CTC decoding method {method!r}; allowed: greedy, beam")
+        nbest = ctc_prefix_beam_search(log_probs, lengths, beam_size, token_topk)
+        return [hyps[0][0] if hyps else [] for hyps in nbest]
 
 
 def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
                 specaug: SpecAugment | None, source: str = "config.json") -> CTCModel:
-    """The CTC model of `config` (`ctc` and `trainer` sections) around `encoder`."""
+    """The CTC model of `config` (`ctc`, `trainer` and `attention` sections) around
+    `encoder`."""
     try:
+        attention = build_attention(config.get("attention"), encoder.output_dim, num_classes)
         return CTCModel(encoder, num_classes, specaug,
-                        **{**config["ctc"], **config.get("trainer", {})})
+                        **{**config["ctc"], **config.get("trainer", {})}, attention=attention)
     except ValueError as error:
         raise ConfigError(f"{source}: {error}") from None

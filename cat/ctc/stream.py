@@ -1,4 +1,4 @@
-"""Streaming CTC decoding: greedy search over encoder chunks (`cat.decoding.streaming`).
+"""Streaming CTC decoding: greedy search over encoder chunks (`cat.decoding.online`).
 
 Usage:
     python -m cat.ctc.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cat.ctc.search import BLANK
-from cat.decoding.streaming import main
+from cat.decoding.online import main
 
 
 class CtcChunkSearch:
@@ -37,5 +37,9 @@ class CtcChunkSearch:
             self.last = token
 
 
+#: This family's chunk search, as `python -m cat.stream` finds it
+#: (`cat.models.registry.family(kind, "stream")`).
+ChunkSearch = CtcChunkSearch
+
 if __name__ == "__main__":
-    sys.exit(main("ctc", CtcChunkSearch))
+    sys.exit(main("cat.ctc.stream"))

@@ -1,6 +1,6 @@
 """The model an experiment decodes with: checkpoint averaging and stage 4's choice.
 
-`select_checkpoint(exp_dir, hyper)` is what stage 4 (`cat.utils.pipeline decode`) and
+`select_checkpoint(exp_dir, hyper)` is what stage 4 (`cat.utils.stage_driver decode`) and
 `python -m cat.<family>.decode` without `--checkpoint` decode with: with
 `inference.avgmodel` (`{"mode": "best" | "last", "num": N}`) the average of the N best
 (by dev loss) or last checkpoints of `exp/<name>/check/`, written once to

@@ -35,11 +35,19 @@ from typing import Any
 
 import torch
 
-from cat.core.config import CONFIG_NAME, HYPER_NAME, load_config, load_hyper, model_kind
+from cat.core.config import (
+    CONFIG_NAME,
+    HYPER_NAME,
+    experiment_kind,
+    load_config,
+    load_hyper,
+    model_kind,
+)
 from cat.core.io import PathLike
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
 from cat.features.fbank import FbankOptions
+from cat.models.registry import DECODES_AS, check_command, family
 
 EXPORT_NAME = "export"
 TOKENS_NAME = "tokens.txt"
@@ -64,9 +72,9 @@ def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | N
     exp_dir = Path(exp_dir)
     hyper = load_hyper(exp_dir / HYPER_NAME)
     found = model_kind(load_config(exp_dir / CONFIG_NAME))
-    if found != kind:
+    if DECODES_AS.get(found, found) != kind:
         raise ExportError(f"{exp_dir / CONFIG_NAME} describes a {found} model; export it "
-                          f"with cat.{found}.export")
+                          f"with cat.export")
     try:
         path = Path(checkpoint) if checkpoint else select_checkpoint(exp_dir, hyper)
     except FileNotFoundError as error:
@@ -186,7 +194,7 @@ def sherpa_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
         snip_edges=bool(int(meta["snip_edges"])))
     common = {"tokens": str(export_dir / TOKENS_NAME), "num_threads": num_threads,
               "provider": "cpu", "debug": False}
-    if meta["family"] == "ctc":
+    if meta["model_type"] == "zipformer2_ctc":  # sherpa-onnx's name of its generic CTC model
         models = sherpa_onnx.OfflineModelConfig(
             zipformer_ctc=sherpa_onnx.OfflineZipformerCtcModelConfig(
                 model=str(export_dir / "model.onnx")), **common)
@@ -217,14 +225,15 @@ def onnx_session(path: PathLike, num_threads: int = 1) -> Any:
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def export_main(kind: str, export: Callable[..., Path], argv: list[str] | None = None) -> int:
-    """Command line of `python -m cat.<kind>.export`."""
+def export_main(command: str, argv: list[str] | None = None) -> int:
+    """Command line of `python -m cat.export` and its aliases `cat.ctc.export` /
+    `cat.rnnt.export` (`command`): the family's `export` of `config.json`'s model kind."""
     import argparse
     import logging
     import sys
 
     parser = argparse.ArgumentParser(
-        prog=f"python -m cat.{kind}.export",
+        prog=f"python -m {command}",
         description="Export the model stage 4 decodes with to ONNX (+ tokens.txt).")
     parser.add_argument("exp_dir", help="experiment directory (hyper-p.json, config.json)")
     parser.add_argument("--checkpoint", help="checkpoint to export (default: stage 4's)")
@@ -239,8 +248,10 @@ def export_main(kind: str, export: Callable[..., Path], argv: list[str] | None =
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     try:
-        out = export(args.exp_dir, args.out, args.checkpoint, args.chunk_size,
-                     args.allow_config_change or None)
+        kind = experiment_kind(args.exp_dir)
+        check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
+        out = family(kind, "export").export(args.exp_dir, args.out, args.checkpoint,
+                                            args.chunk_size, args.allow_config_change or None)
     except (ExportError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -264,7 +275,7 @@ def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
                      output_name: str, metadata: Mapping[str, Any]) -> None:
     """`streaming.onnx`: one chunk `x` [1, T, 80] with `attn_cache` [layers, 1, L, D] and
     `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
-    `attn_cache_out`, `conv_cache_out` (see `cat.models.streaming`)."""
+    `attn_cache_out`, `conv_cache_out` (see `cat.models.chunked`)."""
 
     class _Step(torch.nn.Module):
         def __init__(self) -> None:
@@ -289,7 +300,7 @@ def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
 
 
 class OnnxChunkEncoder:
-    """`streaming.onnx` as the chunk encoder of `cat.decoding.streaming.StreamingRecognizer`:
+    """`streaming.onnx` as the chunk encoder of `cat.decoding.online.StreamingRecognizer`:
     keeps the caches between calls."""
 
     def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:

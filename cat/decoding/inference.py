@@ -1,5 +1,5 @@
-"""Batched decoding, shared by `python -m cat.ctc.decode` and `python -m cat.rnnt.decode`:
-of a Kaldi feature directory (stage 4), or of audio (transcription).
+"""Batched decoding, `python -m cat.decode` (and CAT's names for it, `cat.ctc.decode` and
+`cat.rnnt.decode`): of a Kaldi feature directory (stage 4), or of audio (transcription).
 
 The model is rebuilt from the experiment's `config.json` and tokenizer and loaded from a
 checkpoint: `--checkpoint` (a training checkpoint, or an average written by
@@ -35,14 +35,14 @@ Options (`hyper-p.json: inference.infer.option`, or the command line):
 `method` (greedy | beam), `beam_size`, `nj`, `max_frames`, `batch_size`, `device`
 (auto | cpu | cuda).
 
-With language models (`decode_passes`, used by `cat.utils.pipeline lm`): beam search
+With language models (`decode_passes`, used by `cat.utils.stage_driver lm`): beam search
 with token-level shallow fusion and LODR (`FusionSpec`, `cat.lm.scorer`), several
 first passes (one per fusion setting, e.g. the points of a weight grid) sharing one
 network forward per batch, each writing `hyp`, `nbest.jsonl` (`cat.lm.rescore`) and
 `decode.log` into its own directory. `--lm` etc. on the command line decode one pass.
 
 On a cluster (`decode_set` / `decode_passes` given a `cat.core.launch.Launcher`, as
-`python -m cat.utils.pipeline decode|lm --cmd "$decode_cmd"` does): the same batches,
+`python -m cat.utils.stage_driver decode|lm --cmd "$decode_cmd"` does): the same batches,
 dealt round-robin to `nj` shares whatever this machine's device, are the tasks of an
 array job (`cat.core.launch.map_calls`, logs `<out>/log/decode.<task>.log`); each task
 resolves `device` on its node (auto: cuda when the node has a GPU) and sends its
@@ -52,15 +52,15 @@ used, and its decoding seconds are the array's wall time (time in the queue incl
 There is no progress bar (the tasks cannot advance it).
 
 Usage:
-    python -m cat.ctc.decode exp/synth-ctc --data data/fbank/test \
+    python -m cat.decode exp/synth-ctc --data data/fbank/test \
         --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test
-    python -m cat.ctc.decode exp/synth-ctc --data data/fbank/test \
+    python -m cat.decode exp/synth-ctc --data data/fbank/test \
         --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test-lm \
         --lm exp/synth-lm-char-5gram/lm.arpa --alpha 0.3 --beta 0.5
-    python -m cat.ctc.decode exp/synth-ctc --audio a.wav b.flac c.opus
-    python -m cat.ctc.decode exp/synth-ctc --wav-scp data/test/wav.scp --nj 2 \
+    python -m cat.decode exp/synth-ctc --audio a.wav b.flac c.opus
+    python -m cat.decode exp/synth-ctc --wav-scp data/test/wav.scp --nj 2 \
         --out exp/synth-ctc/transcribe/test
-    python -m cat.rnnt.decode exp/synth-rnnt --data-list data.list --nj 2 > hyp.txt
+    python -m cat.decode exp/synth-rnnt --data-list data.list --nj 2 > hyp.txt
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from typing import Any
 
 import kaldiio
 
-from cat.core.config import HYPER_NAME, load_hyper
+from cat.core.config import CONFIG_NAME, HYPER_NAME, ConfigError, experiment_kind, load_hyper
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
@@ -99,6 +99,7 @@ from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
+from cat.models.registry import check_command
 from cat.training.checkpoint import CheckpointMismatchError
 
 __all__ = ["DecodeOptions", "DecodeSummary", "FusionSpec", "decode_passes", "decode_set",
@@ -319,9 +320,9 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
 # ----------------------------------------------------------------------------- command line
 
 
-def build_parser(kind: str) -> argparse.ArgumentParser:
-    """Command line of `cat.<kind>.decode`."""
-    parser = argparse.ArgumentParser(prog=f"python -m cat.{kind}.decode",
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """Command line of `command` (`cat.decode`, or an alias such as `cat.ctc.decode`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {command}",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("exp_dir", help="experiment directory (hyper-p.json, config.json)")
     inputs = parser.add_argument_group("what to decode (one of)").add_mutually_exclusive_group(
@@ -384,20 +385,26 @@ def _transcribe(args: argparse.Namespace, kind: str, checkpoint: Path, options: 
     return transcript.summary
 
 
-def main(kind: str, argv: Sequence[str] | None = None) -> int:
-    """Entry point of `cat.ctc.decode` / `cat.rnnt.decode`."""
-    parser = build_parser(kind)
+def main(command: str, argv: Sequence[str] | None = None) -> int:
+    """Entry point of `cat.decode` and its aliases `cat.ctc.decode` / `cat.rnnt.decode`
+    (`command`); the model kind is `config.json`'s."""
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.data and not args.out:
         parser.error("--data needs --out")
     if args.segments and not args.wav_scp:
         parser.error("--segments goes with --wav-scp")
     setup_logging()
+    try:
+        kind = experiment_kind(args.exp_dir)
+        check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
+    except ConfigError as error:
+        logger.error("%s", error)
+        return 1
     hyper_path = Path(args.exp_dir) / HYPER_NAME
     hyper = load_hyper(hyper_path)
     options = DecodeOptions.of_experiment(hyper, str(hyper_path), {
-        "method": args.method, "beam_size": args.beam_size, "nj": args.nj,
-        "max_frames": args.max_frames, "batch_size": args.batch_size, "device": args.device,
+        **{name: getattr(args, name) for name in OPTIONS_SCHEMA["properties"]},
         "allow_config_change": args.allow_config_change or None})
     spec = FusionSpec(args.lm, args.alpha, args.beta, args.lodr, args.lodr_weight) \
         if args.lm else None

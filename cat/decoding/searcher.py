@@ -44,7 +44,7 @@ from cat.core.threads import configure_threads
 from cat.decoding.checkpoint import check_model_config
 from cat.lm.scorer import ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
-from cat.models.registry import build_model
+from cat.models.registry import DECODES_AS, build_model
 from cat.text.tokenizer import load as load_tokenizer
 from cat.training.checkpoint import load_model_state, read_model_checkpoint
 
@@ -54,11 +54,22 @@ OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "method": {"enum": ["greedy", "beam"],
-                   "description": "search algorithm: greedy, or beam search (prefix beam "
-                                  "search for CTC)"},
+        "method": {"enum": ["greedy", "beam", "attention_rescoring"],
+                   "description": "search algorithm: greedy, beam search (prefix beam "
+                                  "search for CTC), or attention_rescoring (the prefix "
+                                  "beam's N-best ranked again by the attention decoder; "
+                                  "CTC models with an 'attention' head)"},
         "beam_size": {"type": "integer", "minimum": 1,
                       "description": "beam width: hypotheses kept per step"},
+        "ctc_weight": {"type": "number", "minimum": 0,
+                       "description": "attention_rescoring: weight of the search's score"},
+        "decoder_weight": {"type": "number", "minimum": 0,
+                           "description": "attention_rescoring: weight of the decoders' "
+                                          "score (log probability)"},
+        "reverse_weight": {"type": "number", "minimum": 0, "maximum": 1,
+                           "description": "attention_rescoring: share of the right to left "
+                                          "decoder in the decoder's score (default: the "
+                                          "training's attention.reverse_weight)"},
         "nj": {"type": "integer", "minimum": 1,
                "description": "CPU decoding processes, each decoding a share of the batches"},
         "max_frames": {"type": "integer", "minimum": 1,
@@ -89,6 +100,9 @@ class DecodeOptions:
 
     method: str = "beam"
     beam_size: int = 10
+    ctc_weight: float = 0.5
+    decoder_weight: float = 1.0
+    reverse_weight: float | None = None
     nj: int = 1
     max_frames: int = 40000
     batch_size: int = 64
@@ -110,6 +124,14 @@ class DecodeOptions:
         options = dict(hyper.get("inference", {}).get("infer", {}).get("option", {}))
         options.update({key: value for key, value in overrides.items() if value is not None})
         return cls.from_dict(options, f"{source}: inference.infer.option")
+
+    def search_kwargs(self) -> dict[str, Any]:
+        """What a model's `nbest` takes beyond the beam: the method and its weights for
+        attention rescoring, nothing for the other methods."""
+        if self.method != "attention_rescoring":
+            return {}
+        return {"method": self.method, "ctc_weight": self.ctc_weight,
+                "decoder_weight": self.decoder_weight, "reverse_weight": self.reverse_weight}
 
     def resolved_device(self) -> str:
         """`cpu` or `cuda` (`auto`: cuda when torch sees a GPU)."""
@@ -165,10 +187,9 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     hyper = load_hyper(exp_dir / HYPER_NAME)
     config = load_config(exp_dir / CONFIG_NAME)
     kind = model_kind(config)
-    kind = "ctc" if kind == "crf" else kind  # a CTC-CRF model decodes as a CTC model
-    if kind != expected_kind:
-        raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model; decode it with "
-                         f"cat.{kind}.decode")
+    if DECODES_AS.get(kind, kind) != DECODES_AS.get(expected_kind, expected_kind):
+        raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model, not "
+                         f"{expected_kind}; decode it with cat.decode")
     if allow_config_change is None:
         allow_config_change = DecodeOptions.of_experiment(
             hyper, str(exp_dir / HYPER_NAME), {}).allow_config_change
@@ -218,6 +239,9 @@ class Searcher:
         self.options = options
         self.model, self.tokenizer = load_model(exp_dir, checkpoint, kind, self.device,
                                                 options.allow_config_change)
+        if options.method not in self.model.decode_methods:
+            raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: this model decodes with "
+                             f"{', '.join(self.model.decode_methods)}, not {options.method}")
         pieces = [self.tokenizer.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
         models: dict[str, TokenLM] = {}
         self.fusions = [spec.build(pieces, models) if spec is not None else None
@@ -229,15 +253,18 @@ class Searcher:
         """(key, best hypothesis) of each utterance, with `options.method`."""
         batch = collate(utterances)
         with torch.inference_mode():
+            search = self.options.search_kwargs()
+            search.pop("method", None)
             hyps = self.model.decode(batch.feats.to(self.device),
                                      batch.feat_lens.to(self.device),
                                      method=self.options.method,
-                                     beam_size=self.options.beam_size)
+                                     beam_size=self.options.beam_size, **search)
         return [(u.key, self.tokenizer.decode(list(hyp)))
                 for u, hyp in zip(utterances, hyps, strict=True)]
 
     def nbest(self, utterances: Sequence[Utterance]) -> list[list[tuple[str, NBest]]]:
-        """Per fusion spec, (key, N-best list) of each utterance (beam search)."""
+        """Per fusion spec, (key, N-best list) of each utterance (beam search, ranked
+        again by the attention decoder with method `attention_rescoring`)."""
         with torch.inference_mode():
             start = time.perf_counter()
             batch = collate(utterances)
@@ -247,7 +274,8 @@ class Searcher:
             results = []
             for index, fusion in enumerate(self.fusions):
                 start = time.perf_counter()
-                nbest = self.model.nbest(encoded, self.options.beam_size, fusion)
+                nbest = self.model.nbest(encoded, self.options.beam_size, fusion,
+                                         **self.options.search_kwargs())
                 self.search_seconds[index] += time.perf_counter() - start
                 results.append([(u.key, [(self.tokenizer.decode(tokens), score)
                                          for tokens, score in hyps])

@@ -22,13 +22,13 @@
   It takes the same steps in the same float32 order as torchaudio (DC offset, pre-emphasis,
   Povey window, 512-point real FFT, mel banks, log), but builds the window and mel banks
   once per `FbankOptions` (`fbank_tables`) and takes the power spectrum as re^2 + im^2
-  instead of squaring complex magnitudes: about 1.7 times as fast, within 1e-5 of
-  torchaudio's (`tests/features/test_extract.py` holds it to 1e-5). Frames are computed
-  `FBANK_WINDOW_FRAMES` (10 s) at a time, each window of N frames from its N * 160 + 240
-  samples, so a recording of hours takes about 10 MB besides its samples and features
-  (before: about 9 KB per frame at once, 8 GB for 3 hours); the frames are those of the
-  whole waveform (with dither, the noise is drawn window by window: reproducible with a
-  seed, but not the noise of one draw).
+  instead of squaring complex magnitudes: 2.2 times as fast on one core (bench/README.md),
+  within 1e-5 of torchaudio's (`tests/features/test_extract.py` holds it to 1e-5). Frames
+  are computed `FBANK_WINDOW_FRAMES` (10 s) at a time, each window of N frames from its
+  N * 160 + 240 samples, so a recording of hours takes about 10 MB besides its samples and
+  features (before: about 9 KB per frame at once, 8 GB for 3 hours); the frames are those
+  of the whole waveform (with dither, the noise is drawn window by window: reproducible
+  with a seed, but not the noise of one draw).
 
 Resampling (`cat.audio.codec.resample`) and speed perturbation (`cat.audio.speed`) are
 libsoxr's, as sox does them: nothing the new rate cannot hold is left in the top bins.
@@ -351,8 +351,8 @@ def compute_fbank(waveform: np.ndarray | torch.Tensor, sample_rate: int,
 
 #: Frames `compute_fbank` computes at once (10 s of audio): a window of them takes about
 #: 9 KB of intermediate tensors per frame (9 MB), however long the waveform. Windows that
-#: fit the CPU's caches are also faster: 2 minutes of audio take 0.07 s in windows of
-#: 1000 frames, 0.12 s at once (one thread).
+#: fit the CPU's caches were also faster than the whole waveform at once, in a one-thread
+#: measurement on 2 minutes of audio.
 FBANK_WINDOW_FRAMES = 1000
 
 

@@ -96,7 +96,8 @@ from cat.formats.tables import DropLog, load_utterances
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "float16")
-#: Feature bytes one core packs per second (bench/pack.py), to plan worker processes.
+#: Feature bytes one core packs per second, to plan worker processes: the rate measured on
+#: a loaded 2-core VM (bench/README.md, bench/pack.py; about 1,000 MB/s when idle).
 PACK_BYTES_PER_SECOND = 400e6
 
 

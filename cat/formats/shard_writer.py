@@ -124,7 +124,7 @@ class TarStream:
 
     Every `writeback_bytes` written, the kernel is asked to start writing them to disk
     (`start_writeback`), so that the shard's `fsync` does not wait for all of it at the
-    end: packing 1.4-1.7x faster (bench/pack.py)."""
+    end: one job packs 1.25x faster (bench/pack.py, figures in bench/README.md)."""
 
     def __init__(self, fd: int, writeback_bytes: int = WRITEBACK_BYTES) -> None:
         self.fd = fd

@@ -482,7 +482,7 @@ def load_den_graph(path: PathLike, num_classes: int | None = None,
     if not path.is_file():
         raise DenGraphError(f"{path}: denominator graph (trainer.den_lm) does not exist; "
                             f"build it with stage 2 of the recipe (utils/asr.sh) or "
-                            f"`python -m cat.crf.den_graph`")
+                            f"`python -m cat.graph.den_graph`")
     try:
         header, fsas = _read_arrays(path)
     except _UNREADABLE as error:
@@ -490,7 +490,7 @@ def load_den_graph(path: PathLike, num_classes: int | None = None,
             f"{path}: not a readable denominator graph file, damaged or truncated "
             f"({type(error).__name__}: {error}); rebuild it: remove it and run stage 2 of "
             f"the recipe again (bash run.sh --stage 2 --stop_stage 2 --exp <exp dir>), or "
-            f"build it with python -m cat.crf.den_graph") from None
+            f"build it with python -m cat.graph.den_graph") from None
     if header.get("format") != FORMAT:
         raise DenGraphError(f"{path}: format {header.get('format')!r}, expected {FORMAT!r}")
     graph = DenGraph(int(header["num_classes"]), fsas["lm"], fsas["den"], header["info"],

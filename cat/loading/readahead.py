@@ -4,7 +4,7 @@
 thread has the kernel read the next shard into the page cache (`prefetch_file`); for
 http(s)/pipe: shards a background thread (`ReadAhead`) streams the bytes and opens each
 shard while the previous one is read. A shard read to its end comes with the CRC-32 of
-its bytes (`zlib-ng`, about 18 GB/s), which the loader compares with the index; a shard
+its bytes (`zlib-ng`), which the loader compares with the index; a shard
 that breaks off comes with the cause of the error (`cat.loading.sources.classify`).
 
 Usage:
@@ -88,7 +88,7 @@ class ReadAhead:
     read to its end. The thread
     only reads (in chunks of up to `max_bytes / 4`, at most 4 MiB), so it holds the GIL
     once per chunk; tar parsing stays in the consuming thread (a thread that parsed
-    members measured 1.7x slower than no thread at all, from GIL hand-overs). Each shard
+    members measured slower than no thread at all, from GIL hand-overs). Each shard
     is opened (its request sent, or its command started) while the previous one is read,
     so a request's latency overlaps a transfer instead of adding to it.
     Closing the iterator stops the thread at its next chunk.
@@ -348,8 +348,8 @@ def iter_shard_items(shards: Sequence[tuple[int, str]], read_ahead_bytes: int = 
     helper thread reads the next shard into the page cache (`prefetch_file`: the kernel
     alone copies, so the GIL is not contended); when any shard is an http(s) or pipe:
     URL, a `ReadAhead` thread streams the bytes. Measured in page cache: a reading thread
-    costs one extra copy per byte (~1.4x slower), so it is kept for remote streams, where
-    waiting dominates. `pool`, and `keep` (a member filter per shard): see
+    costs one extra copy per byte, which made it slower, so it is kept for remote streams,
+    where waiting dominates. `pool`, and `keep` (a member filter per shard): see
     `iter_tar_members`; `limits`: the most bytes a member of each shard may claim (its
     size from the index; `UNINDEXED_MEMBER_LIMIT` for shards not given); `caps`: the most
     bytes a member of each extension may take, larger ones passed over unread and given

@@ -22,7 +22,7 @@ reads it.
 rebuild a worker's buffers on resume.
 
 Usage:
-    reader = ShardReader([3, 0, 7], shard_list, StreamEvents(), StreamConfig())
+    reader = ShardReader([3, 0, 7], shard_list, StreamEvents(), StreamConfig.with_defaults())
     for sample in reader: ...
 """
 
@@ -276,7 +276,8 @@ class ShardReader:
         todo = [(shard, urls[shard]) for shard in self.shards[first:]]
         gates = {todo[0][0]: _OrdinalGate(skip.__le__)} if skip else {}
         limits = {shard: self.shard_list.member_limit(shard) for shard, _ in todo}
-        items = iter_shard_items(todo, self.config.read_ahead_mb << 20, self.config.timeout,
+        config = self.config
+        items = iter_shard_items(todo, config.read_ahead_mb << 20, config.read_timeout,
                                  self.pool, gates, limits, self.caps)
         places = {shard: first + offset for offset, (shard, _) in enumerate(todo)}
         current: dict[str, Any] = {}

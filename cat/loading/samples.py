@@ -4,7 +4,8 @@
   place (0-based, tar order) in the shard (`sample_id`, `split_ids`); `key_hash` is the
   64-bit hash by which keys of shards without an index are compared.
 * `decode_npy`: the features of a `.npy` member as a view on its bytes.
-* `StreamConfig`: buffer sizes and policies of the pipeline (`train.option`);
+* `StreamConfig`: buffer sizes and policies of the pipeline (`train.option`, whose keys
+  and defaults it takes from the schema);
   `AudioConfig`: how audio members become features (`train.option.audio`).
 * `WorkerPosition`: where one worker's stream stands after a batch, which is what an
   exact resume needs (see `cat.loading.stream`).
@@ -28,8 +29,8 @@ import numpy as np
 import torch
 
 from cat.audio.codec import READ_EXTENSIONS
+from cat.core import config as config_module
 from cat.features.fbank import FbankOptions
-from cat.formats.shard_format import HTTP_TIMEOUT_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,19 @@ class AudioConfig:
     speed_perturb: tuple[float, ...] = ()
     fbank: FbankOptions = dataclasses.field(default_factory=FbankOptions)
 
+    @classmethod
+    def from_option(cls, audio: Mapping[str, Any] | None, train: bool) -> AudioConfig | None:
+        """`train.option.audio` (None: the shards hold features), its keys' defaults from
+        the schema; for evaluation (not `train`) without speed perturbation."""
+        if audio is None:
+            return None
+        schema = config_module.load_hyper_schema()["$defs"]["trainOption"]["properties"]
+        option = {key: spec["default"] for key, spec in
+                  schema["audio"]["properties"].items()} | dict(audio)
+        rate = int(option["sample_rate"])
+        return cls(rate, tuple(option["speed_perturb"]) if train else (),
+                   FbankOptions(int(option["num_mel_bins"]), rate))
+
 
 @dataclasses.dataclass
 class WorkerPosition:
@@ -159,20 +173,56 @@ class WorkerPosition:
 # --------------------------------------------------------------------------- dataset
 
 
+#: Seconds before the first new attempt at a shard after a transient error, doubled at
+#: each further one (`cat.loading.reader.ShardReader`; `train.option.read_retries` says
+#: "waiting 1, 2, 4... seconds").
+RETRY_SECONDS = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamConfig:
-    """Buffer sizes and policies of the streaming pipeline (see `train.option`)."""
+    """Buffer sizes and policies of the streaming pipeline.
 
-    batch_size: int = 64
-    max_frames: int = 20000
-    shuffle_buffer: int = 3000
-    sort_buffer: int = 500
-    read_ahead_mb: int = 128
-    strict_shards: bool = False
-    seed: int = 0
-    train: bool = True
-    timeout: float = HTTP_TIMEOUT_SECONDS
-    read_retries: int = 3
-    retry_seconds: float = 1.0
-    bad_shard_limit: float = 0.1
-    audio: AudioConfig | None = None
+    Each field but the last three is the `train.option` key of the same name, defined
+    (type, default, meaning) once, in the hyper-p.json schema: build a config with
+    `from_options` (a resolved `TrainOptions`) or `with_defaults` (the schema's defaults
+    and some changes), never field by field. `train`: training (shuffled, length-filtered,
+    speed-perturbed) or evaluation; `audio`: `train.option.audio` as an `AudioConfig`;
+    `retry_seconds`: `RETRY_SECONDS` (tests wait less).
+    """
+
+    batch_size: int
+    max_frames: int
+    shuffle_buffer: int
+    sort_buffer: int
+    read_ahead_mb: int
+    strict_shards: bool
+    seed: int
+    read_timeout: float
+    read_retries: int
+    bad_shard_limit: float
+    train: bool
+    audio: AudioConfig | None
+    retry_seconds: float
+
+    @classmethod
+    def from_options(cls, options: Any, train: bool = True, **fields: Any) -> StreamConfig:
+        """The settings of `options` (a `cat.core.config.TrainOptions`) for training, or
+        for evaluation (not `train`: no shuffle buffer, no speed perturbation); `fields`
+        replace the fields that are not options (`audio`, `retry_seconds`)."""
+        derived = {"train", "audio", "retry_seconds"}
+        values = {field.name: getattr(options, field.name)
+                  for field in dataclasses.fields(cls) if field.name not in derived}
+        if not train:
+            values["shuffle_buffer"] = 0
+        config = cls(**values, train=train, audio=AudioConfig.from_option(options.audio, train),
+                     retry_seconds=RETRY_SECONDS)
+        return dataclasses.replace(config, **fields)
+
+    @classmethod
+    def with_defaults(cls, train: bool = True, **changes: Any) -> StreamConfig:
+        """`from_options` of the schema's `train.option` defaults with `changes`: option
+        keys, and the fields `audio` (an `AudioConfig`) and `retry_seconds`."""
+        fields = {name: changes.pop(name) for name in ("audio", "retry_seconds")
+                  if name in changes}
+        return cls.from_options(config_module.TrainOptions(**changes), train, **fields)

@@ -266,6 +266,15 @@ class RingLoader:
             self._persistent_rings.next_generation()
         return self._persistent_rings
 
+    def close(self) -> None:
+        """Stop the DataLoader's persistent workers now, not when the loader is collected
+        (the next iteration starts new ones)."""
+        # The DataLoader keeps the iterator that owns its persistent workers here.
+        iterator, self.loader._iterator = self.loader._iterator, None
+        if iterator is not None:
+            iterator._shutdown_workers()
+        self._persistent_rings = None  # new workers, new rings
+
     def __iter__(self) -> Iterator[Batch]:
         rings = self._rings()
         iterator = iter(self.loader)

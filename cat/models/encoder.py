@@ -9,6 +9,8 @@ data filter can drop utterances that are too short for their labels (CTC needs
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
@@ -72,6 +74,35 @@ class FeatureNormalizer(nn.Module):
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         return (feats - self.mean) * self.inv_std
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """What models, the trainer, decoding and export use of an acoustic encoder (the
+    registry checks a built encoder against it):
+
+    * `encoder(feats [B, T, idim], feat_lens [B]) -> (hidden [B, T', output_dim], lengths)`;
+    * `output_dim`, and `frame_rate_factor` (T / T');
+    * `output_lengths(feat_lens)`: T' without running the network (the length filter);
+    * `normalizer`: the global CMVN it holds (`FeatureNormalizer`), or None;
+    * chunk decoding: `set_decode_chunk_size(n)` (0: full context) and the chunk settings
+      it was trained with (`max_chunk_size`, `left_chunks`), which streaming checks.
+    """
+
+    output_dim: int
+    normalizer: FeatureNormalizer | None
+    max_chunk_size: int
+    left_chunks: int
+
+    @property
+    def frame_rate_factor(self) -> int: ...
+
+    def output_lengths(self, feat_lens: torch.Tensor) -> torch.Tensor: ...
+
+    def set_decode_chunk_size(self, chunk_size: int) -> None: ...
+
+    def __call__(self, feats: torch.Tensor,
+                 feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class ConformerNet(nn.Module):

@@ -1,4 +1,5 @@
-"""What the model families share: loss normalisation, batch checks, blank-heavy output init.
+"""What the model families share: the model interface (`AsrModel`), loss normalisation, batch
+checks, blank-heavy output init.
 
 Usage:
     feats, feat_lens = on_device(device, feats, feat_lens)
@@ -9,6 +10,7 @@ Usage:
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -16,9 +18,55 @@ from torch import nn
 LOSS_NORMALIZATIONS = ("utterance", "token")
 
 
+@runtime_checkable
+class AsrModel(Protocol):
+    """What the trainer and decoding use of a model (a family's; the registry checks a
+    built model against it). The contract of each method: `cat.ctc.model`'s docstring.
+
+    * `model(feats, feat_lens, labels, label_lens) -> (loss, stats)`: the training loss;
+    * `encoder` (an `Encoder`), `num_classes` (blank 0 included);
+    * `decode(feats, feat_lens, method, beam_size, **search) -> token ids per utterance`,
+      with `decode_methods` the methods it has;
+    * `search_inputs(feats, feat_lens)`: one network forward, and
+      `nbest(inputs, beam_size, fusion, **search)`: N-best lists (token ids, score) of it,
+      once per shallow-fusion setting.
+    """
+
+    encoder: nn.Module
+    num_classes: int
+
+    @property
+    def decode_methods(self) -> tuple[str, ...]: ...
+
+    def __call__(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
+                 label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = ...,
+               beam_size: int = ..., **search: Any) -> list[list[int]]: ...
+
+    def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> Any: ...
+
+    def nbest(self, inputs: Any, beam_size: int, fusion: Any = None,
+              **search: Any) -> list: ...
+
+
 def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Move lengths and labels to the features' device (collate output may be on CPU)."""
     return tuple(t.to(device) for t in tensors)
+
+
+def encode_batch(model: nn.Module, feats: torch.Tensor, feat_lens: torch.Tensor,
+                 labels: torch.Tensor, label_lens: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every model's training forward starts with: lengths and labels moved to the
+    features' device, the batch checked (`check_batch`), `model.specaug` in training mode,
+    `model.encoder`: (hidden [B, T', D], lengths [B], labels, label_lens)."""
+    feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
+    check_batch(feats, feat_lens, labels, label_lens, model.num_classes)
+    if model.training and model.specaug is not None:
+        feats = model.specaug(feats, feat_lens)
+    hidden, lengths = model.encoder(feats, feat_lens)
+    return hidden, lengths, labels, label_lens
 
 
 def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
@@ -43,6 +91,25 @@ def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tens
         row = int(bad.any(dim=1).nonzero()[0])
         raise ValueError(f"labels of utterance {row} in the batch hold ids outside "
                          f"[1, {num_classes}) (0 is blank): {labels[row][valid[row]].tolist()}")
+
+
+def ctc_min_frames(labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
+    """Frames CTC needs for each label sequence: length + number of adjacent repeats."""
+    valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
+    repeats = (labels[:, 1:] == labels[:, :-1]) & valid[:, 1:]
+    return label_lens + repeats.sum(dim=1)
+
+
+def ctc_losses(log_probs: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+               label_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-utterance CTC losses (blank 0) of log-probabilities [B, T', V], and which
+    utterances are infeasible (fewer frames than `ctc_min_frames`: loss 0, no gradient)."""
+    if log_probs.size(1) == 0:
+        # ctc_loss rejects an empty time axis; a frame nobody may use keeps it defined.
+        log_probs = nn.functional.pad(log_probs, (0, 0, 0, 1))
+    losses = nn.functional.ctc_loss(log_probs.transpose(0, 1), labels, lengths, label_lens,
+                                    blank=0, reduction="none", zero_infinity=True)
+    return losses, lengths < ctc_min_frames(labels, label_lens)
 
 
 def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:

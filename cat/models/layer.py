@@ -276,7 +276,7 @@ class RelPositionMultiHeadAttention(nn.Module):
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`x` [B, T, D], `pos_emb` [1, 2T-1, D], `padding_mask` [B, T] -> [B, T, D];
         `attn_mask` [T, T] (True: query row may not see key column) limits the context,
-        e.g. to chunks (`cat.models.streaming.chunk_attention_mask`)."""
+        e.g. to chunks (`cat.models.chunked.chunk_attention_mask`)."""
         scores, value = self.scores(x, pos_emb)
         key_mask = padding_mask[:, None, None, :]
         if attn_mask is not None:

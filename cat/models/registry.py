@@ -17,8 +17,13 @@
 The generic parts (the encoder, SpecAugment) are built here. The rest is the model
 family's: `FAMILIES` maps a model kind to the module of its family, imported by name when
 a model of that kind is built, so that generic code (this registry, the trainer, the
-decoder) never imports a family. A family module provides `build_model(config, encoder,
-num_classes, specaug, source)` and its own registries (predictors, joiners).
+decoder) never imports a family. A family's `model` module provides `build_model(config,
+encoder, num_classes, specaug, source)` and its own registries (predictors, joiners); its
+`stream` module a `ChunkSearch`, its `export` module an `export` (the verbs
+`python -m cat.stream` and `cat.export` find them with `family(kind, part)`).
+
+What a model and an encoder provide is declared in `cat.models.heads` (`AsrModel`) and
+`cat.models.encoder` (`Encoder`) and checked here when a model is built.
 
 Usage::
 
@@ -39,19 +44,50 @@ from typing import Any
 from torch import nn
 
 from cat.core.config import ConfigError, model_kind, validate_config
-from cat.models.encoder import ConformerNet
+from cat.models.encoder import ConformerNet, Encoder
+from cat.models.heads import AsrModel
 from cat.models.specaug import SpecAugment
 
 # Read-only registries: config names map to classes and modules here and nowhere else.
 ENCODERS: Mapping[str, type[nn.Module]] = MappingProxyType({"ConformerNet": ConformerNet})
-FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc.model",
-                                                "rnnt": "cat.rnnt.model",
-                                                "crf": "cat.crf.model"})
+#: Model kinds (`cat.core.config.model_kind`, the one place a kind is worked out) to the
+#: package of their family.
+FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc", "rnnt": "cat.rnnt",
+                                                "crf": "cat.crf"})
+#: Kinds whose searches, streaming and export are another kind's: a CTC-CRF model has the
+#: CTC model's head and decodes as one.
+DECODES_AS: Mapping[str, str] = MappingProxyType({"crf": "ctc"})
 
 
-def family(kind: str) -> ModuleType:
-    """The module of the model family `kind` (`ctc`, `rnnt`, `crf`)."""
-    return importlib.import_module(FAMILIES[kind])
+#: The verbs every model has, `python -m cat.<verb> EXP`; CAT's per-family commands
+#: (`python -m cat.ctc.train`, `cat.rnnt.decode`, ...) are aliases of them for the kinds
+#: below (a CTC-CRF model trains with `cat.ctc.train`, as in CAT).
+VERBS = ("train", "decode", "stream", "export")
+ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({"cat.ctc": ("ctc", "crf"),
+                                                           "cat.rnnt": ("rnnt",)})
+
+
+def check_command(command: str, kind: str, source: str) -> None:
+    """ConfigError when `command` (a verb `cat.<verb>`, or an alias `cat.<family>.<verb>`,
+    as run or as `hyper-p.json` names it) cannot handle a model of kind `kind` (from
+    `source`)."""
+    package, _, verb = command.rpartition(".")
+    kinds = ALIASES.get(package)
+    if (package != "cat" and kinds is None) or verb not in VERBS:
+        raise ConfigError(f"{source}: {command} is not a command of this toolkit; the verbs "
+                          f"are {', '.join(f'cat.{v}' for v in VERBS)}")
+    if kinds is not None and kind not in kinds:
+        raise ConfigError(f"{source}: describes a {kind} model, but {command} handles "
+                          f"{' and '.join(kinds)} models; run python -m cat.{verb}")
+
+
+def family(kind: str, part: str = "model") -> ModuleType:
+    """The module `part` of the family of model kind `kind`: `model` (its `build_model`),
+    or the family's `search`, `stream` (its `ChunkSearch`) or `export` (its `export`),
+    those of `DECODES_AS[kind]` when the kind decodes as another."""
+    if part != "model":
+        kind = DECODES_AS.get(kind, kind)
+    return importlib.import_module(f"{FAMILIES[kind]}.{part}")
 
 
 def build_specaug(config: dict[str, Any]) -> SpecAugment | None:
@@ -78,12 +114,26 @@ def build_model(config: dict[str, Any], num_classes: int,
     except ValueError as error:
         raise ConfigError(f"{source}: specaug: {error}") from None
     encoder = build_component(ENCODERS, config["encoder"], "encoder.kwargs", source)
+    _check_interface(encoder, Encoder, f"{source}: encoder: {config['encoder']['type']}")
     try:
-        return family(kind).build_model(config, encoder, num_classes, specaug, source)
+        model = family(kind).build_model(config, encoder, num_classes, specaug, source)
     except ValueError as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"{source}: {error}") from None
+    _check_interface(model, AsrModel, f"{source}: the {kind} model")
+    return model
+
+
+def _check_interface(built: object, interface: type, what: str) -> None:
+    """TypeError naming what `built` lacks of `interface` (a runtime-checkable Protocol)."""
+    if not isinstance(built, interface):
+        members = set(getattr(interface, "__annotations__", {})) | {
+            name for name in vars(interface)
+            if not name.startswith("_") or name == "__call__"}
+        missing = [name for name in members if not hasattr(built, name)]
+        raise TypeError(f"{what} ({type(built).__name__}) is not an {interface.__name__}: "
+                        f"it lacks {', '.join(sorted(missing))}")
 
 
 def count_parameters(model: nn.Module) -> int:

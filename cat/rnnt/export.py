@@ -47,7 +47,7 @@ from cat.decoding.export import (
     write_export,
     write_tokens,
 )
-from cat.models.streaming import StreamingEncoder
+from cat.models.chunked import StreamingEncoder
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -231,4 +231,4 @@ class OnnxRnntChunkSearch:
 
 
 if __name__ == "__main__":
-    sys.exit(export_main("rnnt", export))
+    sys.exit(export_main("cat.rnnt.export"))

@@ -44,9 +44,9 @@ from cat.lm.scorer import ShallowFusion
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     batch_loss,
-    check_batch,
+    ctc_losses,
+    encode_batch,
     init_blank_bias,
-    on_device,
 )
 from cat.models.registry import build_component
 from cat.models.specaug import SpecAugment
@@ -202,15 +202,30 @@ class TransducerModel(nn.Module):
         joiner: `JointNet` built for the encoder/predictor output sizes.
         specaug: optional SpecAugment applied in training mode.
         loss_normalization: "utterance" or "token" (see `cat.ctc.model`).
+        ctc_weight: with an auxiliary CTC head on the encoder (config.json's `ctc` section
+            in an RNN-T model: icefall's `ctc_loss_scale`, WeNet's transducer `ctc_weight`),
+            the loss is `(1 - ctc_weight) * RNN-T + ctc_weight * CTC`; 0: no such head.
+            Decoding does not use it.
+        ctc_dropout, blank_init_prob: that head's dropout and initial blank probability.
     """
 
     def __init__(self, encoder: nn.Module, predictor: nn.Module, joiner: JointNet,
                  specaug: SpecAugment | None = None,
-                 loss_normalization: str = "utterance") -> None:
+                 loss_normalization: str = "utterance", ctc_weight: float = 0.0,
+                 ctc_dropout: float = 0.0, blank_init_prob: float = 0.5) -> None:
         super().__init__()
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
                              f"got {loss_normalization!r}")
+        if not 0.0 <= ctc_weight < 1.0:
+            raise ValueError(f"ctc.weight must be in (0, 1) for an auxiliary CTC head, "
+                             f"got {ctc_weight}")
+        self.ctc_weight = ctc_weight
+        self.ctc_head = None
+        if ctc_weight:
+            self.ctc_dropout = nn.Dropout(ctc_dropout)
+            self.ctc_head = nn.Linear(encoder.output_dim, joiner.out.out_features)
+            init_blank_bias(self.ctc_head, blank_init_prob)
         self.encoder = encoder
         self.predictor = predictor
         self.joiner = joiner
@@ -221,19 +236,26 @@ class TransducerModel(nn.Module):
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
                 label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Return (normalised loss, stats); see `cat.ctc.model` for the contract."""
-        feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
-        check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
-        if self.training and self.specaug is not None:
-            feats = self.specaug(feats, feat_lens)
-        encoder_out, lengths = self.encoder(feats, feat_lens)
+        encoder_out, lengths, labels, label_lens = encode_batch(self, feats, feat_lens, labels,
+                                                                label_lens)
         # Without frames nothing can be emitted: such utterances get loss 0.
         infeasible = lengths < 1
         losses = torch.cat([self._losses(encoder_out[part], lengths[part], labels[part],
                                          label_lens[part])
                             for part in loss_parts(lengths, label_lens, self.num_classes)])
         losses = losses.masked_fill(infeasible, 0.0)
-        return batch_loss(losses, labels, label_lens, lengths, infeasible,
-                          self.loss_normalization)
+        if self.ctc_head is None:
+            return batch_loss(losses, labels, label_lens, lengths, infeasible,
+                              self.loss_normalization)
+        log_probs = torch.log_softmax(self.ctc_head(self.ctc_dropout(encoder_out)).float(), -1)
+        ctc, _ = ctc_losses(log_probs, lengths, labels, label_lens)
+        combined = (1 - self.ctc_weight) * losses + self.ctc_weight * ctc.masked_fill(
+            infeasible, 0.0)
+        loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
+                                 self.loss_normalization)
+        stats.update(rnnt_loss_sum=float(losses.detach().sum()),
+                     ctc_loss_sum=float(ctc.detach().sum()))
+        return loss, stats
 
     def _losses(self, encoder_out: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
                 label_lens: torch.Tensor) -> torch.Tensor:
@@ -249,6 +271,9 @@ class TransducerModel(nn.Module):
         return torchaudio.functional.rnnt_loss(
             logits.float().contiguous(), labels.int().contiguous(),
             lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none")
+
+    #: The `method`s `decode` accepts.
+    decode_methods = ("greedy", "beam")
 
     @torch.no_grad()
     def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor
@@ -293,13 +318,18 @@ JOINERS: Mapping[str, type[nn.Module]] = MappingProxyType({"JointNet": JointNet}
 
 def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
                 specaug: SpecAugment | None, source: str = "config.json") -> TransducerModel:
-    """The RNN-T model of `config` (`decoder`, `joiner`, `trainer`) around `encoder`."""
+    """The RNN-T model of `config` (`decoder`, `joiner`, `trainer`, and `ctc` for an
+    auxiliary CTC head) around `encoder`."""
     predictor = build_component(PREDICTORS, config["decoder"], "decoder.kwargs", source,
                                 num_classes)
     joiner = build_component(JOINERS, config["joiner"], "joiner.kwargs", source,
                              encoder.output_dim, predictor.output_dim, num_classes)
     try:
+        ctc = config.get("ctc")
+        auxiliary = {} if ctc is None else {
+            "ctc_weight": ctc["weight"], "ctc_dropout": ctc.get("dropout", 0.0),
+            "blank_init_prob": ctc.get("blank_init_prob", 0.5)}
         return TransducerModel(encoder, predictor, joiner, specaug,
-                               **config.get("trainer", {}))
+                               **config.get("trainer", {}), **auxiliary)
     except ValueError as error:
         raise ConfigError(f"{source}: {error}") from None

@@ -1,4 +1,4 @@
-"""Streaming RNN-T decoding: greedy search over encoder chunks (`cat.decoding.streaming`).
+"""Streaming RNN-T decoding: greedy search over encoder chunks (`cat.decoding.online`).
 
 Usage:
     python -m cat.rnnt.stream exp/synth-rnnt-stream --wav-scp data/test/wav.scp \
@@ -12,7 +12,7 @@ import sys
 import torch
 from torch import nn
 
-from cat.decoding.streaming import main
+from cat.decoding.online import main
 from cat.rnnt.model import BLANK
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -46,5 +46,9 @@ class RnntChunkSearch:
                 self.projected = self.joiner.project_predictor(out)
 
 
+#: This family's chunk search, as `python -m cat.stream` finds it
+#: (`cat.models.registry.family(kind, "stream")`).
+ChunkSearch = RnntChunkSearch
+
 if __name__ == "__main__":
-    sys.exit(main("rnnt", RnntChunkSearch))
+    sys.exit(main("cat.rnnt.stream"))

@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for recipe in args.recipes:
             os.chdir(recipe)
-            experiment = config_module.load_experiment(args.exp, "cat.ctc.train")
+            experiment = config_module.load_experiment(args.exp)
             config_module.apply_env(experiment.hyper)
             manager = Manager(experiment, context)
             try:

@@ -108,8 +108,8 @@ def longest_decile_share(shards: ShardList, tokenizer: Path, epochs: int, seed: 
     lengths = {(shard << ORDINAL_BITS) | i: int(n) for shard, f in frames.items()
                for i, n in enumerate(f)}
     threshold = np.quantile(list(lengths.values()), 0.9)
-    config = StreamConfig(batch_size=64, max_frames=2000, shuffle_buffer=300, sort_buffer=20,
-                          seed=seed)
+    config = StreamConfig.with_defaults(batch_size=64, max_frames=2000, shuffle_buffer=300,
+                                        sort_buffer=20, seed=seed)
     cut_total = cut_long = 0
     for epoch in range(1, epochs + 1):
         cut, _ = cut_of_epoch(shards, tokenizer, config, 2, epoch)

@@ -1,8 +1,10 @@
-"""The command line of the training entry points (`cat.ctc.train`, `cat.rnnt.train`).
+"""The command line of training: `python -m cat.train EXP` for every model, and CAT's
+`cat.ctc.train` / `cat.rnnt.train` (aliases for their kinds, `cat.models.registry.ALIASES`).
 
-`train(exp_dir, expected_bin)` runs stage 3 for one experiment in this process (one rank
-of a torchrun job, or alone): it loads and checks `hyper-p.json` and `config.json`,
-joins the process group, and runs the `Manager`.
+`train(exp_dir, command)` runs stage 3 for one experiment in this process (one rank of a
+torchrun job, or alone): it loads and checks `hyper-p.json` and `config.json` (the model
+kind is `config.json`'s; `command` and `train.bin` must be able to train it), joins the
+process group, and runs the `Manager`.
 
 The job holds the experiment's lock (`exp/<name>/train.lock`, `cat.training.lock`) from
 before it touches its checkpoints and logs to its end: a second training of the same
@@ -13,8 +15,9 @@ process with status 75 (`cat.training.preemption`), the lock released; `--resume
 continues exactly there.
 
 Usage:
-    python -m cat.ctc.train exp/ctc-v1 [--resume | --resume-restart-epoch |
-                                        --resume-allow-config-change]
+    python -m cat.train exp/ctc-v1 [--resume | --resume-restart-epoch |
+                                    --resume-allow-config-change]
+    torchrun --nproc-per-node 2 -m cat.train exp/ctc-v1
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cat.core import config as config_module
 from cat.core.config import model_kind
 from cat.core.io import setup_logging
 from cat.core.process import die_with_parent
+from cat.models.registry import check_command
 from cat.training.distributed import init_distributed, shutdown_distributed
 from cat.training.lock import experiment_lock
 from cat.training.manager import Manager
@@ -41,20 +45,14 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- entry
 
 
-MODEL_KINDS = {"cat.ctc.train": "ctc", "cat.rnnt.train": "rnnt"}
-MODEL_NAMES = {"cat.ctc.train": "CTC", "cat.rnnt.train": "RNN-T"}
-
-
-def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
+def train(exp_dir: str | os.PathLike, command: str = "cat.train", resume: bool = False,
           restart_epoch: bool = False, allow_config_change: bool = False) -> None:
     """Stage 3 for `exp_dir` (see the module docstring); call once per process."""
-    experiment = config_module.load_experiment(exp_dir, expected_bin)
+    experiment = config_module.load_experiment(exp_dir)
     kind = model_kind(experiment.config)
-    kind = "ctc" if kind == "crf" else kind  # CTC-CRF trains with cat.ctc.train, as in CAT
-    if MODEL_KINDS.get(expected_bin, kind) != kind:
-        raise config_module.ConfigError(
-            f"{Path(exp_dir) / config_module.CONFIG_NAME}: describes a {kind} model, but "
-            f"{expected_bin} trains {MODEL_KINDS[expected_bin]} models")
+    check_command(command, kind, str(Path(exp_dir) / config_module.CONFIG_NAME))
+    check_command(experiment.train_bin, kind,
+                  f"{Path(exp_dir) / config_module.HYPER_NAME}: train.bin")
     config_module.apply_env(experiment.hyper)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by torchrun: end with it
         die_with_parent(os.getppid())
@@ -74,11 +72,11 @@ def train(exp_dir: str | os.PathLike, expected_bin: str, resume: bool = False,
         shutdown_distributed()
 
 
-def run_cli(train_bin: str, argv: list[str] | None = None) -> None:
-    """Command line of the training entry points (`cat.ctc.train`, `cat.rnnt.train`)."""
-    parser = argparse.ArgumentParser(prog=f"python -m {train_bin}",
-                                     description=f"Train a {MODEL_NAMES[train_bin]} model "
-                                                 "from exp/<name>/hyper-p.json and config.json")
+def run_cli(command: str, argv: list[str] | None = None) -> None:
+    """Command line of `command`: `cat.train` or an alias (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {command}",
+                                     description="Train the model of exp/<name>/config.json "
+                                                 "with the settings of hyper-p.json")
     parser.add_argument("exp_dir", help="experiment directory, e.g. exp/ctc-v1")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in exp_dir/check")
@@ -92,7 +90,7 @@ def run_cli(train_bin: str, argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging()
     try:
-        train(args.exp_dir, train_bin, args.resume, args.resume_restart_epoch,
+        train(args.exp_dir, command, args.resume, args.resume_restart_epoch,
               args.resume_allow_config_change)
     except TrainingStopped as stopped:
         logger.warning("%s (exit status %d)", stopped, STOPPED_EXIT_STATUS)

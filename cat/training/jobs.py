@@ -1,6 +1,6 @@
 """Starting a training run: ranks on this machine, or a Slurm job over nodes.
 
-Stage 3 (`cat.utils.pipeline train`) runs `train.bin` (`python -m cat.ctc.train EXP`) in
+Stage 3 (`cat.utils.stage_driver train`) runs `train.bin` (`python -m cat.ctc.train EXP`) in
 one of two ways; the ranks run the same code either way (`cat.training.cli`), joining the
 process group from RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (nccl on
 GPUs, gloo on CPUs):

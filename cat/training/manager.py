@@ -1,15 +1,16 @@
 """The training manager: data loaders from `hyper-p.json`, the training loop, checkpoints.
 
-`train(exp_dir, expected_bin, resume)` runs stage 3 for one experiment, in one process or
+`train(exp_dir, command, resume)` runs stage 3 for one experiment, in one process or
 under torchrun (one process per rank; nccl on GPU, gloo on CPU):
 
 1. Load and validate `hyper-p.json` + `config.json` (`cat.core.config`), export `env`,
    set the CPU threads, save `exp/<name>/resolved.json` (resolved options + git commit).
 2. Build the model for the tokenizer's vocabulary, and a `LengthFilter` from the
    encoder's subsampling (`cat.training.setup`).
-3. Build the data: `large_dataset: false` -> `MapTrainData` (map pack, bucketing batch
-   sampler, equal batch counts per rank); `true` -> `StreamTrainData` (tar shards,
-   `cat.loading.stream`). Dev data is a map pack unless `dev_large_dataset`.
+3. Build the data (`cat.training.train_data.build_train_data`): `large_dataset: false`
+   -> `MapTrainData` (map pack, bucketing batch sampler, equal batch counts per rank);
+   `true` -> `StreamTrainData` (tar shards, `cat.loading.stream`). The Manager uses only
+   their interface, `TrainData`. Dev data is a map pack unless `dev_large_dataset`.
 4. Loop over epochs and optimizer updates; evaluate and checkpoint every `check_freq`
    updates or at the end of every epoch; stop at `epochs`, `max_steps`, the scheduler's
    `stop_step` or the time budget (always with a checkpoint). SIGTERM, SIGUSR1 or SIGINT
@@ -94,12 +95,10 @@ from cat.training.preemption import NoStopRequest, StopRequest, TrainingStopped
 from cat.training.report import (
     DataChangedError,
     check_dev_loss,
-    check_epoch,
     check_skipped,
     epoch_record,
     write_coverage,
 )
-from cat.training.train_data import StreamTrainData
 from cat.training.update import Updater
 from cat.training.watchdog import NoWatchdog, Watchdog, start_watchdog
 
@@ -292,8 +291,7 @@ class Manager:
             if infeasible and len(infeasible) == self.context.world_size:
                 self.infeasible = int(infeasible[self.context.rank])
             return ranks[self.context.rank]
-        trained = sum(int(r["trained"] if "trained" in r else r["progress"]["trained"])
-                      for r in ranks)
+        trained = sum(self.train_data.trained_in(r) for r in ranks)
         problem = (f"{path}: epoch {self.epoch} cannot continue where it stopped, because "
                    f"what decides its data changed: {'; '.join(changes)}")
         if not self.restart_epoch:
@@ -424,11 +422,13 @@ class Manager:
                 break
         del iterator
         progress.close()
+        updates = None
         if self.stopped_by is not None:
             stopped = f"stopped by {self.stopped_by}"
         elif stopped is None:
-            self._finish_epoch(epoch, self.step - self.epoch_start_step)
-        data.end_epoch()
+            updates = self.step - self.epoch_start_step
+            self._finish_epoch(epoch, updates)
+        data.end_epoch(updates)
         return stopped
 
     def _log_interval(self, interval: dict[str, float], stats: dict[str, float]) -> None:
@@ -446,8 +446,6 @@ class Manager:
                    "skipped": self.skipped["utterances"],
                    "skipped_updates": self.skipped["updates"], "infeasible": self.infeasible}
         summaries = self.context.gather(summary)
-        if isinstance(self.train_data, StreamTrainData):
-            self.train_data.last_steps = steps
         self.epoch = epoch + 1
         self.in_epoch = False
         record = epoch_record(epoch, steps, summaries, self.retrained)
@@ -455,8 +453,7 @@ class Manager:
             self._report_epoch(record)
         check_skipped(epoch, steps, record["skipped_updates"],
                       self.options.max_skipped_updates)  # on every rank alike
-        if self.train_data.kind == "stream":
-            check_epoch(record, self.options.bad_shard_limit)  # on every rank alike
+        self.train_data.check_epoch(record)  # on every rank alike
         self.retrained = 0
         if not self.options.check_freq:
             self.save_checkpoint()
@@ -467,10 +464,7 @@ class Manager:
             json.dump(record, f, indent=1)
             f.write("\n")
         coverage = {key: value for key, value in record.items() if key != "ranks"}
-        if isinstance(self.train_data, StreamTrainData):
-            shards = self.train_data.shards
-            coverage["corpus_mean_frames"] = (float(shards.num_frames.sum() / shards.num_utts.sum())
-                                             if not shards.estimated.any() else None)
+        coverage["corpus_mean_frames"] = self.train_data.corpus_mean_frames()
         write_coverage(self.log_dir / "coverage.jsonl", coverage)
         dropped, cut = record["dropped"], record["not_trained"]
         details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"

@@ -2,9 +2,10 @@
 
 `build_model` builds the model of `config.json` for the tokenizer's vocabulary (seeded
 alike on every rank, then each rank reseeded for its own dropout and SpecAugment);
-`build_data` the training data (`MapTrainData` for a map pack, `StreamTrainData` for tar
-shards) with a `LengthFilter` from the encoder's own subsampling, and the dev data;
-`init_feature_stats` the encoder's global CMVN from training utterances.
+`build_data` the training data (`cat.training.train_data.build_train_data`: a map pack
+or tar shards, behind one interface, `TrainData`) with a `LengthFilter` from the
+encoder's own subsampling, and the dev data; `init_feature_stats` the encoder's global
+CMVN from training utterances as the loader reads them.
 
 Usage:
     model, num_classes = build_model(experiment, context)
@@ -13,7 +14,6 @@ Usage:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -22,14 +22,12 @@ import torch
 
 from cat.core import config as config_module
 from cat.core.config import Experiment
-from cat.formats.mappack import MapPack
 from cat.formats.tables import FrameRange
 from cat.loading.batch import LengthFilter
-from cat.loading.shardlist import load_shard_list
 from cat.models import registry
 from cat.text.tokenizer import load as load_tokenizer
 from cat.training.distributed import DistributedContext
-from cat.training.train_data import DevData, MapTrainData, StreamTrainData
+from cat.training.train_data import DevData, TrainData, build_train_data
 
 logger = logging.getLogger(__name__)
 
@@ -64,50 +62,27 @@ def build_length_filter(model: torch.nn.Module, frame_range: FrameRange | None,
                         ctc=getattr(model, "ctc_alignment", False))
 
 
-def open_pack(path: str, tokenizer: str) -> MapPack:
-    """The map pack at `path`, checked to be encoded with the run's tokenizer."""
-    pack = MapPack(path)
-    meta = pack.meta.get("tokenizer", {})
-    digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
-    if meta.get("sha256") not in (None, digest):
-        raise ValueError(f"{path} was encoded with the tokenizer {meta.get('file')}, which "
-                         f"differs from train.option.tokenizer {tokenizer}; repack or fix "
-                         "the tokenizer path")
-    return pack
-
-
 def build_data(options: config_module.TrainOptions, model: torch.nn.Module, feat_dim: int,
-               context: DistributedContext, log_dir: Path
-               ) -> tuple[MapTrainData | StreamTrainData, DevData]:
-    """The training data of `trset` (map pack or tar shards) and the dev data."""
+               context: DistributedContext, log_dir: Path) -> tuple[TrainData, DevData]:
+    """The training data of `trset` (`build_train_data`: map pack or tar shards), with the
+    encoder's length filter, and the dev data."""
     frame_range = FrameRange.parse(options.filter) if options.filter else None
-    train_data: MapTrainData | StreamTrainData
-    if options.large_dataset:
-        shards = load_shard_list(options.trset, options.utts_per_shard_estimate,
-                                 options.read_timeout)
-        longest = shards.longest
-        train_data = StreamTrainData(options, build_length_filter(model, frame_range, longest),
-                                     feat_dim, context, log_dir, shards)
-        logger.info("training on %d shards (%d utterances) from %s", len(shards),
-                    int(shards.num_utts.sum()), options.trset)
-    else:
-        pack = open_pack(options.trset[0], options.tokenizer)
-        longest = int(pack.num_frames.max(initial=0))
-        train_data = MapTrainData(options, build_length_filter(model, frame_range, longest),
-                                  feat_dim, context, log_dir, pack)
+    train_data = build_train_data(
+        options, lambda longest: build_length_filter(model, frame_range, longest), feat_dim,
+        context, log_dir)
+    longest = train_data.longest
     if frame_range is not None and frame_range.high is not None:
         longest = min(longest, frame_range.high - 1)
     if options.max_frames and longest > options.max_frames:
         logger.warning("utterances of up to %d frames exceed max_frames=%d; each of them "
                        "forms a batch of its own", longest, options.max_frames)
-    dev_pack = None if options.dev_large_dataset else open_pack(options.devset[0],
-                                                                options.tokenizer)
-    return train_data, DevData(options, feat_dim, context, dev_pack)
+    return train_data, DevData(options, feat_dim, context)
 
 
-def init_feature_stats(model: torch.nn.Module, train_data: MapTrainData | StreamTrainData,
-                       feat_dim: int, max_utts: int = 2000) -> None:
-    """Set the encoder's global CMVN (when configured) from training utterances.
+def init_feature_stats(model: torch.nn.Module, train_data: TrainData, feat_dim: int,
+                       max_utts: int = 2000) -> None:
+    """Set the encoder's global CMVN (when configured) from training utterances, read
+    through the loader's own stages (`TrainData.feature_samples`).
 
     Every rank computes the same statistics from the same utterances, so the models stay
     identical; a resumed run takes them from the checkpoint instead.

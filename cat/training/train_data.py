@@ -1,10 +1,24 @@
-"""The training manager's data: map-style and streaming training sets, dev data, epoch logs.
+"""The training manager's data: one interface, two kinds, dev data, epoch logs.
+
+`TrainData` declares what `cat.training.manager.Manager` (and `cat.training.setup`) ask of
+training data, and holds what the kinds share (epoch logs, identity changes, the epoch's
+end, close). The Manager uses only it, never asking which kind it holds:
+
+    open(...)                  the kind built from its source (`build_train_data` picks it)
+    longest, kind              frames of the longest utterance; "map" or "stream"
+    identity(), identity_changes(recorded)    what decides the batches, compared on resume
+    feature_samples(max_utts)  utterances for the global CMVN, through the loader's stages
+    start_epoch(epoch, state)  select the epoch, continuing after `state` when given
+    iter(data), note(batch, trained)          the batches; what a batch taken changes
+    state(), trained()         where the epoch stands (checkpoints); utterances trained
+    trained_in(state)          the trained count a recorded state holds, of either kind
+    steps_hint(), summary(), cut_profile(), corpus_mean_frames(), check_epoch(record)
+    end_epoch(updates), close()                (close stops the loader's workers)
 
 `MapTrainData` (map pack + `BucketBatchSampler`) and `StreamTrainData` (tar shards through
-`cat.loading.stream.ShardStream`) answer the same questions for `cat.shared.manager`:
-the batches of an epoch (`start_epoch`, iteration), what a batch taken from the loader
-changes (`note`), where the epoch stands (`state`, stored in checkpoints), what decides
-the data (`identity`, compared on resume), and the epoch's counts (`summary`).
+`cat.loading.stream.ShardStream`) implement it, and one contract test holds both to it
+(`tests/training/test_train_data_contract.py`). `build_train_data` is the one place that
+tells them apart (`train.option.large_dataset`).
 
 Epoch logs (`EpochLog`): `exp/<name>/log/utts/epoch-<EEE>.rank-<R>.txt` lists the trained
 utterances, one line per batch (with `log_utterances`), and `log/drops/` the utterances
@@ -13,44 +27,46 @@ cuts the log back to it before appending, so the logs of a resumed epoch are tho
 uninterrupted one: nothing written after the checkpoint by a killed run is kept twice.
 
 Usage:
-    data = StreamTrainData(options, length_filter, feat_dim, context, log_dir, shards)
+    data = build_train_data(options, length_filter_for, feat_dim, context, log_dir)
     data.start_epoch(1, None)
     for batch in data: data.note(batch, trained=True)
+    data.end_epoch(updates)
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
+import itertools
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from cat.audio.codec import decode
 from cat.core import config as config_module
 from cat.core.io import write_table
 from cat.core.process import loader_worker_init
-from cat.features.fbank import FbankOptions, compute_fbank
 from cat.formats.mappack import MapPack
 from cat.loading.batch import Batch, BucketBatchSampler, LengthFilter, PackDataset, collate
 from cat.loading.progress import StreamProgress, length_profile
-from cat.loading.samples import AUDIO_TYPES, AudioConfig, StreamConfig, decode_npy
+from cat.loading.reader import DataUnavailableError
+from cat.loading.samples import StreamConfig
 from cat.loading.shardlist import ShardList, describe_change, load_shard_list
-from cat.loading.sources import read_shard
 from cat.loading.stream import ShardStream
 from cat.loading.tar import CorruptShardError
 from cat.loading.transport import RingLoader, SharedCollate
 from cat.training.distributed import DistributedContext
+from cat.training.report import check_epoch
 
 logger = logging.getLogger(__name__)
 
 FEAT_DIM_KEY = "config.json encoder.kwargs.idim"
-#: Shards read for the global CMVN sample at most (`feature_samples`).
+#: Shards read for the global CMVN sample at most (`StreamTrainData.feature_samples`).
 CMVN_SHARDS = 32
 
 
@@ -86,29 +102,19 @@ def batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None
     return RingLoader(loader, shared, pin_memory=device.type == "cuda")
 
 
-def audio_config(options: config_module.TrainOptions, train: bool) -> AudioConfig | None:
-    """How audio members become features (`train.option.audio`; evaluation: no speed
-    perturbation), or None."""
-    audio = options.audio
-    if audio is None:
-        return None
-    rate = int(audio.get("sample_rate", 16000))
-    return AudioConfig(rate, tuple(audio.get("speed_perturb", ())) if train else (),
-                       FbankOptions(int(audio.get("num_mel_bins", 80)), rate))
+def open_pack(path: str, tokenizer: str) -> MapPack:
+    """The map pack at `path`, checked to be encoded with the run's tokenizer."""
+    pack = MapPack(path)
+    meta = pack.meta.get("tokenizer", {})
+    if meta.get("sha256") not in (None, _file_digest(tokenizer, 64)):
+        raise ValueError(f"{path} was encoded with the tokenizer {meta.get('file')}, which "
+                         f"differs from train.option.tokenizer {tokenizer}; repack or fix "
+                         "the tokenizer path")
+    return pack
 
 
-def stream_config(options: config_module.TrainOptions, train: bool) -> StreamConfig:
-    """The streaming pipeline's settings from `train.option` (evaluation: no shuffling)."""
-    return StreamConfig(options.batch_size, options.max_frames,
-                        options.shuffle_buffer if train else 0, options.sort_buffer,
-                        options.read_ahead_mb, options.strict_shards, options.seed, train,
-                        options.read_timeout, options.read_retries,
-                        bad_shard_limit=options.bad_shard_limit,
-                        audio=audio_config(options, train))
-
-
-def _file_digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:32]
+def _file_digest(path: str, length: int = 32) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:length]
 
 
 def identity_changes(recorded: dict[str, Any] | None, current: dict[str, Any],
@@ -196,10 +202,148 @@ class _EpochLogs:
         self.drops.close()
 
 
+# --------------------------------------------------------------------------- interface
+
+
+class TrainData(abc.ABC):
+    """Training data as the Manager sees it (the module docstring lists the interface).
+
+    A kind implements the abstract methods; the rest is shared. `loader` iterates the
+    epoch's batches (`start_epoch` first); `options`, `context` and `log_dir` are the
+    run's; `epoch` is the epoch `start_epoch` selected.
+    """
+
+    kind: ClassVar[str]
+    loader: RingLoader
+
+    def __init__(self, options: config_module.TrainOptions, context: DistributedContext,
+                 log_dir: Path, longest: int) -> None:
+        self.options = options
+        self.context = context
+        self.log_dir = log_dir
+        #: Frames of the longest utterance of the source (before the length filter).
+        self.longest = longest
+        self.epoch = 1
+        self.logs = _EpochLogs(log_dir, context.rank)
+        self.last_updates: int | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, options: config_module.TrainOptions,
+             length_filter_for: Callable[[int], LengthFilter], feat_dim: int,
+             context: DistributedContext, log_dir: Path) -> TrainData:
+        """The kind over the source `options.trset` names, with the length filter
+        `length_filter_for(longest)` (the source's longest utterance in frames)."""
+
+    # ------------------------------------------------------------ what decides the data
+
+    @abc.abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """What decides the epochs' data and batches (compared on resume)."""
+
+    def identity_changes(self, recorded: dict[str, Any] | None) -> list[str]:
+        """What changed since a checkpoint recorded `identity()`, in words."""
+        return identity_changes(recorded, self.identity(), self._shard_urls())
+
+    def _shard_urls(self) -> list[str]:
+        """The shards a change of `identity()["shards"]` is described by (none here)."""
+        return []
+
+    @abc.abstractmethod
+    def feature_samples(self, max_utts: int) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, feature matrix) of up to about `max_utts` training utterances drawn with
+        the run's seed, for the global CMVN statistics: taken through the loader's own
+        stages, so with its verdicts (drops, length filter, decoding, errors)."""
+
+    # ------------------------------------------------------------ the epoch
+
+    def start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
+        """Prepare `epoch`, continuing after `state` (this rank's `state()`) when given."""
+        self.epoch = epoch
+        self.logs.start(epoch, state)
+        self._start_epoch(epoch, state)
+
+    @abc.abstractmethod
+    def _start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
+        """The kind's part of `start_epoch` (the logs are started)."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        return iter(self.loader)
+
+    @abc.abstractmethod
+    def note(self, batch: Batch, trained: bool) -> None:
+        """Account for a batch taken from the loader (trained, or taken when the epoch
+        ended before its update)."""
+
+    def steps_hint(self) -> int | None:
+        """Updates this epoch will take, for the progress bar (here: those of the last
+        completed epoch, None before one)."""
+        return self.last_updates
+
+    def state(self) -> dict[str, Any]:
+        """This rank's position in the epoch (stored in checkpoints), with its count of
+        trained utterances (`trained_in`)."""
+        return {"trained": self.trained(), **self._position(), "logs": self.logs.state()}
+
+    @abc.abstractmethod
+    def trained(self) -> int:
+        """Utterances this rank trained in the epoch so far."""
+
+    @abc.abstractmethod
+    def _position(self) -> dict[str, Any]:
+        """The kind's part of `state()`: what `start_epoch` continues from."""
+
+    @staticmethod
+    def trained_in(state: dict[str, Any]) -> int:
+        """The trained utterances a rank's recorded `state()` counts, of either kind."""
+        if "trained" in state:
+            return int(state["trained"])
+        return int(state["progress"]["trained"])  # a stream state written before "trained"
+
+    # ------------------------------------------------------------ the epoch's end
+
+    @abc.abstractmethod
+    def summary(self) -> dict[str, Any]:
+        """This rank's counts for the epoch (`cat.training.report.epoch_record`)."""
+
+    def cut_profile(self) -> dict[str, Any] | None:
+        """Lengths of the utterances the epoch's end left untrained (None: none such;
+        every rank takes the same number of batches)."""
+        return None
+
+    @abc.abstractmethod
+    def corpus_mean_frames(self) -> float | None:
+        """Mean frames of an utterance of the source (None: not known)."""
+
+    @abc.abstractmethod
+    def check_epoch(self, record: dict[str, Any]) -> None:
+        """Raise when the epoch's record (over all ranks) shows its data failing."""
+
+    def end_epoch(self, updates: int | None = None) -> None:
+        """Close the epoch's log files; `updates`: those of the epoch, when it completed."""
+        if updates is not None:
+            self.last_updates = updates
+        self.logs.close()
+
+    def close(self) -> None:
+        """Close the log files and stop the loader's workers."""
+        self.logs.close()
+        self.loader.close()
+
+
+def build_train_data(options: config_module.TrainOptions,
+                     length_filter_for: Callable[[int], LengthFilter], feat_dim: int,
+                     context: DistributedContext, log_dir: Path) -> TrainData:
+    """The training data `options` ask for: tar shards (`large_dataset`) or a map pack;
+    `length_filter_for(longest)` builds the length filter (see `TrainData.open`)."""
+    kind: type[TrainData] = StreamTrainData if options.large_dataset else MapTrainData
+    return kind.open(options, length_filter_for, feat_dim, context, log_dir)
+
+
 # --------------------------------------------------------------------------- map-style
 
 
-class MapTrainData:
+class MapTrainData(TrainData):
     """Map-style training data: pack dataset + `BucketBatchSampler` + DataLoader."""
 
     kind = "map"
@@ -207,11 +351,10 @@ class MapTrainData:
     def __init__(self, options: config_module.TrainOptions, length_filter: LengthFilter,
                  feat_dim: int, context: DistributedContext, log_dir: Path,
                  pack: MapPack | None = None) -> None:
-        self.options = options
-        self.context = context
-        self.log_dir = log_dir
         self.dataset = PackDataset(options.trset[0] if pack is None else pack, feat_dim,
                                    FEAT_DIM_KEY)
+        super().__init__(options, context, log_dir,
+                         int(self.dataset.num_frames.max(initial=0)))
         self.dataset[0]  # fail early on a feature dimension mismatch
         reasons = self.dataset.filter_reasons(length_filter)
         keep = np.flatnonzero(reasons == "")
@@ -226,24 +369,31 @@ class MapTrainData:
         shared = shared_collate(options, feat_dim, int(self.dataset.num_frames[keep].max()))
         self.loader = batch_loader(self.dataset, shared, options, context.device,
                                    batch_sampler=self.sampler, collate_fn=shared or collate)
-        self.epoch = 1
         self.batches = 0
-        self.trained = 0
-        self.logs = _EpochLogs(log_dir, context.rank)
+        self.trained_utts = 0
         if context.is_main and self.filtered:
             write_table(log_dir / "drops" / "filtered-train.txt", self.filtered)
             logger.info("%d of %d training utterances do not pass the length filter; "
                         "listed in %s", len(self.filtered), len(self.dataset),
                         log_dir / "drops" / "filtered-train.txt")
 
+    @classmethod
+    def open(cls, options: config_module.TrainOptions,
+             length_filter_for: Callable[[int], LengthFilter], feat_dim: int,
+             context: DistributedContext, log_dir: Path) -> MapTrainData:
+        """The map pack `options.trset[0]` (checked against the tokenizer)."""
+        pack = open_pack(options.trset[0], options.tokenizer)
+        return cls(options, length_filter_for(int(pack.num_frames.max(initial=0))), feat_dim,
+                   context, log_dir, pack)
+
     def feature_samples(self, max_utts: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(name, feature matrix) of up to `max_utts` utterances drawn with the run's seed;
-        the name is the pack and the utterance id."""
-        pack = self.dataset.pack
-        count = len(pack)
+        """Utterances the length filter keeps, drawn with the run's seed and read as the
+        loader reads them (`PackDataset`: its checks); named by the pack and the id."""
+        kept = self.sampler.indices
         rng = np.random.default_rng(self.options.seed)
-        for index in np.sort(rng.choice(count, min(count, max_utts), replace=False)):
-            yield f"{self.options.trset[0]}: {pack.key(int(index))}", pack.features(int(index))
+        for index in np.sort(rng.choice(kept, min(len(kept), max_utts), replace=False)):
+            utterance = self.dataset[int(index)]
+            yield f"{self.options.trset[0]}: {utterance.key}", utterance.features
 
     def identity(self) -> dict[str, Any]:
         """What decides the epochs' batches (compared on resume)."""
@@ -255,51 +405,44 @@ class MapTrainData:
                 "batching": [options.batch_size, options.max_frames], "seed": options.seed,
                 "world_size": self.context.world_size}
 
-    def identity_changes(self, recorded: dict[str, Any] | None) -> list[str]:
-        """What changed since a checkpoint recorded `identity()`, in words."""
-        return identity_changes(recorded, self.identity())
-
     def plan(self) -> tuple[list[list[np.ndarray]], list[np.ndarray]]:
         """The epoch's batches per rank and the left-over batches."""
         return self.sampler.plan(self.epoch)
 
-    def start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
-        """Prepare `epoch`, continuing after `state` (this rank's) when given."""
-        self.epoch = epoch
+    def _start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
         self.batches = int(state["batches"]) if state else 0
-        self.trained = int(state["trained"]) if state else 0
+        self.trained_utts = int(state["trained"]) if state else 0
         self.sampler.set_epoch(epoch, self.batches)
-        self.logs.start(epoch, state)
         if self.context.is_main and state is None:
             left_over = self.plan()[1]
             self.logs.drops.write([f"{self.dataset.pack.key(i)} epoch_remainder"
                                    for b in left_over for i in b])
 
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
-
     def note(self, batch: Batch, trained: bool) -> None:
         """Account for a batch taken from the loader."""
         if trained:
             self.batches += 1
-            self.trained += len(batch)
+            self.trained_utts += len(batch)
             if self.options.log_utterances:
                 self.logs.utts.write([" ".join(batch.keys)])
 
     def steps_hint(self) -> int | None:
-        """Updates this epoch will take (for the progress bar)."""
+        """Updates this epoch will take (its batches are planned)."""
         return len(self.plan()[0][self.context.rank]) // self.options.grad_accum
 
-    def state(self) -> dict[str, Any]:
-        """This rank's position in the epoch."""
-        return {"batches": self.batches, "trained": self.trained, "logs": self.logs.state()}
+    def trained(self) -> int:
+        """Utterances this rank trained in the epoch so far."""
+        return self.trained_utts
+
+    def _position(self) -> dict[str, Any]:
+        return {"batches": self.batches}
 
     def summary(self) -> dict[str, Any]:
         """This rank's counts for the epoch."""
         rank_batches, left_over = self.plan()
         expected = int(sum(len(b) for b in rank_batches[self.context.rank]))
-        summary: dict[str, Any] = {"expected": expected, "trained": self.trained,
-                                   "not_trained": expected - self.trained, "dropped": {},
+        summary: dict[str, Any] = {"expected": expected, "trained": self.trained_utts,
+                                   "not_trained": expected - self.trained_utts, "dropped": {},
                                    "corrupt_missing": 0, "unavailable_missing": 0,
                                    "retrained": 0}
         if self.context.is_main:
@@ -311,71 +454,25 @@ class MapTrainData:
             summary["dropped"] = reasons
         return summary
 
-    def cut_profile(self) -> dict[str, Any] | None:
-        """Lengths of the utterances the epoch's end left untrained: none here (every rank
-        takes the same number of batches; the remainder is listed as dropped)."""
-        return None
+    def corpus_mean_frames(self) -> float | None:
+        """Mean frames of the pack's utterances."""
+        frames = self.dataset.num_frames
+        return float(frames.mean()) if len(frames) else None
 
-    def end_epoch(self) -> None:
-        """Close the epoch's log files."""
-        self.logs.close()
+    def check_epoch(self, record: dict[str, Any]) -> None:
+        """Nothing to check: the pack is read whole when opened, and the epoch's batches
+        are planned (the remainder is counted as dropped)."""
 
     def close(self) -> None:
-        """Close the arks this process opened."""
-        self.logs.close()
+        """Close the log files, stop the loader's workers, close the arks."""
+        super().close()
         self.dataset.pack.close()
 
 
 # --------------------------------------------------------------------------- streaming
 
 
-def sample_features(shards: ShardList, max_utts: int, seed: int, strict: bool,
-                    audio: AudioConfig | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """(shard:member, feature matrix) of about `max_utts` utterances drawn with `seed` from
-    all shards (the global CMVN statistics are computed from them).
-
-    Shards are taken in a seeded random order, so every length group is represented by
-    its share of the shards, and up to `max_utts / min(shards, 32)` utterances are read
-    from the start of each (the packer shuffled each shard's contents). A shard that
-    cannot be read is skipped with a warning, or is an error when `strict`. Audio members
-    become fbank as `audio` says (without speed perturbation).
-    """
-    order = np.random.default_rng([seed, 1]).permutation(len(shards))
-    per_shard = math.ceil(max_utts / min(len(shards), CMVN_SHARDS))
-    taken = 0
-    for shard in order.tolist():
-        url = shards.urls[shard]
-        try:
-            features = []
-            for name, data in read_shard(url, shards.timeout):
-                extension = name.rpartition(".")[2]
-                if extension == "npy":
-                    features.append((f"{url}:{name}", decode_npy(data)))
-                elif extension in AUDIO_TYPES:
-                    if audio is None:
-                        raise ValueError(f"shard {url} holds {extension} audio, but "
-                                         "train.option.audio is not set")
-                    waveform, _ = decode(data, f"{url}:{name}", audio.sample_rate)
-                    features.append((f"{url}:{name}",
-                                     compute_fbank(waveform, audio.sample_rate, audio.fbank)))
-                else:
-                    continue
-                if len(features) >= min(per_shard, max_utts - taken):
-                    break
-        except (OSError, CorruptShardError, ValueError) as error:
-            if strict:
-                raise CorruptShardError(f"shard {url}: {error} (read for the global CMVN "
-                                        "statistics; strict_shards is set)") from None
-            logger.warning("global CMVN: skipping shard %s: %s", url, error)
-            continue
-        yield from features
-        taken += len(features)
-        if taken >= max_utts:
-            return
-
-
-
-class StreamTrainData:
+class StreamTrainData(TrainData):
     """Streaming training data: tar shards through `cat.loading.stream.ShardStream`."""
 
     kind = "stream"
@@ -383,31 +480,57 @@ class StreamTrainData:
     def __init__(self, options: config_module.TrainOptions, length_filter: LengthFilter,
                  feat_dim: int, context: DistributedContext, log_dir: Path,
                  shards: ShardList) -> None:
-        self.options = options
-        self.context = context
-        self.log_dir = log_dir
+        super().__init__(options, context, log_dir, shards.longest)
         self.shards = shards
         if shards.feat_dim is not None and shards.feat_dim != feat_dim:
             raise ValueError(f"trset {options.trset}: the shards hold {shards.feat_dim}-dim "
                              f"features (index.jsonl), but {FEAT_DIM_KEY} is {feat_dim}")
-        config = stream_config(options, train=True)
         shared = shared_collate(options, feat_dim, shards.longest)
-        self.dataset = ShardStream(shards, options.tokenizer, config, length_filter, feat_dim,
-                                   context.rank, context.world_size, options.workers,
-                                   FEAT_DIM_KEY, shared or collate)
+        self.dataset = ShardStream(shards, options.tokenizer,
+                                   StreamConfig.from_options(options, train=True),
+                                   length_filter, feat_dim, context.rank, context.world_size,
+                                   options.workers, FEAT_DIM_KEY, shared or collate)
         self.loader = batch_loader(self.dataset, shared, options, context.device,
                                    batch_size=None)
         self.progress = StreamProgress(shards, [])
-        self.epoch = 1
-        self.last_steps: int | None = None
-        self.logs = _EpochLogs(log_dir, context.rank)
         self._tokenizer_digest = _file_digest(options.tokenizer)
 
+    @classmethod
+    def open(cls, options: config_module.TrainOptions,
+             length_filter_for: Callable[[int], LengthFilter], feat_dim: int,
+             context: DistributedContext, log_dir: Path) -> StreamTrainData:
+        """The shards of the patterns `options.trset` (`load_shard_list`)."""
+        shards = load_shard_list(options.trset, options.utts_per_shard_estimate,
+                                 options.read_timeout)
+        data = cls(options, length_filter_for(shards.longest), feat_dim, context, log_dir,
+                   shards)
+        logger.info("training on %d shards (%d utterances) from %s", len(shards),
+                    int(shards.num_utts.sum()), options.trset)
+        return data
+
     def feature_samples(self, max_utts: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(shard:member, feature matrix) of about `max_utts` utterances
-        (`sample_features`)."""
-        return sample_features(self.shards, max_utts, self.options.seed,
-                               self.options.strict_shards, audio_config(self.options, False))
+        """Utterances of shards taken in a seeded random order, so that every length
+        group is represented by its share of the shards: up to `max_utts / min(shards,
+        CMVN_SHARDS)` from the start of each (the packer shuffled each shard's contents),
+        as the loader keeps them in epoch 1 (`ShardStream.samples`: its drops, length
+        filter, decoding; a shard that cannot be read is skipped, or with `strict_shards`
+        an error). Named by the shard and the utterance id."""
+        shards = self.shards
+        order = np.random.default_rng([self.options.seed, 1]).permutation(len(shards))
+        per_shard = math.ceil(max_utts / min(len(shards), CMVN_SHARDS))
+        taken = 0
+        for shard in order.tolist():
+            samples = self.dataset.samples([shard])
+            try:
+                for sample in itertools.islice(samples, min(per_shard, max_utts - taken)):
+                    yield f"{shards.urls[shard]}: {sample['key']}", sample["features"]
+                    taken += 1
+            except (CorruptShardError, DataUnavailableError) as error:
+                raise type(error)(f"{error}; read for the global CMVN statistics") from None
+            finally:
+                samples.close()
+            if taken >= max_utts:
+                return
 
     def identity(self) -> dict[str, Any]:
         """What decides the epochs' data and batches (compared on resume)."""
@@ -420,17 +543,15 @@ class StreamTrainData:
                              options.sort_buffer],
                 "tokenizer": self._tokenizer_digest}
 
-    def identity_changes(self, recorded: dict[str, Any] | None) -> list[str]:
-        """What changed since a checkpoint recorded `identity()`, in words."""
-        return identity_changes(recorded, self.identity(), self.shards.urls)
+    def _shard_urls(self) -> list[str]:
+        return self.shards.urls
 
     def _worker_shards(self, epoch: int) -> list[list[int]]:
         workers = max(1, self.options.workers)
         return [self.dataset.worker_shards(epoch, w, workers) for w in range(workers)]
 
-    def start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
-        """Prepare `epoch`, continuing exactly after `state` (this rank's) when given."""
-        self.epoch = epoch
+    def _start_epoch(self, epoch: int, state: dict[str, Any] | None) -> None:
+        # Continues exactly where each worker stood after its last batch taken.
         worker_shards = self._worker_shards(epoch)
         self.progress = StreamProgress(self.shards, worker_shards)
         idle = sum(not shards for shards in worker_shards)
@@ -445,10 +566,6 @@ class StreamTrainData:
                         self.progress.trained, len(self.progress.positions))
         self.dataset.set_epoch(epoch, self.progress.positions,
                                len(self.progress.corrupt) + len(self.progress.unavailable))
-        self.logs.start(epoch, state)
-
-    def __iter__(self) -> Iterator[Batch]:
-        return iter(self.loader)
 
     def note(self, batch: Batch, trained: bool) -> None:
         """Account for a batch taken from the loader (its events count either way)."""
@@ -458,13 +575,12 @@ class StreamTrainData:
         if trained and len(batch) and self.options.log_utterances:
             self.logs.utts.write([" ".join(batch.keys)])
 
-    def steps_hint(self) -> int | None:
-        """Updates of the previous epoch (the best guess for the progress bar)."""
-        return self.last_steps
+    def trained(self) -> int:
+        """Utterances this rank trained in the epoch so far."""
+        return self.progress.trained
 
-    def state(self) -> dict[str, Any]:
-        """This rank's position in the epoch."""
-        return {"progress": self.progress.state(), "logs": self.logs.state()}
+    def _position(self) -> dict[str, Any]:
+        return {"progress": self.progress.state()}
 
     def summary(self) -> dict[str, Any]:
         """This rank's counts for the epoch."""
@@ -475,27 +591,32 @@ class StreamTrainData:
         ids = self.progress.cut_ids()
         return None if ids is None else length_profile(self.shards, ids)
 
-    def end_epoch(self) -> None:
-        """Close the epoch's log files."""
-        self.logs.close()
+    def corpus_mean_frames(self) -> float | None:
+        """Mean frames of the shards' utterances (None: some counts are estimated)."""
+        shards = self.shards
+        if shards.estimated.any():
+            return None
+        return float(shards.num_frames.sum() / shards.num_utts.sum())
 
-    def close(self) -> None:
-        """Close the epoch's log files."""
-        self.end_epoch()
+    def check_epoch(self, record: dict[str, Any]) -> None:
+        """Raise when the epoch trained nothing, or more of its shards failed than
+        `bad_shard_limit` allows (`cat.training.report.check_epoch`)."""
+        check_epoch(record, self.options.bad_shard_limit)
 
 
 # --------------------------------------------------------------------------- dev
 
 
 class DevData:
-    """Development data: a map pack, or (dev_large_dataset) shards, split over ranks."""
+    """Development data: a map pack (`pack`, or `devset` checked against the tokenizer),
+    or (dev_large_dataset) shards, split over ranks."""
 
     def __init__(self, options: config_module.TrainOptions, feat_dim: int,
                  context: DistributedContext, pack: MapPack | None = None) -> None:
         if options.dev_large_dataset:
             shards = load_shard_list(options.devset, options.utts_per_shard_estimate,
                                      options.read_timeout)
-            config = stream_config(options, train=False)
+            config = StreamConfig.from_options(options, train=False)
             shared = shared_collate(options, feat_dim, shards.longest)
             dataset = ShardStream(shards, options.tokenizer, config, None, feat_dim,
                                   context.rank, context.world_size, options.workers,
@@ -505,18 +626,20 @@ class DevData:
                                        persistent=False, batch_size=None)
             self.pack = None
             return
-        pack = PackDataset(options.devset[0] if pack is None else pack, feat_dim, FEAT_DIM_KEY)
-        pack[0]  # fail early on a feature dimension mismatch
-        sampler = BucketBatchSampler(pack.num_frames, np.arange(len(pack)), options.batch_size,
-                                     options.max_frames, options.seed, context.rank,
-                                     context.world_size, shuffle=False)
-        self.num_utts = len(pack)
-        self.pack = pack.pack
-        shared = shared_collate(options, feat_dim, int(pack.num_frames.max(initial=0)))
-        self.loader = batch_loader(pack, shared, options, context.device, persistent=False,
+        dataset = PackDataset(open_pack(options.devset[0], options.tokenizer) if pack is None
+                              else pack, feat_dim, FEAT_DIM_KEY)
+        dataset[0]  # fail early on a feature dimension mismatch
+        sampler = BucketBatchSampler(dataset.num_frames, np.arange(len(dataset)),
+                                     options.batch_size, options.max_frames, options.seed,
+                                     context.rank, context.world_size, shuffle=False)
+        self.num_utts = len(dataset)
+        self.pack = dataset.pack
+        shared = shared_collate(options, feat_dim, int(dataset.num_frames.max(initial=0)))
+        self.loader = batch_loader(dataset, shared, options, context.device, persistent=False,
                                    batch_sampler=sampler, collate_fn=shared or collate)
 
     def close(self) -> None:
-        """Close the arks this process opened."""
+        """Stop the loader's workers, close the arks this process opened."""
+        self.loader.close()
         if self.pack is not None:
             self.pack.close()

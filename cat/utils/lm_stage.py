@@ -25,7 +25,7 @@ those of the run without `--cmd` (timings aside):
   (`decode-lm/<setting>/log/wfst-<set>.<task>.log`).
 
 Usage:
-    python -m cat.utils.pipeline lm exp/synth-ctc-short --nj 2
+    python -m cat.utils.stage_driver lm exp/synth-ctc-short --nj 2
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def decode_lm(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) 
         logger.info("%s sets no inference.lm: no language model to decode with",
                     plan.exp_dir / HYPER_NAME)
         return None
-    kind = "rnnt" if plan.hyper["train"]["bin"] == "cat.rnnt.train" else "ctc"
+    kind = plan.kind
     option = {"nj": nj, **inference.get("infer", {}).get("option", {})}
     options = DecodeOptions.from_dict(option, f"{plan.exp_dir / HYPER_NAME}: "
                                               "inference.infer.option")
@@ -396,7 +396,7 @@ def _clear_graph(out: Path) -> None:
 
 def build_graph(tokenizer_file: str, arpa: Path, out: Path) -> None:
     """Build the TLG of `arpa` into `out` afresh (a task of the TLG array)."""
-    from cat.crf.wfst import decoding_graph
+    from cat.decoding.wfst import decoding_graph
     from cat.text.tokenizer import load as load_tokenizer
 
     _clear_graph(out)
@@ -417,7 +417,7 @@ def build_graphs(run: LMRun, settings: dict[str, Any]) -> None:
 
 
 def _wfst_graph(run: LMRun, name: str, wfst: dict[str, Any]) -> Any:
-    from cat.crf.wfst import decoding_graph
+    from cat.decoding.wfst import decoding_graph
     from cat.text.tokenizer import load as load_tokenizer
 
     tokenizer, arpa, out, sig = _graph_job(run, name, wfst)
@@ -430,7 +430,7 @@ def _wfst_graph(run: LMRun, name: str, wfst: dict[str, Any]) -> Any:
 
 def _decode_at(graph: Any, posteriors: dict[str, Any], wfst: dict[str, Any],
                lm_weight: float) -> dict[str, str]:
-    from cat.crf.wfst import decode_all
+    from cat.decoding.wfst import decode_all
 
     return decode_all(graph, posteriors, float(wfst.get("acoustic_scale", 1.0)), lm_weight,
                       float(wfst.get("beam", 16.0)))
@@ -440,7 +440,7 @@ def _wfst_hyps(run: LMRun, name: str, wfst: dict[str, Any], lm_weight: float,
                data_dir: str) -> tuple[dict[str, str], float]:
     """Hypotheses of `data_dir` with TLG at `lm_weight` and the decoding seconds (the
     forward, done once per set, counts for each weight), in this process."""
-    from cat.crf.wfst import log_posteriors
+    from cat.decoding.wfst import log_posteriors
 
     graph = _wfst_graph(run, name, wfst)
     if data_dir not in run.posteriors:
@@ -459,7 +459,7 @@ def wfst_share(exp_dir: str, checkpoint: str, data_dir: str, options: Any,
                ) -> dict[float, tuple[dict[str, str], float]]:
     """A task of a set's WFST array: the log-posteriors of `batches` decoded with the TLG
     at each of `weights`: {weight: (hypotheses, seconds of the forward and the search)}."""
-    from cat.crf.wfst import decoding_graph, log_posteriors
+    from cat.decoding.wfst import decoding_graph, log_posteriors
     from cat.text.tokenizer import load as load_tokenizer
 
     tokenizer, arpa, out = graph_job

@@ -18,6 +18,7 @@ from cat.core.config import (
     HYPER_NAME,
     TrainOptions,
     as_list,
+    experiment_kind,
     load_hyper,
     resolve_train_options,
 )
@@ -65,6 +66,11 @@ class Plan:
     @property
     def data(self) -> dict[str, Any]:
         return self.hyper.get("data", {})
+
+    @property
+    def kind(self) -> str:
+        """The model kind (`config.json`'s, `cat.core.config.model_kind`)."""
+        return experiment_kind(self.exp_dir)
 
     def section(self, name: str) -> list[str]:
         value = as_list(self.data.get(name))

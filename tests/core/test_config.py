@@ -137,7 +137,7 @@ def test_editor_settings_map_experiment_files_to_the_schemas():
 
 def test_defaults_and_placeholders_are_resolved(tmp_path):
     exp = _write_exp(tmp_path, _hyper(batch_size=16))
-    experiment = config.load_experiment(exp, "cat.ctc.train")
+    experiment = config.load_experiment(exp)
     options = experiment.options
     assert options.batch_size == 16
     assert options.trset == [str(exp / "pack" / "train.npz")]
@@ -206,13 +206,6 @@ def test_resolution_errors_name_the_key(tmp_path):
     exp = _write_exp(tmp_path / "4", {"data": {}})
     with pytest.raises(ConfigError, match=r"train: missing"):
         config.load_experiment(exp)
-
-
-def test_train_bin_must_match_the_entry_point(tmp_path):
-    exp = _write_exp(tmp_path, _hyper())
-    with pytest.raises(ConfigError, match=r"train.bin is 'cat.ctc.train', but this is "
-                                          r"cat.rnnt.train"):
-        config.load_experiment(exp, "cat.rnnt.train")
 
 
 def test_invalid_json_and_bad_model_config_are_named(tmp_path):

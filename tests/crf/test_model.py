@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from cat.core.config import ConfigError, model_kind
-from cat.crf.den_graph import build_for_tokenizer
 from cat.crf.model import CRFModel
+from cat.graph.den_graph import build_for_tokenizer
 from cat.graph.denominator import DenGraphError, build_den_graph, save_den_graph
 from cat.models.registry import build_model
 from cat.testing.training import tiny_model_config, write_tiny_experiment

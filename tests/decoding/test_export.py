@@ -154,7 +154,7 @@ def test_sherpa_onnx_gives_pytorch_hypotheses_from_audio(recipe, tmp_path):
 def test_export_command_uses_stage_4_checkpoint(recipe, capsys):
     variant, experiment, _ = recipe
     kind = variant.split("-")[0]
-    assert FAMILIES[kind].export_main(kind, FAMILIES[kind].export, [EXP]) == 0
+    assert FAMILIES[kind].export_main(f"cat.{kind}.export", [EXP]) == 0
     out = experiment.exp_dir / "export"
     assert capsys.readouterr().out.strip() == str(Path(EXP) / "export")
     names = ["model.onnx"] if kind == "ctc" else ["encoder.onnx", "decoder.onnx", "joiner.onnx"]
@@ -180,11 +180,11 @@ def test_export_command_uses_stage_4_checkpoint(recipe, capsys):
 def test_export_without_checkpoint_is_an_error(kind, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     write_tiny_experiment(tmp_path, kind=kind)
-    assert FAMILIES[kind].export_main(kind, FAMILIES[kind].export, [EXP]) == 1
+    assert FAMILIES[kind].export_main(f"cat.{kind}.export", [EXP]) == 1
     error = capsys.readouterr().err
     assert "cannot export exp/tiny" in error and "no checkpoint" in error
     assert not (tmp_path / EXP / "export").exists()
     other = "rnnt" if kind == "ctc" else "ctc"
     with pytest.raises(ExportError, match=f"describes a {kind} model; export it with "
-                                          f"cat.{kind}.export"):
+                                          "cat.export"):
         FAMILIES[other].export(EXP)

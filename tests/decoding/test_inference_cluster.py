@@ -26,7 +26,7 @@ from cat.decoding.inference import (
 from cat.lm.ngram import estimate, write_arpa
 from cat.testing.audio_experiment import write_audio_experiment
 from cat.training.cli import train
-from cat.utils import pipeline
+from cat.utils import stage_driver
 
 EXP = "exp/tiny"
 CHECKPOINT = "exp/tiny/check/avg-best-2.pt"
@@ -128,7 +128,7 @@ def test_failed_task_is_named_with_its_log_and_stage_4_exits_1(recipe, tmp_path,
     data = copy / "data/fbank/test"
     options = DecodeOptions(beam_size=4, nj=2, max_frames=300)
     _corrupt(data, _shares(data, options)[1][0])
-    assert pipeline.main(["decode", EXP, "--nj", "2",
+    assert stage_driver.main(["decode", EXP, "--nj", "2",
                           "--cmd", "launch.sh --backend local"]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == ["decode: 1 of 2 task(s) failed: task 2 exited with status 1, see "

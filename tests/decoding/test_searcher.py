@@ -18,15 +18,13 @@ import soundfile
 import torch
 
 from cat.core.config import load_experiment
-from cat.ctc import export as ctc_export
-from cat.ctc.stream import CtcChunkSearch
 from cat.decoding.audio import from_files
 from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
 from cat.decoding.export import export_main
 from cat.decoding.inference import decode_set
 from cat.decoding.inference import main as decode_main
+from cat.decoding.online import main as stream_main
 from cat.decoding.searcher import DecodeOptions, Searcher, load_model
-from cat.decoding.streaming import main as stream_main
 from cat.decoding.transcribe import transcribe
 from cat.models.registry import build_model
 from cat.testing.training import write_tiny_experiment
@@ -130,7 +128,7 @@ def test_transcription_and_streaming_refuse_it_too(recipe, capsys):
     wav = _wav(recipe.root)
     with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
         transcribe(NAME, from_files([str(wav)]), FIRST, "ctc", OPTIONS)
-    status = stream_main("ctc", CtcChunkSearch, [
+    status = stream_main("cat.ctc.stream", [
         NAME, "--wav-scp", "wav.scp", "--chunk-size", "4", "--checkpoint", FIRST,
         "--out", f"{NAME}/stream"])
     assert status == 1
@@ -141,7 +139,7 @@ def test_transcription_and_streaming_refuse_it_too(recipe, capsys):
 def test_export_refuses_it_and_writes_nothing(recipe, capsys):
     _make_streaming(recipe)
     # Stage 4's model: the average of the two best checkpoints, which keeps their config.
-    assert export_main("ctc", ctc_export.export, [NAME]) == 1
+    assert export_main("cat.ctc.export", [NAME]) == 1
     assert f"error: {_changes(f'{NAME}/check/avg-best-2.pt')}" in capsys.readouterr().err
     assert not (recipe.exp_dir / "export").exists()
 
@@ -150,11 +148,11 @@ def test_the_decode_and_export_commands_refuse_it_unless_told_to_accept_it(recip
     _make_streaming(recipe)
     decode = [NAME, "--data", "data/fbank/dev", "--checkpoint", FIRST, "--out",
               f"{NAME}/decode", "--method", "greedy", "--device", "cpu"]
-    assert decode_main("ctc", decode) == 1
+    assert decode_main("cat.ctc.decode", decode) == 1
     assert _changes(FIRST) in caplog.text
-    assert decode_main("ctc", [*decode, "--allow-config-change"]) == 0
+    assert decode_main("cat.ctc.decode", [*decode, "--allow-config-change"]) == 0
     assert (recipe.exp_dir / "decode/hyp").is_file()
-    assert export_main("ctc", ctc_export.export,
+    assert export_main("cat.ctc.export",
                        [NAME, "--checkpoint", FIRST, "--allow-config-change"]) == 0
     assert (recipe.exp_dir / "export/model.onnx").is_file()
 
@@ -188,7 +186,7 @@ def test_an_accepted_change_is_logged_and_decoded(recipe, capsys, caplog):
     hyper["inference"]["infer"]["option"].pop("allow_config_change")
     recipe.hyper_path.write_text(json.dumps(hyper))
     _wav(recipe.root)
-    assert stream_main("ctc", CtcChunkSearch, [
+    assert stream_main("cat.ctc.stream", [
         NAME, "--wav-scp", "wav.scp", "--chunk-size", "4", "--checkpoint", FIRST,
         "--out", f"{NAME}/stream", "--allow-config-change"]) == 0
     assert (recipe.exp_dir / "stream/hyp").is_file()

@@ -29,7 +29,7 @@ from cat.testing.audio_experiment import write_audio_experiment
 from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import UioUtterance, write_raw_list, write_shard_list, write_uio_shard
 from cat.training.cli import train
-from cat.utils import pipeline
+from cat.utils import stage_driver
 
 EXP = "exp/tiny"
 CHECKPOINT = "exp/tiny/check/avg-best-2.pt"
@@ -45,7 +45,7 @@ def trained(request, tmp_path_factory):
         patch.setenv("OMP_NUM_THREADS", "1")
         experiment = write_audio_experiment(root, kind=kind)
         train(EXP, f"cat.{kind}.train")
-        pipeline.decode(EXP, nj=1)
+        stage_driver.decode(EXP, nj=1)
     hyps = read_table(root / EXP / "decode/test/hyp", allow_empty_value=True)
     # Hypotheses that differ from each other: a wrong feature would show.
     assert len(hyps) == 6 and all(hyps.values()) and len(set(hyps.values())) >= 4, hyps
@@ -64,10 +64,10 @@ def stage4_hyp(experiment) -> str:
 
 
 def test_audio_files_give_stage_4_hypotheses(recipe, tmp_path, capsys):
-    kind, experiment, hyps = recipe
+    _, experiment, hyps = recipe
     audio = experiment.test_audio()
     wavs = [str(audio[utt]) for utt in sorted(audio)]
-    assert main(kind, [EXP, "--audio", *wavs, "--out", str(tmp_path / "wav")]) == 0
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--out", str(tmp_path / "wav")]) == 0
     assert (tmp_path / "wav/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
     log = json.loads((tmp_path / "wav/decode.log").read_text(encoding="utf-8"))
     # What stage 4 decodes with: the checkpoint and hyper-p.json's options.
@@ -85,7 +85,7 @@ def test_audio_files_give_stage_4_hypotheses(recipe, tmp_path, capsys):
         samples, rate = soundfile.read(wav, dtype="int16")
         soundfile.write(flacs[-1], samples, rate)
     capsys.readouterr()
-    assert main(kind, [EXP, "--audio", *flacs]) == 0
+    assert main("cat.decode", [EXP, "--audio", *flacs]) == 0
     out, err = capsys.readouterr()
     keys = [Path(flac).stem for flac in flacs]
     assert out.splitlines() == [f"{key} {hyps[key]}" for key in keys]
@@ -101,7 +101,7 @@ def test_wav_scp_and_data_lists_give_stage_4_hypotheses(recipe, tmp_path):
     wav_scp = {utt: (f"cat {path} |" if i % 2 else str(path))
                for i, (utt, path) in enumerate(audio.items())}
     write_table(tmp_path / "wav.scp", wav_scp.items())
-    assert main(kind, [EXP, "--wav-scp", str(tmp_path / "wav.scp"), "--nj", "2",
+    assert main(f"cat.{kind}.decode", [EXP, "--wav-scp", str(tmp_path / "wav.scp"), "--nj", "2",
                        "--out", str(tmp_path / "scp")]) == 0
     assert (tmp_path / "scp/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
     assert json.loads((tmp_path / "scp/decode.log").read_text())["workers"] == 2
@@ -116,7 +116,7 @@ def test_wav_scp_and_data_lists_give_stage_4_hypotheses(recipe, tmp_path):
     write_shard_list(tmp_path / "shard.list", shards)
     for name in ("raw.list", "shard.list"):
         out_dir = tmp_path / f"out-{name}"
-        assert main(kind, [EXP, "--data-list", str(tmp_path / name),
+        assert main(f"cat.{kind}.decode", [EXP, "--data-list", str(tmp_path / name),
                            "--out", str(out_dir)]) == 0
         assert read_table(out_dir / "hyp", allow_empty_value=True) == expected, name
 
@@ -128,7 +128,7 @@ def test_unreadable_audio_is_reported_and_skipped(recipe, tmp_path, caplog):
     rows = [(utt, str(path)) for utt, path in sorted(audio.items())]
     rows[2:2] = [("bad-garbage", str(garbage)), ("bad-missing", str(tmp_path / "none.wav"))]
     write_table(tmp_path / "wav.scp", rows, sort=False)
-    assert main(kind, [EXP, "--wav-scp", str(tmp_path / "wav.scp"),
+    assert main(f"cat.{kind}.decode", [EXP, "--wav-scp", str(tmp_path / "wav.scp"),
                        "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
     skipped = read_table(tmp_path / "out/skipped.txt")
@@ -141,7 +141,7 @@ def test_unreadable_audio_is_reported_and_skipped(recipe, tmp_path, caplog):
 
     write_table(tmp_path / "bad.scp", rows[2:4])
     caplog.clear()
-    assert main(kind, [EXP, "--wav-scp", str(tmp_path / "bad.scp")]) == 1
+    assert main("cat.decode", [EXP, "--wav-scp", str(tmp_path / "bad.scp")]) == 1
     assert "nothing to transcribe in" in caplog.text and "2 utterance(s), all skipped" \
         in caplog.text
 
@@ -166,7 +166,7 @@ def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
     stage4 = read_table(tmp_path / "stage4/hyp", allow_empty_value=True)
     assert len(stage4) == 6
 
-    assert main(kind, [EXP, "--wav-scp", str(data_dir / "wav.scp"), "--segments",
+    assert main("cat.decode", [EXP, "--wav-scp", str(data_dir / "wav.scp"), "--segments",
                        str(data_dir / "segments"), "--out", str(tmp_path / "out")]) == 0
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == stage4
     transcript = transcribe(EXP, from_wav_scp(data_dir / "wav.scp", data_dir / "segments"),
@@ -183,8 +183,9 @@ def test_zero_weight_lm_changes_nothing(recipe, tmp_path):
     texts = [list(text) for text in read_table(experiment.train_data / "text").values()]
     write_arpa(estimate(texts, 2, (0.5, 1.0)), tmp_path / "lm.arpa")
     wavs = [str(path) for path in experiment.test_audio().values()]
-    assert main(kind, [EXP, "--audio", *wavs, "--lm", str(tmp_path / "lm.arpa"), "--alpha",
-                       "0", "--out", str(tmp_path / "out")]) == 0
+    assert main(f"cat.{kind}.decode", [EXP, "--audio", *wavs, "--lm",
+                                       str(tmp_path / "lm.arpa"), "--alpha", "0", "--out",
+                                       str(tmp_path / "out")]) == 0
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == hyps
     nbest = read_nbest(tmp_path / "out/nbest.jsonl")
     assert {utt: entries[0][0] for utt, entries in nbest.items()} == hyps
@@ -195,7 +196,7 @@ def test_a_model_of_other_features_is_refused(tmp_path, monkeypatch, caplog):
     wav = tmp_path / "a.wav"
     soundfile.write(wav, np.zeros(8000, np.int16), 16000)
     monkeypatch.chdir(tmp_path)
-    assert main("ctc", [str(experiment.exp_dir), "--audio", str(wav),
+    assert main("cat.ctc.decode", [str(experiment.exp_dir), "--audio", str(wav),
                         "--checkpoint", "none.pt"]) == 1
     assert f"{experiment.exp_dir / 'config.json'}: encoder.kwargs.idim is 8, but audio is " \
            "turned into stage 1's 80-dim fbank" in caplog.text
@@ -225,7 +226,7 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
     write_table(tmp_path / "wav.scp", [(utt, str(path)) for utt, path in audio.items()])
     wav_scp = read_table(tmp_path / "wav.scp")
     monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "1.2")
-    assert main(kind, [EXP, "--wav-scp", str(tmp_path / "wav.scp"),
+    assert main(f"cat.{kind}.decode", [EXP, "--wav-scp", str(tmp_path / "wav.scp"),
                        "--out", str(tmp_path / "out")]) == 0
     skipped = read_table(tmp_path / "out/skipped.txt")
     long = [utt for utt, path in audio.items() if soundfile.info(path).duration > 1.2]
@@ -242,13 +243,13 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
 
     # Nothing else to decode: an error naming the file, its duration and the setting.
     caplog.clear()
-    assert main(kind, [EXP, "--audio", str(audio[long[1]])]) == 1
+    assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[long[1]])]) == 1
     assert "nothing to transcribe in command line audio files: 1 utterance(s), all " \
            f"skipped; first: {long[1]}: command line audio file 1: {audio[long[1]]}: the " \
            "recording lasts 1.6 s" in caplog.text
     monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "-1")
     caplog.clear()
-    assert main(kind, [EXP, "--audio", str(audio[long[0]])]) == 1
+    assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[long[0]])]) == 1
     assert "CAT_TRANSCRIBE_WINDOW_SECONDS='-1': expected a positive number of seconds" \
         in caplog.text
 

@@ -179,5 +179,5 @@ def test_a_damaged_den_lm_names_the_file_and_how_to_rebuild_it(tmp_path, damage,
             r"den_lm\.npz: not a readable denominator graph file, damaged or truncated \("
             + why + r"\); rebuild it: remove it and run stage 2 of the recipe again \(bash "
             r"run\.sh --stage 2 --stop_stage 2 --exp <exp dir>\), or build it with python -m "
-            r"cat\.crf\.den_graph")):
+            r"cat\.graph\.den_graph")):
         load_den_graph(path, 4)

@@ -86,8 +86,8 @@ def _stream(patterns, tokenizer, workers=0, audio=DEFAULT_AUDIO, **options) -> S
     shards = load_shard_list(patterns, UTTS_PER_SHARD)
     config = {"batch_size": 3, "max_frames": 0, "shuffle_buffer": 4, "sort_buffer": 3,
               "retry_seconds": 0.05, "audio": audio, **options}
-    return ShardStream(shards, tokenizer, StreamConfig(**config), None, FEAT_DIM, 0, 1,
-                       workers)
+    return ShardStream(shards, tokenizer, StreamConfig.with_defaults(**config), None, FEAT_DIM,
+                       0, 1, workers)
 
 
 def _run_epoch(stream, epoch, workers=0, **options):
@@ -291,7 +291,7 @@ def test_audio_longer_than_the_length_filter_is_dropped_undecoded_or_unread(toke
     length_filter = LengthFilter(FrameRange(10, 150), np.arange(3001), 1, False)
     perturb = AudioConfig(speed_perturb=(0.9, 1.1))
     stream = ShardStream(load_shard_list([str(shard)], 4), tokenizer,
-                         StreamConfig(batch_size=3, max_frames=0, audio=perturb),
+                         StreamConfig.with_defaults(batch_size=3, max_frames=0, audio=perturb),
                          length_filter, FEAT_DIM)
     batches, progress = _run_epoch(stream, 1)
     assert _keys(batches) == [keys[0]]
@@ -344,7 +344,7 @@ def test_s3_shards_stream_like_local_ones_and_a_dead_store_stops_the_epoch(corpu
     # The store dies after the first batch: the epoch stops with an error naming the
     # store and the shards, within a bounded time, instead of hanging or training on.
     stream = _stream(urls, tokenizer, batch_size=1, shuffle_buffer=0, sort_buffer=1,
-                     read_ahead_mb=0, read_retries=1, timeout=5)
+                     read_ahead_mb=0, read_retries=1, read_timeout=5)
     stopped = []
 
     def kill(batches):
@@ -423,7 +423,7 @@ def test_a_store_failing_mid_epoch_stops_it_with_data_unavailable(corpus, tokeni
                                                                   memory_corpus):
     stream = _stream(f"failmem://{memory_corpus}/shards_*.tar", tokenizer, batch_size=1,
                      shuffle_buffer=0, sort_buffer=1, read_ahead_mb=0, read_retries=1,
-                     timeout=5)
+                     read_timeout=5)
 
     def fail(batches):
         if batches == 1:

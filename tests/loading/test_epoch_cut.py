@@ -34,7 +34,8 @@ def test_cut_ids_are_exactly_what_no_rank_trained_dropped_or_lost(tmp_path):
                                                        rng.integers(50, 301, sum(sizes))], 3)
     write_uneven_shards(corpus, tmp_path / "shards", sizes)
     shards = load_shard_list(str(tmp_path / "shards/*/data-*.tar"))
-    config = StreamConfig(batch_size=4, max_frames=0, shuffle_buffer=8, sort_buffer=8, seed=3)
+    config = StreamConfig.with_defaults(batch_size=4, max_frames=0, shuffle_buffer=8,
+                                        sort_buffer=8, seed=3)
     streams = [ShardStream(shards, str(tokenizer), config, None, 2, rank, 3) for rank in range(3)]
     for epoch in (1, 2, 3):
         progresses = lockstep_epoch(streams, epoch)
@@ -60,8 +61,8 @@ def test_uneven_shards_leave_less_than_one_shard_per_rank_untrained(tmp_path):
             tmp_path / str(seed), [int(n) for n in rng.integers(50, 301, sum(sizes))], seed)
         write_uneven_shards(corpus, tmp_path / str(seed) / "shards", sizes)
         shards = load_shard_list(str(tmp_path / str(seed) / "shards/*/data-*.tar"))
-        config = StreamConfig(batch_size=4, max_frames=0, shuffle_buffer=8, sort_buffer=8,
-                              seed=seed)
+        config = StreamConfig.with_defaults(batch_size=4, max_frames=0, shuffle_buffer=8,
+                                            sort_buffer=8, seed=seed)
         for epoch in (1, 2):
             cut, total = cut_of_epoch(shards, tokenizer, config, 3, epoch)
             worst = max(worst, len(cut) / (3 * total / len(sizes)))

@@ -70,8 +70,8 @@ def tokenizer(tmp_path_factory):
 def _stream(patterns, tokenizer, workers=0, **options) -> ShardStream:
     config = {"batch_size": 2, "max_frames": 0, "shuffle_buffer": 3, "sort_buffer": 2,
               "retry_seconds": 0.05, "audio": AudioConfig(), **options}
-    return ShardStream(load_shard_list(patterns), tokenizer, StreamConfig(**config), None,
-                       FEAT_DIM, 0, 1, workers)
+    return ShardStream(load_shard_list(patterns), tokenizer,
+                       StreamConfig.with_defaults(**config), None, FEAT_DIM, 0, 1, workers)
 
 
 def _run_epoch(stream, epoch, workers=0, **options):
@@ -238,8 +238,8 @@ from cat.loading.stream import ShardStream
 from cat.testing.epochs import run_epoch
 tokenizer, *patterns = sys.argv[1:]
 length_filter = LengthFilter(FrameRange(10, 2000), np.arange(4001), 1, False)
-config = StreamConfig(batch_size=2, max_frames=0, shuffle_buffer=3, sort_buffer=2,
-                      bad_shard_limit=1.0, audio=AudioConfig())
+config = StreamConfig.with_defaults(batch_size=2, max_frames=0, shuffle_buffer=3,
+                                    sort_buffer=2, bad_shard_limit=1.0, audio=AudioConfig())
 for pattern in patterns:
     stream = ShardStream(load_shard_list(pattern, 3), tokenizer, config, length_filter, 80)
     batches, progress = run_epoch(stream, 1)

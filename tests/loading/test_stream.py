@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import random
@@ -14,6 +15,7 @@ import pytest
 import torch
 import webdataset as wds
 
+from cat.core.config import TrainOptions, train_option_defaults
 from cat.formats import prep_wds, shard_format
 from cat.formats.mappack import write_map_pack
 from cat.formats.tables import FrameRange
@@ -59,8 +61,8 @@ def _stream(experiment, patterns=None, rank=0, world_size=1, workers=0, estimate
     options = {"batch_size": 3, "max_frames": 200, "shuffle_buffer": 6, "sort_buffer": 5,
                **config}
     return ShardStream(shards, str(tokenizer or experiment.exp_dir / "tokenizer.tknz"),
-                       StreamConfig(**options), _length_filter(), feat_dim, rank, world_size,
-                       workers)
+                       StreamConfig.with_defaults(**options), _length_filter(), feat_dim, rank,
+                       world_size, workers)
 
 
 def _keys(batches):
@@ -445,3 +447,20 @@ def test_the_seen_key_table_stops_taking_keys_when_full_and_still_finds_them():
     assert seen.claim("k10", 5, 1) == 3  # still found: k10 came first from shard 3
     assert seen.claim("k10", 5, 2) == 5  # a new epoch starts empty
     assert seen.claim("k11", 6, 1) == 6  # a worker of the cut epoch: not recorded
+
+
+def test_stream_config_is_the_train_options_with_no_defaults_of_its_own():
+    fields = dataclasses.fields(StreamConfig)
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               for f in fields)
+    options = [f.name for f in fields if f.name not in ("train", "audio", "retry_seconds")]
+    defaults = train_option_defaults()
+    config = StreamConfig.with_defaults()
+    assert {name: getattr(config, name) for name in options} == \
+        {name: defaults[name] for name in options}
+    changed = TrainOptions(shuffle_buffer=7, read_timeout=2.5,
+                           audio={"speed_perturb": [0.9, 1.1]})
+    evaluation = StreamConfig.from_options(changed, train=False)
+    assert (evaluation.shuffle_buffer, evaluation.read_timeout) == (0, 2.5)
+    assert evaluation.audio.speed_perturb == () and evaluation.audio.sample_rate == 16000
+    assert StreamConfig.from_options(changed).audio.speed_perturb == (0.9, 1.1)

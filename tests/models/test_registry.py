@@ -14,7 +14,7 @@ from cat.core.config import ConfigError, load_config, model_kind, validate_confi
 from cat.core.config import load_config_schema as load_schema
 from cat.ctc.model import CTCModel
 from cat.models.encoder import ConformerNet
-from cat.models.registry import ENCODERS, build_model, count_parameters
+from cat.models.registry import ENCODERS, build_model, check_command, count_parameters
 from cat.models.specaug import SpecAugment
 from cat.rnnt.model import (
     JOINERS,
@@ -115,7 +115,8 @@ def test_misspelled_top_level_and_nested_keys():
     config["scheduler"]["optimizer"]["kwargs"]["weight_decy"] = 0.1
     message = error_message(config)
     assert "config.json: (top level): unknown key 'specaugment'" in message
-    assert "allowed keys: ctc, decoder, encoder, joiner, scheduler, specaug, trainer" in message
+    assert ("allowed keys: attention, ctc, decoder, encoder, joiner, scheduler, specaug, "
+            "trainer") in message
     assert ("scheduler.optimizer.kwargs: unknown key 'weight_decy' (did you mean "
             "'weight_decay'?); allowed keys: amsgrad, betas, eps, weight_decay") in message
 
@@ -154,18 +155,24 @@ def test_optimizer_lr_is_rejected():
     assert "unknown key 'lr'" in error_message(config)
 
 
-@pytest.mark.parametrize("change", ["both", "neither", "only_decoder"])
+@pytest.mark.parametrize("change", ["ctc_without_weight", "weight_without_rnnt", "neither",
+                                    "only_decoder"])
 def test_model_kind_must_be_unambiguous(change):
     config = rnnt_config()
-    if change == "both":
+    if change == "ctc_without_weight":
         config["ctc"] = {}
-        expected = "cannot also have 'decoder' and 'joiner'"
+        expected = "ctc.weight: in an RNN-T model ('decoder' and 'joiner') the 'ctc' section " \
+            "is an auxiliary CTC head and needs its weight"
+    elif change == "weight_without_rnnt":
+        config = ctc_config()
+        config["ctc"]["weight"] = 0.3
+        expected = "ctc.weight: only for the auxiliary CTC head of an RNN-T model"
     elif change == "neither":
         del config["decoder"], config["joiner"]
         expected = "the model kind is undefined"
     else:
         del config["joiner"]
-        expected = "the model kind is undefined"
+        expected = "an RNN-T model needs both 'decoder' and 'joiner'; found only 'decoder'"
     assert expected in error_message(config)
 
 
@@ -210,8 +217,8 @@ def test_schema_defaults_match_constructor_defaults():
     ctc_defaults = _constructor_defaults(CTCModel, 2)
     assert schema_defaults("ctc") == {key: ctc_defaults[key]
                                       for key in ("dropout", "blank_init_prob")}
-    from cat.crf.den_graph import build_for_tokenizer
     from cat.crf.model import CRFModel
+    from cat.graph.den_graph import build_for_tokenizer
 
     graph = inspect.signature(build_for_tokenizer).parameters
     assert schema_defaults("trainer") == {
@@ -399,3 +406,40 @@ def test_global_cmvn_normalises_with_stats_held_in_the_model():
     restored = build_model(config, 30)
     restored.load_state_dict(state)
     assert torch.allclose(restored.encoder.normalizer.inv_std, torch.full((dim,), 0.5))
+
+
+@pytest.mark.parametrize("command, kind, message", [
+    ("cat.train", "rnnt", None),
+    ("cat.decode", "crf", None),
+    ("cat.ctc.train", "crf", None),
+    ("cat.ctc.decode", "ctc", None),
+    ("cat.rnnt.export", "rnnt", None),
+    ("cat.rnnt.train", "ctc", "x: describes a ctc model, but cat.rnnt.train handles rnnt "
+                              "models; run python -m cat.train"),
+    ("cat.ctc.stream", "rnnt", "handles ctc and crf models; run python -m cat.stream"),
+    ("cat.crf.train", "crf", "cat.crf.train is not a command of this toolkit; the verbs are "
+                             "cat.train, cat.decode, cat.stream, cat.export"),
+    ("cat.score", "ctc", "cat.score is not a command"),
+])
+def test_commands_and_their_aliases_accept_their_kinds(command, kind, message):
+    if message is None:
+        check_command(command, kind, "x")
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_command(command, kind, "x")
+
+
+def test_a_built_encoder_must_be_an_encoder(monkeypatch):
+    from cat.models import registry
+
+    class Bare(torch.nn.Module):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.output_dim = 32
+
+    monkeypatch.setattr(registry, "ENCODERS", {"ConformerNet": Bare})
+    with pytest.raises(TypeError, match=r"config.json: encoder: ConformerNet \(Bare\) is not an "
+                                        r"Encoder: it lacks __call__|config.json: encoder: "
+                                        r"ConformerNet \(Bare\) is not an Encoder: it lacks "
+                                        r"frame_rate_factor"):
+        build_model(ctc_config(), num_classes=6)

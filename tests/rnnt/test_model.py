@@ -234,3 +234,23 @@ def sizes_of_one(model, feats, feat_lens, labels, label_lens) -> list[int]:
     _, lengths = model.encoder(feats, feat_lens)
     return [int(t) * (int(u) + 1) * model.num_classes
             for t, u in zip(lengths, label_lens, strict=True)]
+
+
+def test_an_auxiliary_ctc_head_mixes_its_loss_and_leaves_plain_rnnt_unchanged():
+    from cat.models.registry import build_model
+    from tests.models.test_registry import rnnt_config
+
+    torch.manual_seed(0)
+    plain = build_model(rnnt_config(), num_classes=6)
+    assert plain.ctc_head is None and not any(k.startswith("ctc") for k in plain.state_dict())
+    config = rnnt_config()
+    config["ctc"] = {"weight": 0.3}
+    model = build_model(config, num_classes=6).eval()
+    assert model.ctc_head.out_features == 6
+    feats, feat_lens, labels, label_lens = make_task()
+    loss, stats = model(feats, feat_lens, labels, label_lens)
+    assert stats["loss_sum"] == pytest.approx(0.7 * stats["rnnt_loss_sum"]
+                                              + 0.3 * stats["ctc_loss_sum"], rel=1e-5)
+    loss.backward()
+    assert model.ctc_head.weight.grad.abs().sum() > 0
+    assert model.decode_methods == ("greedy", "beam")

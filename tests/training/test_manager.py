@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from cat import train as cat_train
 from cat.core import config as config_module
 from cat.core.config import ConfigError
 from cat.ctc import train as ctc_train
@@ -251,8 +252,9 @@ def test_inputs_are_checked_before_training(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"train.npz was encoded with the tokenizer .*, which "
                                          r"differs from train.option.tokenizer"):
         train(NAME, "cat.ctc.train")
-    with pytest.raises(ConfigError, match=r"train.bin is 'cat.ctc.train', but this is "
-                                          r"cat.rnnt.train"):
+    with pytest.raises(ConfigError, match=r"config.json: describes a ctc model, but "
+                                          r"cat.rnnt.train handles rnnt models; run python -m "
+                                          r"cat.train"):
         rnnt_train.main([NAME])
 
 
@@ -266,8 +268,11 @@ def test_rnnt_training_runs_from_the_command_line(tmp_path, monkeypatch):
 
     _set_config(experiment, to_ctc)
     with pytest.raises(ConfigError, match=r"config.json: describes a ctc model, but "
-                                          r"cat.rnnt.train trains rnnt models"):
+                                          r"cat.rnnt.train handles rnnt models"):
         rnnt_train.main([NAME])
+    with pytest.raises(ConfigError, match=r"hyper-p.json: train.bin: describes a ctc model, "
+                                          r"but cat.rnnt.train handles rnnt models"):
+        cat_train.main([NAME])  # the verb trains any kind, but train.bin names the wrong one
     experiment = write_tiny_experiment(tmp_path, kind="rnnt", options={"epochs": 1})
     rnnt_train.main([NAME])
     latest = _latest(experiment)

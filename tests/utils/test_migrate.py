@@ -14,7 +14,9 @@ import pytest
 from cat.core import config as config_module
 from cat.core.config import ConfigError
 from cat.utils import migrate as migrate_module
-from cat.utils.migrate import count_model_parameters, data_dir, main, migrate
+from cat.utils import migrate_config
+from cat.utils.migrate import count_model_parameters, main, migrate
+from cat.utils.migrate_hyper import data_dir
 
 CAT_EXPS = Path(__file__).with_name("cat_v3")
 # Parameter counts CAT published in each experiment's readme.md (millions).
@@ -136,7 +138,7 @@ def test_ctc_crf_keys_map_to_the_trainer_and_were_pending_without_it(monkeypatch
     for key in ("use_crf", "lamb", "den_lm"):
         del schema["$defs"]["trainer"]["properties"][key]
     monkeypatch.setattr(config_module, "load_config_schema", lambda: schema)
-    monkeypatch.setattr(migrate_module, "load_config_schema", lambda: schema)
+    monkeypatch.setattr(migrate_config, "load_config_schema", lambda: schema)
     migration = migrate(hyper, copy.deepcopy(cat_config), "exp/crf")
     pending = _entries(migration, "pending")
     assert set(pending) == {f"config.json: trainer.{k}" for k in ("use_crf", "lamb", "den_lm")}

@@ -1,4 +1,4 @@
-"""Streaming recognition (`cat.decoding.streaming`, `cat.ctc.stream`, `cat.rnnt.stream`):
+"""Streaming recognition (`cat.decoding.online`, `cat.ctc.stream`, `cat.rnnt.stream`):
 audio in pieces of any size gives the hypotheses of the chunk-masked model's full
 forward, partial results grow, and bad inputs are clear errors."""
 
@@ -15,16 +15,16 @@ import torch
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
 from cat.decoding.export import OnnxChunkEncoder
-from cat.decoding.searcher import load_model
-from cat.decoding.streaming import (
+from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
     _chunk_encoder,
     decode_utterance,
 )
+from cat.decoding.searcher import load_model
 from cat.features.fbank import compute_fbank
+from cat.models.chunked import StreamingEncoder
 from cat.models.registry import build_model
-from cat.models.streaming import StreamingEncoder
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.search import rnnt_greedy_search
 from cat.rnnt.stream import RnntChunkSearch

@@ -1,4 +1,4 @@
-"""Chunk-by-chunk encoding (`cat.models.streaming.StreamingEncoder`) equals the full
+"""Chunk-by-chunk encoding (`cat.models.chunked.StreamingEncoder`) equals the full
 forward of the chunk-masked encoder; chunk training options and their errors."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cat.models.chunked import StreamingEncoder
 from cat.models.encoder import ConformerNet, chunk_attention_mask
-from cat.models.streaming import StreamingEncoder
 
 
 def _encoder(time_reduction: int, left_chunks: int, conv_norm: str = "batchnorm"

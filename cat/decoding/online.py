@@ -1,7 +1,8 @@
 """Streaming recognition: audio in pieces of any size -> fbank frames -> encoder chunks ->
-partial hypotheses, and its command line (`python -m cat.ctc.stream`, `cat.rnnt.stream`).
+partial hypotheses, and its command line (`python -m cat.stream`; CAT-style aliases
+`cat.ctc.stream`, `cat.rnnt.stream`).
 
-`StreamingRecognizer` takes a chunk encoder (`cat.models.streaming.StreamingEncoder`, or
+`StreamingRecognizer` takes a chunk encoder (`cat.models.chunked.StreamingEncoder`, or
 the exported `encoder-streaming` ONNX model, `OnnxChunkEncoder`) and a family's chunk
 search (`step(encoder_out)`, `tokens`). Stage 1's fbank is computed as the audio comes:
 a frame's window only covers its own samples, so the frames are those of the whole
@@ -18,7 +19,7 @@ The model is that of `cat.decoding.searcher.load_model`: a `config.json` changed
 checkpoint was trained is an error naming the keys, unless `--allow-config-change`.
 
 Usage:
-    python -m cat.ctc.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
+    python -m cat.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
         --chunk-size 16 --out exp/synth-ctc-stream/stream-c16/test
 """
 
@@ -37,12 +38,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from cat.core.config import HYPER_NAME, load_hyper
+from cat.core.config import CONFIG_NAME, HYPER_NAME, experiment_kind, load_hyper
 from cat.core.io import PathLike, atomic_write, read_table
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model, write_hyp
 from cat.features.fbank import FbankOptions, compute_fbank, read_audio
-from cat.models.streaming import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
+from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
+from cat.models.registry import check_command, family
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +155,9 @@ def decode_utterance(recognizer: StreamingRecognizer, samples: np.ndarray, sampl
                            max(done - duration, 0.0))
 
 
-Builder = Callable[[torch.nn.Module, int], ChunkSearch]
-
-
-def build_parser(kind: str) -> argparse.ArgumentParser:
+def build_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"python -m cat.{kind}.stream",
+        prog=f"python -m {command}",
         description="Streaming greedy decoding of audio in chunks, with latencies.")
     parser.add_argument("exp_dir", help="experiment directory (hyper-p.json, config.json)")
     parser.add_argument("--wav-scp", required=True, help="Kaldi wav.scp of the audio")
@@ -175,14 +174,18 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     return parser
 
 
-def main(kind: str, searcher: Builder, argv: Sequence[str] | None = None) -> int:
-    """Entry point of `cat.<kind>.stream`."""
-    args = build_parser(kind).parse_args(argv)
+def main(command: str, argv: Sequence[str] | None = None) -> int:
+    """Entry point of `cat.stream` and its aliases `cat.ctc.stream` / `cat.rnnt.stream`
+    (`command`): the search is the family's `ChunkSearch` of `config.json`'s model kind."""
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     checkpoint = Path(args.checkpoint) if args.checkpoint else \
         select_checkpoint(args.exp_dir, load_hyper(Path(args.exp_dir) / HYPER_NAME))
     try:
+        kind = experiment_kind(args.exp_dir)
+        check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
+        searcher = family(kind, "stream").ChunkSearch
         model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"),
                                       args.allow_config_change)
         encoder = StreamingEncoder(model.encoder, args.chunk_size)

@@ -35,12 +35,13 @@ re-run skips finished work and redoes work whose inputs changed. Paths are relat
 the recipe directory, where the commands run.
 
 Usage:
-    python -m cat.utils.pipeline prepare exp/synth-ctc
-    python -m cat.utils.pipeline train exp/synth-ctc --nproc 1
-    python -m cat.utils.pipeline train exp/ctc-v1 --cmd "$train_cmd" --nnodes 2 --gpus-per-node 4
-    python -m cat.utils.pipeline decode exp/synth-ctc --nj 2
-    python -m cat.utils.pipeline lm exp/synth-ctc --nj 2
-    python -m cat.utils.pipeline feature-dirs exp/synth-ctc  # what stage 1 must extract
+    python -m cat.utils.stage_driver prepare exp/synth-ctc
+    python -m cat.utils.stage_driver train exp/synth-ctc --nproc 1
+    python -m cat.utils.stage_driver train exp/ctc-v1 --cmd "$train_cmd" --nnodes 2 \
+        --gpus-per-node 4
+    python -m cat.utils.stage_driver decode exp/synth-ctc --nj 2
+    python -m cat.utils.stage_driver lm exp/synth-ctc --nj 2
+    python -m cat.utils.stage_driver feature-dirs exp/synth-ctc  # what stage 1 must extract
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
     """CTC-CRF (`config.json: trainer.use_crf`): the denominator graph `trainer.den_lm`
     from the training transcripts (skipped when up to date)."""
     from cat.core.config import load_config
-    from cat.crf.den_graph import build_for_tokenizer
+    from cat.graph.den_graph import build_for_tokenizer
 
     trainer = load_config(plan.exp_dir / CONFIG_NAME).get("trainer", {})
     if not trainer.get("use_crf"):
@@ -216,16 +217,15 @@ def decode(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) -> 
     `launcher` each set is decoded by `nj` tasks of an array job (`cat.core.launch`)."""
     from cat.core.io import read_table
     from cat.decoding.inference import DecodeOptions, decode_set
+    from cat.models.registry import check_command
     from cat.utils.wer import format_summary, score, write_alignments
 
     plan = Plan.load(exp_dir)
     inference = plan.hyper.get("inference", {})
     infer = inference.get("infer", {})
-    kind = "rnnt" if plan.hyper["train"]["bin"] == "cat.rnnt.train" else "ctc"
-    decoder = infer.get("bin", f"cat.{kind}.decode")
-    if decoder != f"cat.{kind}.decode":
-        raise ValueError(f"{plan.exp_dir / HYPER_NAME}: inference.infer.bin is {decoder}, "
-                         f"but the model is trained by {plan.hyper['train']['bin']}")
+    kind = plan.kind
+    check_command(infer.get("bin", "cat.decode"), kind,
+                  f"{plan.exp_dir / HYPER_NAME}: inference.infer.bin")
     option = {"nj": nj, **infer.get("option", {})}
     options = DecodeOptions.from_dict(option, f"{plan.exp_dir / HYPER_NAME}: "
                                               "inference.infer.option")
@@ -349,7 +349,7 @@ def feature_dirs(exp_dir: PathLike) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cat.utils.pipeline",
+    parser = argparse.ArgumentParser(prog="python -m cat.utils.stage_driver",
                                      description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("prepare", "stage 2: tokenizer and map-style packs"),

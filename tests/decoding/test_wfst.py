@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cat.core.io import write_table
-from cat.crf.wfst import decode_all, decoding_graph, pronouncer
+from cat.decoding.wfst import decode_all, decoding_graph, pronouncer
 from cat.lm.ngram import estimate, write_arpa
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import train_sentencepiece

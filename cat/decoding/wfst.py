@@ -22,6 +22,7 @@ import kaldiio
 import numpy as np
 import torch
 
+from cat.core.config import CONFIG_NAME, experiment_kind
 from cat.core.io import PathLike, atomic_write
 from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batches
 from cat.formats.tables import read_feature_index
@@ -75,7 +76,11 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
     utterances of `batches` (a share of a stage-5 array task), by default of every one in
     `plan_batches`'s batches. An utterance's posteriors depend on its batch (padding), so
     a share is cut from those batches to give the figures of the whole set."""
-    searcher = Searcher(exp_dir, checkpoint, "ctc", options, "cpu")
+    kind = experiment_kind(exp_dir)
+    searcher = Searcher(exp_dir, checkpoint, kind, options, "cpu")
+    if not callable(getattr(searcher.model, "log_probs", None)):
+        raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame "
+                         f"posteriors of a CTC head, which a {kind} model has not")
     if batches is None:
         table = read_feature_index(Path(data_dir) / "feats.scp")
         lengths = dict(zip(table.keys, table.num_frames.tolist(), strict=True))
@@ -85,7 +90,7 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
     for keys in batches:
         batch = collate([Utterance(k, features[k], NO_LABEL) for k in keys])
         with torch.inference_mode():
-            log_probs, lens = searcher.model.search_inputs(batch.feats, batch.feat_lens)
+            log_probs, lens = searcher.model.log_probs(batch.feats, batch.feat_lens)
         for i, key in enumerate(keys):
             out[key] = log_probs[i, :int(lens[i])].numpy()
     return out

@@ -10,7 +10,7 @@ composed with the CTC topology (`cat.graph.denominator`). Transcripts holding `<
 to `trainer.den_lm` of `config.json`; its size is logged and kept in the file's header.
 
 Usage:
-    python -m cat.crf.den_graph --tokenizer exp/crf/tokenizer.tknz \
+    python -m cat.graph.den_graph --tokenizer exp/crf/tokenizer.tknz \
         --text data/fbank/train/text --out exp/crf/den_lm.npz [--order 4] [--estimator chain]
 """
 
