@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,35 @@ def test_a_verb_and_its_alias_train_decode_and_export_alike(kind, tmp_path, monk
     assert verb_hyp == alias_hyp and verb_hyp.count("\n") == 4
     verb_export.pop("checkpoint", None), alias_export.pop("checkpoint", None)
     assert verb_export == alias_export
+    if kind == "u2":
+        _check_nbest_rescoring(experiment)
+
+
+def _check_nbest_rescoring(experiment) -> None:
+    """The N-best passes (stage 5, `Searcher.nbest`) rank by attention rescoring too; with
+    the decoder's weight 0 they are the prefix beam search's lists."""
+    import kaldiio
+
+    from cat.decoding.searcher import DecodeOptions, Searcher
+    from cat.loading.batch import Utterance
+
+    checkpoint = sorted((experiment.exp_dir / "check").glob("ckpt-*.pt"))[-1]
+    features = kaldiio.load_scp("data/fbank/dev/feats.scp")
+    batch = [Utterance(key, features[key], np.zeros(0, np.int32)) for key in sorted(features)]
+    lists = {}
+    for method, weight in (("beam", 1.0), ("attention_rescoring", 0.0), ("attention_rescoring",
+                                                                          1.0)):
+        options = DecodeOptions(method=method, beam_size=3, device="cpu",
+                                ctc_weight=1.0, decoder_weight=weight)
+        searcher = Searcher(NAME, checkpoint, "ctc", options, "cpu", [None])
+        lists[method, weight] = [dict(hyps) for _, hyps in searcher.nbest(batch)[0]]
+    beam = lists["beam", 1.0]
+    assert [list(hyps) for hyps in lists["attention_rescoring", 0.0]] == \
+        [list(hyps) for hyps in beam]
+    for rescored, searched in zip(lists["attention_rescoring", 1.0], beam, strict=True):
+        # The same hypotheses, each scored lower by the decoder's log-probability.
+        assert rescored.keys() == searched.keys()
+        assert all(rescored[text] < searched[text] for text in searched)
 
 
 def test_an_alias_refuses_another_kind_and_names_the_verb(tmp_path, monkeypatch, caplog):

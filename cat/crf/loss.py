@@ -6,7 +6,7 @@ sequence `y` and the denominator graph `D` = CTC topology o token LM
 
     log p(y | x) = log sum_{pi in CTC(y)} exp(sum_t x[t, pi_t]) + log P_LM(y)
                    - log sum_{pi in D}    exp(sum_t x[t, pi_t] + LM weight of pi)
-    loss         = -log p(y | x) + lamb * CTC(y)           (CAT's `lamb`, 0.01)
+    loss         = -log p(y | x) + lamb * CTC(y)           (CAT's `lamb`)
                  = -(1 + lamb) * num_ctc - log P_LM(y) + log Z_den
 
 `log P_LM(y)` does not depend on `x`; it is kept so that the loss is the CRF's negative
@@ -277,7 +277,7 @@ class CtcCrfLoss(torch.nn.Module):
         lamb: weight of the CTC loss added to the CRF loss (CAT's `lamb`).
     """
 
-    def __init__(self, graph: DenGraph, lamb: float = 0.01) -> None:
+    def __init__(self, graph: DenGraph, lamb: float) -> None:
         super().__init__()
         self.graph = graph
         self.lamb = float(lamb)

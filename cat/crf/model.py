@@ -3,7 +3,7 @@
 config.json (as CAT names the keys)::
 
     "ctc":     {"dropout": 0.0},
-    "trainer": {"use_crf": true, "lamb": 0.01, "den_lm": "exp/crf-v1/den_lm.npz"}
+    "trainer": {"use_crf": true, "den_lm": "exp/crf-v1/den_lm.npz"}   # lamb: 0.01 (schema)
 
 `den_lm` (relative to the recipe directory) is the denominator graph stage 2 builds
 (`cat.graph.den_graph`). It is read when training starts (`prepare_training`, which checks it

@@ -99,6 +99,15 @@ def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 
     return condition()
 
 
+def as_from_a_terminal() -> None:
+    """`preexec_fn` of a command the tests start as a terminal starts a foreground job:
+    SIGINT and SIGQUIT at their defaults. A shell's background job (`cmd &`, how CI runners
+    and nohup start the test suite) has them ignored, the children inherit that, and a
+    Python started so never turns Ctrl-C into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class ProcessTree:
     """A command started in its own session, and the descendants seen while it ran."""
 
@@ -113,6 +122,7 @@ class ProcessTree:
         """Run `command` (output to a temporary file, see `output()`); on exit, SIGKILL
         whatever of it is left (the command, and every descendant it was seen with)."""
         with tempfile.TemporaryFile("w+", encoding="utf-8") as log:
+            popen.setdefault("preexec_fn", as_from_a_terminal)
             process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
                                        text=True, start_new_session=True, **popen)
             tree = cls(process, log)

@@ -22,7 +22,7 @@ from cat.core.launch import (
     run_array,
     task_status,
 )
-from cat.testing.processes import alive, process_identity, wait_until
+from cat.testing.processes import alive, as_from_a_terminal, process_identity, wait_until
 
 REPO_ROOT = Path(cat.__file__).resolve().parent.parent
 ENVIRONMENT = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -121,7 +121,8 @@ def test_the_command_line_is_kaldis_run_pl(tmp_path):
 def test_a_signal_to_the_launcher_stops_its_tasks(tmp_path, signum):
     command = [sys.executable, "-m", "cat.core.launch", "JOB=1:2", str(tmp_path / "x.JOB.log"),
                "bash", "-c", f"echo $$ > {tmp_path}/pid.JOB; exec sleep 60"]
-    process = subprocess.Popen(command, env=ENVIRONMENT, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=ENVIRONMENT, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=as_from_a_terminal)
     pids = [tmp_path / "pid.1", tmp_path / "pid.2"]
     assert wait_until(lambda: all(p.is_file() and p.read_text().strip() for p in pids), 30)
     children = [process_identity(int(p.read_text())) for p in pids]

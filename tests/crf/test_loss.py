@@ -114,7 +114,7 @@ def test_infeasible_utterances_get_zero_loss_and_no_gradient():
     graph = build_den_graph(CORPUS, 5, order=2, estimator="kneser-ney")
     x = torch.log_softmax(torch.randn(2, 3, 5, dtype=torch.float64), -1).requires_grad_(True)
     labels = torch.tensor([[1, 1, 2], [4, 0, 0]])  # 1 1 2 needs 4 frames
-    losses, infeasible = CtcCrfLoss(graph)(x, torch.tensor([3, 3]), labels,
+    losses, infeasible = CtcCrfLoss(graph, 0.01)(x, torch.tensor([3, 3]), labels,
                                           torch.tensor([3, 1]))
     assert infeasible.tolist() == [True, False]
     losses[0].backward()
@@ -135,7 +135,7 @@ def test_a_transcript_the_lm_cannot_produce_keeps_its_loss_without_the_lm_term(e
     losses, infeasible = CtcCrfLoss(graph, lamb)(x, lengths, labels, label_lens)
     assert not infeasible.any()
     num = graph_log_sum(x, lengths, ctc_graphs(labels, label_lens, x.dtype))
-    den = graph_log_sum(x, lengths, CtcCrfLoss(graph).den_graph(x.device, x.dtype))
+    den = graph_log_sum(x, lengths, CtcCrfLoss(graph, 0.0).den_graph(x.device, x.dtype))
     lm = torch.tensor([0.0, graph.lm_log_prob([2, 2])], dtype=x.dtype)
     assert torch.allclose(losses, den - (1 + lamb) * num - lm)
     (grad,) = torch.autograd.grad(losses[0], x)
