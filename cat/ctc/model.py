@@ -134,15 +134,14 @@ class CTCModel(nn.Module):
                 else (log_probs, lengths))
 
     def nbest(self, inputs: tuple[torch.Tensor, ...], beam_size: int,
-              fusion: ShallowFusion | None = None, method: str = "beam",
-              **rescoring: Any) -> list:
+              fusion: ShallowFusion | None = None, **rescoring: Any) -> list:
         """N-best lists of a batch: CTC prefix beam search, with shallow fusion when given;
-        method `attention_rescoring` ranks them again (`rescoring`: `ctc_weight`,
-        `decoder_weight`, `reverse_weight` of `cat.models.attention.rescore`)."""
+        with `rescoring` weights (`ctc_weight`, `decoder_weight`, `reverse_weight` of
+        `cat.models.attention.rescore`) ranked again by attention rescoring."""
         nbest = ctc_prefix_beam_search(inputs[0], inputs[1], beam_size, fusion=fusion)
-        if method != "attention_rescoring":
+        if not rescoring:
             return nbest
-        self._check_method(method)
+        self._check_method("attention_rescoring")
         return rescore(self.attention, inputs[2], inputs[1], nbest, **rescoring)
 
     def _check_method(self, method: str) -> None:
@@ -162,8 +161,7 @@ class CTCModel(nn.Module):
         """
         self._check_method(method)
         if method == "attention_rescoring":
-            nbest = self.nbest(self.search_inputs(feats, feat_lens), beam_size, None,
-                               method, **rescoring)
+            nbest = self.nbest(self.search_inputs(feats, feat_lens), beam_size, **rescoring)
             return [hyps[0][0] if hyps else [] for hyps in nbest]
         log_probs, lengths = self.log_probs(feats, feat_lens)
         if method == "greedy":

@@ -125,13 +125,13 @@ class DecodeOptions:
         options.update({key: value for key, value in overrides.items() if value is not None})
         return cls.from_dict(options, f"{source}: inference.infer.option")
 
-    def search_kwargs(self) -> dict[str, Any]:
-        """What a model's `nbest` takes beyond the beam: the method and its weights for
-        attention rescoring, nothing for the other methods."""
+    def rescoring(self) -> dict[str, Any]:
+        """The weights a model's `decode` and `nbest` take for attention rescoring (nothing
+        for the other methods: `nbest` then returns the beam search's lists)."""
         if self.method != "attention_rescoring":
             return {}
-        return {"method": self.method, "ctc_weight": self.ctc_weight,
-                "decoder_weight": self.decoder_weight, "reverse_weight": self.reverse_weight}
+        return {"ctc_weight": self.ctc_weight, "decoder_weight": self.decoder_weight,
+                "reverse_weight": self.reverse_weight}
 
     def resolved_device(self) -> str:
         """`cpu` or `cuda` (`auto`: cuda when torch sees a GPU)."""
@@ -253,12 +253,11 @@ class Searcher:
         """(key, best hypothesis) of each utterance, with `options.method`."""
         batch = collate(utterances)
         with torch.inference_mode():
-            search = self.options.search_kwargs()
-            search.pop("method", None)
             hyps = self.model.decode(batch.feats.to(self.device),
                                      batch.feat_lens.to(self.device),
                                      method=self.options.method,
-                                     beam_size=self.options.beam_size, **search)
+                                     beam_size=self.options.beam_size,
+                                     **self.options.rescoring())
         return [(u.key, self.tokenizer.decode(list(hyp)))
                 for u, hyp in zip(utterances, hyps, strict=True)]
 
@@ -275,7 +274,7 @@ class Searcher:
             for index, fusion in enumerate(self.fusions):
                 start = time.perf_counter()
                 nbest = self.model.nbest(encoded, self.options.beam_size, fusion,
-                                         **self.options.search_kwargs())
+                                         **self.options.rescoring())
                 self.search_seconds[index] += time.perf_counter() - start
                 results.append([(u.key, [(self.tokenizer.decode(tokens), score)
                                          for tokens, score in hyps])

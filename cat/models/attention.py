@@ -105,15 +105,25 @@ def teacher_forcing(labels: torch.Tensor, label_lens: torch.Tensor,
     batch, longest = labels.size(0), int(label_lens.max()) if labels.numel() else 0
     positions = torch.arange(longest, device=labels.device)[None, :]
     valid = positions < label_lens[:, None]
+    labels = labels[:, :longest]
     if reverse:
-        index = (label_lens[:, None] - 1 - positions).clamp(min=0)
-        labels = torch.gather(labels[:, :max(longest, 1)], 1, index) if longest else labels
-    labels = labels[:, :longest].masked_fill(~valid, 0)
+        labels = labels.gather(1, (label_lens[:, None] - 1 - positions).clamp(min=0))
+    labels = labels.masked_fill(~valid, 0)
     start = torch.full((batch, 1), SOS, dtype=labels.dtype, device=labels.device)
     inputs = torch.cat([start, labels], dim=1)
     # Position U of each row is <eos> (0), as is the padding after it (masked by lengths).
     targets = torch.cat([labels, torch.full_like(start, EOS)], dim=1)
     return inputs, targets
+
+
+def teacher_forced(decoder: TransformerDecoder, memory: torch.Tensor, memory_lens: torch.Tensor,
+                   labels: torch.Tensor, label_lens: torch.Tensor, reverse: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder pass over `teacher_forcing`'s inputs: log-probabilities [B, U+1, V], the
+    targets [B, U+1], and which positions are real (`<eos>` included) [B, U+1]."""
+    inputs, targets = teacher_forcing(labels, label_lens, reverse)
+    log_probs = decoder(inputs, label_lens + 1, memory, memory_lens)
+    return log_probs, targets, ~lengths_to_padding_mask(label_lens + 1, inputs.size(1))
 
 
 class AttentionHead(nn.Module):
@@ -145,9 +155,8 @@ class AttentionHead(nn.Module):
                         memory_lens: torch.Tensor, labels: torch.Tensor,
                         label_lens: torch.Tensor, reverse: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = teacher_forcing(labels, label_lens, reverse)
-        log_probs = decoder(inputs, label_lens + 1, memory, memory_lens)
-        valid = ~lengths_to_padding_mask(label_lens + 1, inputs.size(1))
+        log_probs, targets, valid = teacher_forced(decoder, memory, memory_lens, labels,
+                                                   label_lens, reverse)
         nll = nn.functional.nll_loss(log_probs.transpose(1, 2), targets, reduction="none")
         smooth = -log_probs.mean(dim=-1)
         losses = ((1 - self.label_smoothing) * nll + self.label_smoothing * smooth)
@@ -181,22 +190,17 @@ class AttentionHead(nn.Module):
             labels[row, :len(hyp)] = torch.tensor(list(hyp), dtype=torch.long)
         memory = memory[None, :max(length, 1)].expand(count, -1, -1)
         memory_lens = torch.full((count,), length, dtype=torch.long, device=memory.device)
-        scores = self._sequence_log_probs(self.l2r, memory, memory_lens, labels, lens, False)
-        if self.r2l is not None and reverse_weight > 0:
-            backward = self._sequence_log_probs(self.r2l, memory, memory_lens, labels, lens,
-                                                True)
-            scores = (1 - reverse_weight) * scores + reverse_weight * backward
-        return scores
 
-    @staticmethod
-    def _sequence_log_probs(decoder: TransformerDecoder, memory: torch.Tensor,
-                            memory_lens: torch.Tensor, labels: torch.Tensor,
-                            label_lens: torch.Tensor, reverse: bool) -> torch.Tensor:
-        inputs, targets = teacher_forcing(labels, label_lens, reverse)
-        log_probs = decoder(inputs, label_lens + 1, memory, memory_lens)
-        picked = log_probs.gather(2, targets[:, :, None])[:, :, 0]
-        valid = ~lengths_to_padding_mask(label_lens + 1, inputs.size(1))
-        return (picked * valid).sum(dim=1)
+        def sequence_log_probs(decoder: TransformerDecoder, reverse: bool) -> torch.Tensor:
+            log_probs, targets, valid = teacher_forced(decoder, memory, memory_lens, labels,
+                                                       lens, reverse)
+            return (log_probs.gather(2, targets[:, :, None])[:, :, 0] * valid).sum(dim=1)
+
+        scores = sequence_log_probs(self.l2r, False)
+        if self.r2l is not None and reverse_weight > 0:
+            scores = ((1 - reverse_weight) * scores
+                      + reverse_weight * sequence_log_probs(self.r2l, True))
+        return scores
 
 
 def rescore(head: AttentionHead, memory: torch.Tensor, lengths: torch.Tensor,

@@ -206,26 +206,27 @@ class TransducerModel(nn.Module):
             in an RNN-T model: icefall's `ctc_loss_scale`, WeNet's transducer `ctc_weight`),
             the loss is `(1 - ctc_weight) * RNN-T + ctc_weight * CTC`; 0: no such head.
             Decoding does not use it.
-        ctc_dropout, blank_init_prob: that head's dropout and initial blank probability.
+        ctc_dropout, ctc_blank_init_prob: that head's dropout and initial blank
+            probability (`ctc.dropout`, `ctc.blank_init_prob`).
     """
 
     def __init__(self, encoder: nn.Module, predictor: nn.Module, joiner: JointNet,
                  specaug: SpecAugment | None = None,
                  loss_normalization: str = "utterance", ctc_weight: float = 0.0,
-                 ctc_dropout: float = 0.0, blank_init_prob: float = 0.5) -> None:
+                 ctc_dropout: float = 0.0, ctc_blank_init_prob: float = 0.5) -> None:
         super().__init__()
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
                              f"got {loss_normalization!r}")
         if not 0.0 <= ctc_weight < 1.0:
-            raise ValueError(f"ctc.weight must be in (0, 1) for an auxiliary CTC head, "
+            raise ValueError(f"ctc.weight must be in [0, 1) (0: no auxiliary CTC head), "
                              f"got {ctc_weight}")
         self.ctc_weight = ctc_weight
         self.ctc_head = None
         if ctc_weight:
             self.ctc_dropout = nn.Dropout(ctc_dropout)
             self.ctc_head = nn.Linear(encoder.output_dim, joiner.out.out_features)
-            init_blank_bias(self.ctc_head, blank_init_prob)
+            init_blank_bias(self.ctc_head, ctc_blank_init_prob)
         self.encoder = encoder
         self.predictor = predictor
         self.joiner = joiner
@@ -325,10 +326,9 @@ def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
     joiner = build_component(JOINERS, config["joiner"], "joiner.kwargs", source,
                              encoder.output_dim, predictor.output_dim, num_classes)
     try:
-        ctc = config.get("ctc")
-        auxiliary = {} if ctc is None else {
-            "ctc_weight": ctc["weight"], "ctc_dropout": ctc.get("dropout", 0.0),
-            "blank_init_prob": ctc.get("blank_init_prob", 0.5)}
+        # The `ctc` section (an auxiliary head) as `ctc_<key>` arguments: `weight`,
+        # `dropout`, `blank_init_prob`, the defaults of the ones not given being the schema's.
+        auxiliary = {f"ctc_{key}": value for key, value in config.get("ctc", {}).items()}
         return TransducerModel(encoder, predictor, joiner, specaug,
                                **config.get("trainer", {}), **auxiliary)
     except ValueError as error:

@@ -217,6 +217,9 @@ def test_schema_defaults_match_constructor_defaults():
     ctc_defaults = _constructor_defaults(CTCModel, 2)
     assert schema_defaults("ctc") == {key: ctc_defaults[key]
                                       for key in ("dropout", "blank_init_prob")}
+    auxiliary = _constructor_defaults(TransducerModel, 3)  # RNN-T's auxiliary CTC head
+    assert schema_defaults("ctc") == {key: auxiliary[f"ctc_{key}"]
+                                      for key in ("dropout", "blank_init_prob")}
     from cat.crf.model import CRFModel
     from cat.graph.den_graph import build_for_tokenizer
 
@@ -264,22 +267,31 @@ def make_task(num_utts: int = 4, num_classes: int = 6, seed: int = 0):
     return feats, feat_lens, labels, label_lens
 
 
-def test_ctc_model_overfits_and_greedy_decoding_reproduces_labels():
-    torch.manual_seed(0)
-    config = ctc_config()
-    del config["specaug"]
+def overfit(config: dict, task: tuple, steps: int) -> tuple[torch.nn.Module, list[dict]]:
+    """The model of `config` (6 classes) trained `steps` updates on one batch `task`
+    (`make_task`) with its scheduler; the stats of every update."""
     model = build_model(config, num_classes=6)
     scheduler = build_scheduler(config["scheduler"], model.parameters())
-    feats, feat_lens, labels, label_lens = make_task()
     model.train()
-    losses = []
-    for _ in range(100):
-        loss, stats = model(feats, feat_lens, labels, label_lens)
+    history = []
+    for _ in range(steps):
+        loss, stats = model(*task)
         loss.backward()
         scheduler.optimizer.step()
         scheduler.optimizer.zero_grad()
         scheduler.step()
-        losses.append(stats["loss"])
+        history.append(stats)
+    return model, history
+
+
+def test_ctc_model_overfits_and_greedy_decoding_reproduces_labels():
+    torch.manual_seed(0)
+    config = ctc_config()
+    del config["specaug"]
+    feats, feat_lens, labels, label_lens = task = make_task()
+    model, history = overfit(config, task, 100)
+    losses = [stats["loss"] for stats in history]
+    for stats in history:
         assert stats["num_utts"] == 4
         assert stats["num_tokens"] == 13
         assert stats["num_infeasible"] == 0
