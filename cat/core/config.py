@@ -161,17 +161,20 @@ def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
         raise ConfigError(f"{source}: attention: an attention decoder head is trained with a "
                           f"CTC model's head (U2): give 'ctc' without 'decoder' and 'joiner', "
                           f"or remove 'attention'")
-    crf = config.get("trainer", {}) if isinstance(config.get("trainer"), dict) else {}
-    if crf.get("use_crf") is True:
+    trainer = config.get("trainer", {}) if isinstance(config.get("trainer"), dict) else {}
+    if not transducer and "simple_loss_scale" in trainer:
+        raise ConfigError(f"{source}: trainer.simple_loss_scale: only used by RNN-T models "
+                          f"('decoder' and 'joiner')")
+    if trainer.get("use_crf") is True:
         if not has_ctc or transducer:
             raise ConfigError(f"{source}: trainer.use_crf: CTC-CRF needs a 'ctc' section and "
                               f"no 'decoder' and 'joiner'")
-        if "den_lm" not in crf:
+        if "den_lm" not in trainer:
             raise ConfigError(f"{source}: trainer.den_lm: CTC-CRF (trainer.use_crf) needs "
                               f"its denominator graph")
         return "crf"
     unused = [key for key in ("lamb", "den_lm", "den_lm_order", "den_lm_extra_states",
-                              "den_lm_estimator") if key in crf]
+                              "den_lm_estimator") if key in trainer]
     if unused:
         raise ConfigError(f"{source}: trainer.{unused[0]}: only used by CTC-CRF; set "
                           f"trainer.use_crf to true or remove it")

@@ -44,10 +44,10 @@ from cat.lm.scorer import ShallowFusion
 from cat.models.attention import AttentionHead, build_attention, rescore
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
+    CTCHead,
     batch_loss,
     ctc_losses,
     encode_batch,
-    init_blank_bias,
 )
 from cat.models.specaug import SpecAugment
 
@@ -66,6 +66,10 @@ class CTCModel(nn.Module):
         attention: an attention decoder head trained with the CTC head (U2), or None.
     """
 
+    #: The search settings (`DecodeOptions`) `decode` and `nbest` take besides the rescoring
+    #: weights of attention_rescoring.
+    search_settings: tuple[str, ...] = ()
+
     # CTC needs at least as many encoder frames as labels (plus adjacent repeats): the
     # trainer's length filter checks it when this is set.
     ctc_alignment = True
@@ -82,9 +86,7 @@ class CTCModel(nn.Module):
         self.encoder = encoder
         self.specaug = specaug
         self.num_classes = num_classes
-        self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(encoder.output_dim, num_classes)
-        init_blank_bias(self.head, blank_init_prob)
+        self.head = CTCHead(encoder.output_dim, num_classes, dropout, blank_init_prob)
         self.loss_normalization = loss_normalization
         self.attention = attention
 
@@ -95,8 +97,7 @@ class CTCModel(nn.Module):
 
     def ctc_log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """CTC log-probabilities [B, T', V] (float32) of encoder output `hidden`."""
-        # log_softmax in float32 even under autocast: CTC needs the precision.
-        return torch.log_softmax(self.head(self.dropout(hidden)).float(), dim=-1)
+        return self.head.log_probs(hidden)
 
     def log_probs(self, feats: torch.Tensor,
                   feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,7 @@ from cat.core.io import PathLike
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
 from cat.features.fbank import FbankOptions
+from cat.models.encoder import Encoder
 from cat.models.registry import DECODES_AS, check_command, family
 
 EXPORT_NAME = "export"
@@ -86,11 +87,11 @@ def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | N
     return model, tokenizer, path
 
 
-def feature_metadata(encoder: torch.nn.Module) -> dict[str, Any]:
+def feature_metadata(encoder: Encoder) -> dict[str, Any]:
     """What a runtime needs to compute the encoder's input: stage 1's fbank settings, the
     frame-rate reduction, and where CMVN went."""
     fbank = FbankOptions()
-    normalizer = getattr(encoder, "normalizer", None)
+    normalizer = encoder.normalizer
     return {
         "sample_rate": fbank.sample_rate, "feature_dim": fbank.num_mel_bins,
         "frame_length_ms": fbank.frame_length_ms, "frame_shift_ms": fbank.frame_shift_ms,

@@ -33,7 +33,10 @@ standard error.
 
 Options (`hyper-p.json: inference.infer.option`, or the command line):
 `method` (greedy | beam), `beam_size`, `nj`, `max_frames`, `batch_size`, `device`
-(auto | cpu | cuda).
+(auto | cpu | cuda); `hotwords` (a file of phrases the beam searches favour, one per line
+with an optional trailing ` :<score>`) and `hotwords_score` (their default bonus per
+token, 1.5), see `cat.decoding.context_graph`. A hotwords file that cannot be read, or a
+score in it that is not a number, is an error naming the file (and line).
 
 With language models (`decode_passes`, used by `cat.utils.stage_driver lm`): beam search
 with token-level shallow fusion and LODR (`FusionSpec`, `cat.lm.scorer`), several
@@ -58,6 +61,8 @@ Usage:
         --checkpoint exp/synth-ctc/check/avg-best-5.pt --out exp/synth-ctc/decode/test-lm \
         --lm exp/synth-lm-char-5gram/lm.arpa --alpha 0.3 --beta 0.5
     python -m cat.decode exp/synth-ctc --audio a.wav b.flac c.opus
+    python -m cat.decode exp/synth-ctc --audio a.wav --hotwords hotwords.txt \
+        --hotwords-score 2.0
     python -m cat.decode exp/synth-ctc --wav-scp data/test/wav.scp --nj 2 \
         --out exp/synth-ctc/transcribe/test
     python -m cat.decode exp/synth-rnnt --data-list data.list --nj 2 > hyp.txt
@@ -84,6 +89,7 @@ from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
 from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
+from cat.decoding.context_graph import HotwordsError
 from cat.decoding.searcher import (
     FRAME_SHIFT_SECONDS,
     NO_LABEL,
@@ -403,9 +409,13 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         return 1
     hyper_path = Path(args.exp_dir) / HYPER_NAME
     hyper = load_hyper(hyper_path)
-    options = DecodeOptions.of_experiment(hyper, str(hyper_path), {
-        **{name: getattr(args, name) for name in OPTIONS_SCHEMA["properties"]},
-        "allow_config_change": args.allow_config_change or None})
+    try:
+        options = DecodeOptions.of_experiment(hyper, str(hyper_path), {
+            **{name: getattr(args, name) for name in OPTIONS_SCHEMA["properties"]},
+            "allow_config_change": args.allow_config_change or None})
+    except ConfigError as error:
+        logger.error("%s", error)
+        return 1
     spec = FusionSpec(args.lm, args.alpha, args.beta, args.lodr, args.lodr_weight) \
         if args.lm else None
     try:
@@ -416,7 +426,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         else:
             summary = _transcribe(args, kind, checkpoint, options, spec)
     except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
-            CheckpointMismatchError) as error:
+            CheckpointMismatchError, HotwordsError) as error:
         logger.error("%s", error)
         return 1
     skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""

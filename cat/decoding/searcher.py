@@ -13,6 +13,14 @@ batch with the family's `decode` (greedy or beam search, best hypothesis), or wi
 after one network forward. `plan_batches` groups utterances of similar length within a
 budget of padded frames.
 
+Hotwords (`hotwords`, a file of phrases, and `hotwords_score`, their default score per
+token; `cat.decoding.context_graph`): the `Searcher` builds their context graph once with
+the experiment's tokenizer, and every beam search it runs scores it as a fusion, with the
+shallow-fusion LM when there is one (`cat.lm.scorer.CombinedFusion`); `best` then decodes
+through the family's `nbest` (the family's `decode` takes no fusion). Greedy search has no
+hypotheses to favour a phrase among: hotwords with method `greedy` are a ValueError. A
+file without a usable phrase decodes as without hotwords.
+
 Usage:
     options = DecodeOptions.of_experiment(hyper, "exp/x/hyper-p.json", {"nj": 2})
     searcher = Searcher("exp/x", "exp/x/check/avg-best-5.pt", "ctc", options, "cpu")
@@ -33,6 +41,7 @@ import torch
 from cat.core.config import (
     CONFIG_NAME,
     HYPER_NAME,
+    ConfigError,
     check_against_schema,
     load_config,
     load_hyper,
@@ -42,7 +51,8 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write
 from cat.core.threads import configure_threads
 from cat.decoding.checkpoint import check_model_config
-from cat.lm.scorer import ShallowFusion, TokenLM
+from cat.decoding.context_graph import ContextGraph, read_hotwords
+from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import DECODES_AS, build_model
 from cat.text.tokenizer import load as load_tokenizer
@@ -70,6 +80,17 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                            "description": "attention_rescoring: share of the right to left "
                                           "decoder in the decoder's score (default: the "
                                           "training's attention.reverse_weight)"},
+        "hotwords": {"type": "string", "minLength": 1,
+                     "description": "beam searches: a file of phrases to favour (contextual "
+                                    "biasing), one per line, each with an optional trailing "
+                                    "' :<score per token>' (relative to the recipe directory)"},
+        "hotwords_score": {"type": "number",
+                           "description": "hotwords: the bonus per token of a phrase that "
+                                          "gives no score of its own"},
+        "blank_penalty": {"type": "number", "minimum": 0,
+                          "description": "transducer searches: a constant taken from the "
+                                         "blank logit at every step (sherpa-onnx's "
+                                         "blank_penalty); trades deletions for insertions"},
         "nj": {"type": "integer", "minimum": 1,
                "description": "CPU decoding processes, each decoding a share of the batches"},
         "max_frames": {"type": "integer", "minimum": 1,
@@ -103,18 +124,29 @@ class DecodeOptions:
     ctc_weight: float = 0.5
     decoder_weight: float = 1.0
     reverse_weight: float | None = None
+    hotwords: str | None = None
+    hotwords_score: float = 1.5
+    blank_penalty: float = 0.0
     nj: int = 1
     max_frames: int = 40000
     batch_size: int = 64
     device: str = "auto"
     allow_config_change: bool = False
 
+    def __post_init__(self) -> None:
+        if self.hotwords is not None and self.method == "greedy":
+            raise ValueError("hotwords need a beam search (method 'beam' or "
+                             "'attention_rescoring'), not greedy")
+
     @classmethod
     def from_dict(cls, options: dict[str, Any], source: str) -> DecodeOptions:
         schema = {**OPTIONS_SCHEMA,
                   "properties": {**OPTIONS_SCHEMA["properties"], **ACCEPT_SCHEMA}}
         check_against_schema(options, schema, source)
-        return cls(**options)
+        try:
+            return cls(**options)
+        except ValueError as error:
+            raise ConfigError(f"{source}: {error}") from None
 
     @classmethod
     def of_experiment(cls, hyper: dict[str, Any], source: str,
@@ -132,6 +164,19 @@ class DecodeOptions:
             return {}
         return {"ctc_weight": self.ctc_weight, "decoder_weight": self.decoder_weight,
                 "reverse_weight": self.reverse_weight}
+
+    def search_settings(self, accepted: Sequence[str], source: str) -> dict[str, Any]:
+        """The keyword arguments of a model's `decode` and `nbest`: `rescoring()`, and the
+        settings its searches take (`accepted`: the model's `search_settings`) that are
+        set; a setting set for a model whose searches do not take it is a ValueError
+        naming `source`."""
+        settings = self.rescoring()
+        if self.blank_penalty:
+            if "blank_penalty" not in accepted:
+                raise ValueError(f"{source}: blank_penalty: this model's searches have no "
+                                 f"blank logit to lower (a transducer's have)")
+            settings["blank_penalty"] = self.blank_penalty
+        return settings
 
     def resolved_device(self) -> str:
         """`cpu` or `cuda` (`auto`: cuda when torch sees a GPU)."""
@@ -223,11 +268,13 @@ NBest = list[tuple[str, float]]
 
 
 class Searcher:
-    """One process's model, tokenizer and LM scorers, decoding batches of utterances.
+    """One process's model, tokenizer, LM scorers and hotwords, decoding batches of
+    utterances.
 
     With `device` cpu the process uses one torch thread: processes are the unit of
     parallelism. `forward_seconds` and `search_seconds` (one per fusion spec) add up the
-    time `nbest` spent.
+    time `nbest` spent. `hotwords`: the context graph of `options.hotwords`, None without
+    hotwords or when the file has no usable phrase.
     """
 
     def __init__(self, exp_dir: PathLike, checkpoint: PathLike, kind: str,
@@ -242,28 +289,57 @@ class Searcher:
         if options.method not in self.model.decode_methods:
             raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: this model decodes with "
                              f"{', '.join(self.model.decode_methods)}, not {options.method}")
+        self.search = options.search_settings(self.model.search_settings,
+                                              str(Path(exp_dir) / CONFIG_NAME))
         pieces = [self.tokenizer.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
         models: dict[str, TokenLM] = {}
         self.fusions = [spec.build(pieces, models) if spec is not None else None
                         for spec in specs]
+        self.hotwords = self._read_hotwords()
         self.forward_seconds = 0.0
         self.search_seconds = [0.0] * len(self.fusions)
 
+    def _read_hotwords(self) -> ContextGraph | None:
+        if self.options.hotwords is None:
+            return None
+        graph, _ = read_hotwords(self.options.hotwords, self.tokenizer,
+                                 self.options.hotwords_score)
+        return graph if graph.num_phrases else None
+
+    def _with_hotwords(self, fusion: Fusion | None) -> Fusion | None:
+        """What the beam search scores besides the acoustics: `fusion` and the hotwords."""
+        if self.hotwords is None:
+            return fusion
+        return self.hotwords if fusion is None else CombinedFusion([fusion, self.hotwords])
+
     def best(self, utterances: Sequence[Utterance]) -> list[tuple[str, str]]:
-        """(key, best hypothesis) of each utterance, with `options.method`."""
+        """(key, best hypothesis) of each utterance, with `options.method` (with hotwords,
+        the first of the family's N-best lists searched with them)."""
+        if self.hotwords is not None:
+            return self._best_with_hotwords(utterances)
         batch = collate(utterances)
         with torch.inference_mode():
             hyps = self.model.decode(batch.feats.to(self.device),
                                      batch.feat_lens.to(self.device),
                                      method=self.options.method,
-                                     beam_size=self.options.beam_size,
-                                     **self.options.rescoring())
+                                     beam_size=self.options.beam_size, **self.search)
         return [(u.key, self.tokenizer.decode(list(hyp)))
                 for u, hyp in zip(utterances, hyps, strict=True)]
 
+    def _best_with_hotwords(self, utterances: Sequence[Utterance]) -> list[tuple[str, str]]:
+        batch = collate(utterances)
+        with torch.inference_mode():
+            encoded = self.model.search_inputs(batch.feats.to(self.device),
+                                               batch.feat_lens.to(self.device))
+            nbest = self.model.nbest(encoded, self.options.beam_size, self.hotwords,
+                                     **self.search)
+        return [(u.key, self.tokenizer.decode(hyps[0][0] if hyps else []))
+                for u, hyps in zip(utterances, nbest, strict=True)]
+
     def nbest(self, utterances: Sequence[Utterance]) -> list[list[tuple[str, NBest]]]:
-        """Per fusion spec, (key, N-best list) of each utterance (beam search, ranked
-        again by the attention decoder with method `attention_rescoring`)."""
+        """Per fusion spec, (key, N-best list) of each utterance (beam search with the
+        spec's LM and the hotwords, ranked again by the attention decoder with method
+        `attention_rescoring`)."""
         with torch.inference_mode():
             start = time.perf_counter()
             batch = collate(utterances)
@@ -273,8 +349,8 @@ class Searcher:
             results = []
             for index, fusion in enumerate(self.fusions):
                 start = time.perf_counter()
-                nbest = self.model.nbest(encoded, self.options.beam_size, fusion,
-                                         **self.options.rescoring())
+                nbest = self.model.nbest(encoded, self.options.beam_size,
+                                         self._with_hotwords(fusion), **self.search)
                 self.search_seconds[index] += time.perf_counter() - start
                 results.append([(u.key, [(self.tokenizer.decode(tokens), score)
                                          for tokens, score in hyps])

@@ -29,6 +29,9 @@ window, a segment outside its recording, a shard member without audio, a `wav.sc
 that fails or outlives `$CAT_WAV_SCP_TIMEOUT`) is skipped, logged and counted with the
 list line it came from; the rest is decoded. Nothing decodable at all is an error.
 
+The options are stage 4's (`DecodeOptions`), hotwords included: each process's `Searcher`
+builds their context graph and searches with it.
+
 Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
 key, as stage 4 writes them), `skipped.txt` (`<key> <reason>`), `decode.log` (inputs,
 checkpoint, options, counts, audio and wall seconds, real-time factor) and, with an LM,

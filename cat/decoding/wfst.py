@@ -13,6 +13,7 @@ Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batche
 from cat.formats.tables import read_feature_index
 from cat.graph.tlg import DecodingGraph, build_tlg, decode
 from cat.loading.batch import Utterance, collate
+from cat.models.heads import FramePosteriors
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import UNK_ID, Tokenizer
 
@@ -77,8 +79,13 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
     `plan_batches`'s batches. An utterance's posteriors depend on its batch (padding), so
     a share is cut from those batches to give the figures of the whole set."""
     kind = experiment_kind(exp_dir)
+    if options.hotwords is not None:
+        # Posteriors do not depend on hotwords; the TLG search does not apply them yet.
+        logger.warning("%s: hotwords (%s) are not applied in WFST (TLG) decoding yet, only in "
+                       "the beam searches", Path(exp_dir) / "hyper-p.json", options.hotwords)
+        options = dataclasses.replace(options, hotwords=None)
     searcher = Searcher(exp_dir, checkpoint, kind, options, "cpu")
-    if not callable(getattr(searcher.model, "log_probs", None)):
+    if not isinstance(searcher.model, FramePosteriors):
         raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame "
                          f"posteriors of a CTC head, which a {kind} model has not")
     if batches is None:

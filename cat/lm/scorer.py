@@ -11,6 +11,9 @@ the acoustic log-probabilities of the searches.
   subtracted. States are opaque; the searches cache them per prefix.
 * `WordRescorer` scores whole hypotheses with a word (or any unit) n-gram:
   `alpha * log p_LM(words </s>) + beta * len(words)`.
+* `CombinedFusion` scores with several `Fusion`s at once (e.g. an LM and the hotwords of
+  `cat.decoding.context_graph`): its scores are the sums of theirs, its states the
+  tuples of theirs.
 
 Usage:
     lm = TokenLM("exp/lm-char-5gram/lm.arpa", [tokenizer.id_to_piece(i) for i in ...])
@@ -51,6 +54,32 @@ class Fusion(Protocol):
     def step(self, state: Any, token: int) -> tuple[float, Any]: ...
 
     def final(self, state: Any) -> float: ...
+
+
+class CombinedFusion:
+    """Several fusions as one: each score is the sum of theirs, each state the tuple of
+    theirs (in the order of `parts`)."""
+
+    def __init__(self, parts: Sequence[Fusion]) -> None:
+        self.parts = tuple(parts)
+
+    def initial_state(self) -> tuple[Any, ...]:
+        return tuple(part.initial_state() for part in self.parts)
+
+    def step(self, state: tuple[Any, ...], token: int) -> tuple[float, tuple[Any, ...]]:
+        """(summed score of emitting `token`, the parts' next states)."""
+        total = 0.0
+        states = []
+        for part, part_state in zip(self.parts, state, strict=True):
+            score, next_state = part.step(part_state, token)
+            total += score
+            states.append(next_state)
+        return total, tuple(states)
+
+    def final(self, state: tuple[Any, ...]) -> float:
+        """Summed score of ending the sentence after `state`."""
+        return sum(part.final(part_state)
+                   for part, part_state in zip(self.parts, state, strict=True))
 
 
 class TokenLM:

@@ -1,5 +1,6 @@
-"""What the model families share: the model interface (`AsrModel`), loss normalisation, batch
-checks, blank-heavy output init.
+"""What the model families share: the model interfaces (`AsrModel`, `FramePosteriors`), the
+CTC head (`CTCHead`: of CTC, CTC-CRF and U2 models, and a transducer's auxiliary one), loss
+normalisation, batch checks, blank-heavy output init.
 
 Usage:
     feats, feat_lens = on_device(device, feats, feat_lens)
@@ -26,7 +27,8 @@ class AsrModel(Protocol):
     * `model(feats, feat_lens, labels, label_lens) -> (loss, stats)`: the training loss;
     * `encoder` (an `Encoder`), `num_classes` (blank 0 included);
     * `decode(feats, feat_lens, method, beam_size, **search) -> token ids per utterance`,
-      with `decode_methods` the methods it has;
+      with `decode_methods` the methods it has and `search_settings` the names of the
+      `DecodeOptions` its searches take as `**search` (e.g. `blank_penalty`);
     * `search_inputs(feats, feat_lens)`: one network forward, and
       `nbest(inputs, beam_size, fusion, **search)`: N-best lists (token ids, score) of it,
       once per shallow-fusion setting.
@@ -34,6 +36,7 @@ class AsrModel(Protocol):
 
     encoder: nn.Module
     num_classes: int
+    search_settings: tuple[str, ...]
 
     @property
     def decode_methods(self) -> tuple[str, ...]: ...
@@ -48,6 +51,18 @@ class AsrModel(Protocol):
 
     def nbest(self, inputs: Any, beam_size: int, fusion: Any = None,
               **search: Any) -> list: ...
+
+
+@runtime_checkable
+class FramePosteriors(Protocol):
+    """A model whose head gives log-probabilities per encoder frame (CTC, CTC-CRF, U2): what
+    WFST (TLG) decoding and streaming CTC search consume.
+
+    * `log_probs(feats, feat_lens) -> (log-probabilities [B, T', V] float32, lengths [B])`.
+    """
+
+    def log_probs(self, feats: torch.Tensor,
+                  feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -129,6 +144,30 @@ def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:
     with torch.no_grad():
         head.bias.zero_()
         head.bias[0] = math.log(blank_prob / (1.0 - blank_prob) * num_tokens)
+
+
+class CTCHead(nn.Linear):
+    """A CTC head over encoder output: dropout, then a linear layer to `num_classes` (blank
+    0) that starts blank-heavy (`init_blank_bias`); the head of CTC, CTC-CRF and U2 models
+    and the auxiliary one of a transducer. Called, it gives logits (what exports and chunk
+    searches read); `log_probs` gives float32 log-probabilities (dropout in training mode);
+    `losses` per-utterance CTC losses (`ctc_losses`)."""
+
+    def __init__(self, input_dim: int, num_classes: int, dropout: float = 0.0,
+                 blank_init_prob: float = 0.5) -> None:
+        super().__init__(input_dim, num_classes)
+        self.dropout = nn.Dropout(dropout)
+        init_blank_bias(self, blank_init_prob)
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T', V] float32 log-probabilities of encoder output `hidden` [B, T', D]."""
+        # log_softmax in float32 even under autocast: CTC needs the precision.
+        return torch.log_softmax(self(self.dropout(hidden)).float(), dim=-1)
+
+    def losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+               label_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-utterance CTC losses of `hidden` and which utterances are infeasible."""
+        return ctc_losses(self.log_probs(hidden), lengths, labels, label_lens)
 
 
 def batch_loss(losses: torch.Tensor, labels: torch.Tensor, label_lens: torch.Tensor,

@@ -43,8 +43,8 @@ from cat.core.config import ConfigError
 from cat.lm.scorer import ShallowFusion
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
+    CTCHead,
     batch_loss,
-    ctc_losses,
     encode_batch,
     init_blank_bias,
 )
@@ -193,6 +193,32 @@ def loss_parts(lengths: torch.Tensor, label_lens: torch.Tensor, num_classes: int
     return parts
 
 
+def simple_losses(am_logits: torch.Tensor, lm_logits: torch.Tensor, labels: torch.Tensor,
+                  lengths: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
+    """Per-utterance transducer losses of the "simple" joiner `am_logits[t] + lm_logits[u]`
+    (am [B, T', V] from the encoder, lm [B, U+1, V] from the predictor; k2's
+    `rnnt_loss_simple`, icefall's `simple_loss`), in O(B T' U) memory: the normaliser of
+    every lattice node is `log(exp(am - max) @ exp(lm - max)^T) + maxes`, and the lattice
+    needs only each node's blank and next-label log-probabilities, which `rnnt_loss`
+    takes as a two-class input of log-probabilities (class 0 blank, class 1 the label)."""
+    am_logits, lm_logits = am_logits.float(), lm_logits.float()
+    am_max = am_logits.amax(-1, keepdim=True)  # [B, T, 1]
+    lm_max = lm_logits.amax(-1, keepdim=True)  # [B, U+1, 1]
+    norm = torch.log(torch.matmul((am_logits - am_max).exp(),
+                                  (lm_logits - lm_max).exp().transpose(1, 2)).clamp_min(1e-30))
+    norm = norm + am_max + lm_max.transpose(1, 2)  # [B, T, U+1]
+    next_label = nn.functional.pad(labels, (0, 1)).long()  # the label after node u (pad at U)
+    frames = am_logits.size(1)
+    label_score = (torch.gather(am_logits, 2, next_label[:, None, :].expand(-1, frames, -1))
+                   + torch.gather(lm_logits, 2, next_label[:, :, None]).squeeze(-1)[:, None])
+    blank_score = am_logits[:, :, BLANK, None] + lm_logits[:, None, :, BLANK]
+    log_probs = torch.stack([blank_score - norm, label_score - norm], dim=-1)
+    return torchaudio.functional.rnnt_loss(
+        log_probs.contiguous(), torch.ones_like(labels, dtype=torch.int32).contiguous(),
+        lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none",
+        fused_log_softmax=False)
+
+
 class TransducerModel(nn.Module):
     """RNN-T model trained with `torchaudio.functional.rnnt_loss` (blank = 0).
 
@@ -208,12 +234,17 @@ class TransducerModel(nn.Module):
             Decoding does not use it.
         ctc_dropout, ctc_blank_init_prob: that head's dropout and initial blank
             probability (`ctc.dropout`, `ctc.blank_init_prob`).
+        simple_loss_scale: with linear projections of the encoder and the predictor
+            output to the vocabulary (`simple_am`, `simple_lm`), the RNN-T loss becomes
+            `RNN-T + simple_loss_scale * simple` (`simple_losses`; icefall's
+            `simple_loss_scale`); 0: no such projections. Decoding does not use them.
     """
 
     def __init__(self, encoder: nn.Module, predictor: nn.Module, joiner: JointNet,
                  specaug: SpecAugment | None = None,
                  loss_normalization: str = "utterance", ctc_weight: float = 0.0,
-                 ctc_dropout: float = 0.0, ctc_blank_init_prob: float = 0.5) -> None:
+                 ctc_dropout: float = 0.0, ctc_blank_init_prob: float = 0.5,
+                 simple_loss_scale: float = 0.0) -> None:
         super().__init__()
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
@@ -222,11 +253,18 @@ class TransducerModel(nn.Module):
             raise ValueError(f"ctc.weight must be in [0, 1) (0: no auxiliary CTC head), "
                              f"got {ctc_weight}")
         self.ctc_weight = ctc_weight
-        self.ctc_head = None
-        if ctc_weight:
-            self.ctc_dropout = nn.Dropout(ctc_dropout)
-            self.ctc_head = nn.Linear(encoder.output_dim, joiner.out.out_features)
-            init_blank_bias(self.ctc_head, ctc_blank_init_prob)
+        self.ctc_head = (CTCHead(encoder.output_dim, joiner.out.out_features, ctc_dropout,
+                                 ctc_blank_init_prob) if ctc_weight else None)
+        if simple_loss_scale < 0:
+            raise ValueError(f"trainer.simple_loss_scale must be >= 0, got {simple_loss_scale}")
+        self.simple_loss_scale = simple_loss_scale
+        if simple_loss_scale:
+            self.simple_am = nn.Linear(encoder.output_dim, joiner.out.out_features)
+            self.simple_lm = nn.Linear(predictor.output_dim, joiner.out.out_features)
+            # Blank-heavy from the start as the other heads (`init_blank_bias`): from a
+            # uniform start the simple loss holds the shared encoder at the all-blank saddle.
+            init_blank_bias(self.simple_am, 0.5)
+            nn.init.zeros_(self.simple_lm.bias)
         self.encoder = encoder
         self.predictor = predictor
         self.joiner = joiner
@@ -248,8 +286,7 @@ class TransducerModel(nn.Module):
         if self.ctc_head is None:
             return batch_loss(losses, labels, label_lens, lengths, infeasible,
                               self.loss_normalization)
-        log_probs = torch.log_softmax(self.ctc_head(self.ctc_dropout(encoder_out)).float(), -1)
-        ctc, _ = ctc_losses(log_probs, lengths, labels, label_lens)
+        ctc, _ = self.ctc_head.losses(encoder_out, lengths, labels, label_lens)
         combined = (1 - self.ctc_weight) * losses + self.ctc_weight * ctc.masked_fill(
             infeasible, 0.0)
         loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
@@ -260,21 +297,30 @@ class TransducerModel(nn.Module):
 
     def _losses(self, encoder_out: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
                 label_lens: torch.Tensor) -> torch.Tensor:
-        """Per-utterance RNN-T losses of a (sub-)batch, trimmed to its longest T' and U
-        (rnnt_loss needs the padded sizes to equal the longest lengths)."""
+        """Per-utterance RNN-T losses (with the simple loss, when it has a scale) of a
+        (sub-)batch, trimmed to its longest T' and U (rnnt_loss needs the padded sizes to
+        equal the longest lengths)."""
         max_frames = int(lengths.max()) if lengths.numel() else 0
         max_labels = int(label_lens.max()) if label_lens.numel() else 0
         encoder_out = encoder_out[:, :max(max_frames, 1)]
         labels = labels[:, :max_labels]
         if max_frames == 0:
             encoder_out = nn.functional.pad(encoder_out, (0, 0, 0, 1 - encoder_out.size(1)))
-        logits = self.joiner(encoder_out, self.predictor(labels))
-        return torchaudio.functional.rnnt_loss(
+        predictor_out = self.predictor(labels)
+        logits = self.joiner(encoder_out, predictor_out)
+        losses = torchaudio.functional.rnnt_loss(
             logits.float().contiguous(), labels.int().contiguous(),
             lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none")
+        if not self.simple_loss_scale:
+            return losses
+        return losses + self.simple_loss_scale * simple_losses(
+            self.simple_am(encoder_out), self.simple_lm(predictor_out), labels, lengths,
+            label_lens)
 
     #: The `method`s `decode` accepts.
     decode_methods = ("greedy", "beam")
+    #: The search settings (`DecodeOptions`) `decode` and `nbest` take.
+    search_settings = ("blank_penalty",)
 
     @torch.no_grad()
     def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor
@@ -284,27 +330,28 @@ class TransducerModel(nn.Module):
         return self.encoder(feats, feat_lens.to(feats.device))
 
     def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
-              fusion: ShallowFusion | None = None) -> list:
+              fusion: ShallowFusion | None = None, blank_penalty: float = 0.0) -> list:
         """N-best lists of a batch: modified beam search, with shallow fusion (and LODR)
-        when given."""
+        when given, and `blank_penalty` taken from the blank logit (`cat.rnnt.search`)."""
         return rnnt_modified_beam_search(self.predictor, self.joiner, *inputs, beam_size,
-                                         fusion=fusion)
+                                         fusion=fusion, blank_penalty=blank_penalty)
 
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
-               beam_size: int = 10, max_symbols_per_frame: int = 3) -> list[list[int]]:
+               beam_size: int = 10, max_symbols_per_frame: int = 3,
+               blank_penalty: float = 0.0) -> list[list[int]]:
         """Decode a batch to token ids with greedy (batched) or modified beam search.
 
         Uses the module's current mode: call `model.eval()` first.
         `max_symbols_per_frame` applies to greedy search; beam search emits at most
-        one symbol per frame (see `cat.rnnt.search`).
+        one symbol per frame; both take `blank_penalty` (see `cat.rnnt.search`).
         """
         encoder_out, lengths = self.encoder(feats, feat_lens.to(feats.device))
         if method == "greedy":
             return rnnt_greedy_search(self.predictor, self.joiner, encoder_out, lengths,
-                                      max_symbols_per_frame)
+                                      max_symbols_per_frame, blank_penalty)
         if method == "beam":
             nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
-                                              beam_size)
+                                              beam_size, blank_penalty=blank_penalty)
             return [hyps[0][0] if hyps else [] for hyps in nbest]
         raise ValueError(f"unknown RNN-T decoding method {method!r}; allowed: greedy, beam")
 

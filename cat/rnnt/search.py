@@ -20,6 +20,10 @@ joiner pair following the interfaces of `cat.rnnt.model` (`initial_state`,
     states are cached per token sequence, and the new sequences of a frame are
     fed to the predictor in one batch. Utterances are searched one at a time.
 
+Blank penalty (`blank_penalty`, sherpa-onnx's setting of that name): a constant taken from
+the blank logit before each decision, in both searches; an under-trained transducer whose
+errors are mostly deletions gives up some of them for insertions. 0 changes nothing.
+
 Shallow fusion and LODR (`fusion`, e.g. `cat.lm.scorer.ShallowFusion`): each token
 sequence also caches its weighted LM score (`alpha` log p_LM - `lodr_weight`
 log p_LODR + `beta` per token) and LM state. Hypotheses are ranked by acoustic
@@ -43,6 +47,16 @@ BLANK = 0
 State = tuple[torch.Tensor, ...]
 
 
+def joint_logits(joiner: nn.Module, encoder_proj: torch.Tensor, predictor_proj: torch.Tensor,
+                 blank_penalty: float = 0.0) -> torch.Tensor:
+    """The joiner's logits with `blank_penalty` taken from blank's."""
+    logits = joiner.joint(encoder_proj, predictor_proj)
+    if blank_penalty:
+        logits = logits.clone()
+        logits[..., BLANK] -= blank_penalty
+    return logits
+
+
 def where_state(mask: torch.Tensor, new: State, old: State) -> State:
     """Per hypothesis, take `new` where `mask` [n] is True, else `old`."""
     return tuple(torch.where(mask.view(-1, *([1] * (n.dim() - 1))), n, o)
@@ -56,7 +70,8 @@ def select_state(state: State, index: torch.Tensor) -> State:
 
 @torch.no_grad()
 def rnnt_greedy_search(predictor: nn.Module, joiner: nn.Module, encoder_out: torch.Tensor,
-                       lengths: torch.Tensor, max_symbols_per_frame: int = 3) -> list[list[int]]:
+                       lengths: torch.Tensor, max_symbols_per_frame: int = 3,
+                       blank_penalty: float = 0.0) -> list[list[int]]:
     """Batched greedy search; returns one token list per utterance."""
     if max_symbols_per_frame < 1:
         raise ValueError(f"max_symbols_per_frame must be >= 1, got {max_symbols_per_frame}")
@@ -71,7 +86,8 @@ def rnnt_greedy_search(predictor: nn.Module, joiner: nn.Module, encoder_out: tor
     for t in range(num_frames):
         may_emit = t < lengths
         for _ in range(max_symbols_per_frame):
-            best = joiner.joint(encoder_proj[:, t], predictor_proj).argmax(dim=-1)
+            best = joint_logits(joiner, encoder_proj[:, t], predictor_proj,
+                                blank_penalty).argmax(dim=-1)
             emit = may_emit & (best != BLANK)
             if not emit.any():
                 break
@@ -130,7 +146,8 @@ def _fusion_ranks(lm: _FusionCache, hyps: list[tuple[int, ...]], stay: torch.Ten
 
 def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torch.Tensor,
                      beam_size: int, fusion: Fusion | None = None,
-                     token_topk: int | None = None) -> list[tuple[list[int], float]]:
+                     token_topk: int | None = None, blank_penalty: float = 0.0
+                     ) -> list[tuple[list[int], float]]:
     """Modified beam search on one utterance's projected encoder frames [T, H]."""
     device = encoder_proj.device
     out, state = predictor.step(torch.full((1,), BLANK, dtype=torch.long, device=device),
@@ -144,8 +161,8 @@ def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torc
     for t in range(encoder_proj.size(0)):
         num_hyps = len(hyps)
         predictor_proj = torch.stack([cache[h][0] for h in hyps])
-        log_probs = torch.log_softmax(
-            joiner.joint(encoder_proj[t][None], predictor_proj).float(), dim=-1)  # [K, V]
+        log_probs = torch.log_softmax(joint_logits(
+            joiner, encoder_proj[t][None], predictor_proj, blank_penalty).float(), dim=-1)
         stay = scores + log_probs[:, BLANK]
         extend = scores[:, None] + log_probs
         extend[:, BLANK] = float("-inf")
@@ -200,7 +217,8 @@ def _beam_search_one(predictor: nn.Module, joiner: nn.Module, encoder_proj: torc
 @torch.no_grad()
 def rnnt_modified_beam_search(predictor: nn.Module, joiner: nn.Module, encoder_out: torch.Tensor,
                               lengths: torch.Tensor, beam_size: int = 4,
-                              fusion: Fusion | None = None, token_topk: int | None = None
+                              fusion: Fusion | None = None, token_topk: int | None = None,
+                              blank_penalty: float = 0.0
                               ) -> list[list[tuple[list[int], float]]]:
     """Modified beam search (one symbol per frame at most) for each utterance of a batch.
 
@@ -212,5 +230,5 @@ def rnnt_modified_beam_search(predictor: nn.Module, joiner: nn.Module, encoder_o
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     encoder_proj = joiner.project_encoder(encoder_out)
     return [_beam_search_one(predictor, joiner, encoder_proj[index, :length], beam_size,
-                             fusion, token_topk)
+                             fusion, token_topk, blank_penalty)
             for index, length in enumerate(lengths.tolist())]

@@ -237,7 +237,10 @@ def decode(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) -> 
     for test in plan.section("test"):
         name = set_name(test)
         out = plan.exp_dir / "decode" / name
-        sig = signature("decode", option, files=[checkpoint, Path(test) / "feats.scp"])
+        # The hotwords file's content decides the hypotheses too, not only its name.
+        hotwords = [Path(options.hotwords)] if options.hotwords else []
+        sig = signature("decode", option,
+                        files=[checkpoint, Path(test) / "feats.scp", *hotwords])
         if not is_done(out / "hyp", sig):
             decode_set(plan.exp_dir, test, checkpoint, out, kind, options, launcher)
             mark_done(out / "hyp", sig)

@@ -137,3 +137,35 @@ def test_failed_task_is_named_with_its_log_and_stage_4_exits_1(recipe, tmp_path,
     assert "Traceback" in (logs / "decode.2.log").read_text(encoding="utf-8")
     assert (logs / "decode.1.log").read_text(encoding="utf-8").endswith(f"{ENDED}0\n")
     assert not (copy / EXP / "decode/test/hyp").exists()
+
+
+def test_stage_4_decodes_again_when_the_hotwords_file_changes(recipe, monkeypatch):
+    """Stage 4's record of a decoded set covers the hotwords file's content, not only its
+    name: an edited list is decoded again, an unchanged one is not."""
+    import cat.decoding.inference as inference
+
+    hyper_path = Path(f"{EXP}/hyper-p.json")
+    original = hyper_path.read_text(encoding="utf-8")
+    hyper = json.loads(original)
+    hotwords = Path("hotwords.txt")
+    hotwords.write_text("你好\n", encoding="utf-8")
+    hyper["inference"]["infer"]["option"] = {
+        **hyper["inference"]["infer"].get("option", {}), "method": "beam",
+        "hotwords": str(hotwords)}
+    calls = []
+    real = inference.decode_set
+    monkeypatch.setattr(inference, "decode_set",
+                        lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs))
+    try:
+        hyper_path.write_text(json.dumps(hyper), encoding="utf-8")
+        stage_driver.decode(EXP)
+        decoded = len(calls)
+        assert decoded >= 1
+        stage_driver.decode(EXP)
+        assert len(calls) == decoded, "an unchanged hotwords file needs no new decoding"
+        hotwords.write_text("你好\n世界 :3\n", encoding="utf-8")
+        stage_driver.decode(EXP)
+        assert len(calls) == 2 * decoded, "an edited hotwords file is decoded again"
+    finally:
+        hyper_path.write_text(original, encoding="utf-8")
+        shutil.rmtree(f"{EXP}/decode", ignore_errors=True)

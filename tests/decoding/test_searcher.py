@@ -214,3 +214,14 @@ def test_a_checkpoint_without_a_recorded_config_decodes_with_a_warning(recipe, c
             f"{CONFIG} cannot be compared with the config it was trained with, only the "
             "parameter shapes are") in caplog.text
     old.unlink()
+
+
+def test_search_settings_reach_only_the_searches_that_take_them():
+    options = DecodeOptions.from_dict({"method": "beam", "blank_penalty": 1.5}, "hyper-p.json")
+    assert options.search_settings(("blank_penalty",), "exp/x/config.json") == {
+        "blank_penalty": 1.5}
+    with pytest.raises(ValueError, match=r"exp/x/config\.json: blank_penalty: this model's"):
+        options.search_settings((), "exp/x/config.json")
+    assert DecodeOptions.from_dict({}, "hyper-p.json").search_settings((), "config.json") == {}
+    rescoring = DecodeOptions.from_dict({"method": "attention_rescoring"}, "hyper-p.json")
+    assert rescoring.search_settings((), "config.json") == rescoring.rescoring() != {}

@@ -14,6 +14,7 @@ from cat.core.config import ConfigError, load_config, model_kind, validate_confi
 from cat.core.config import load_config_schema as load_schema
 from cat.ctc.model import CTCModel
 from cat.models.encoder import ConformerNet
+from cat.models.heads import FramePosteriors
 from cat.models.registry import ENCODERS, build_model, check_command, count_parameters
 from cat.models.specaug import SpecAugment
 from cat.rnnt.model import (
@@ -80,6 +81,8 @@ def test_build_ctc_and_rnnt_models():
     assert model_kind(rnnt_config()) == "rnnt"
     assert count_parameters(ctc) == sum(p.numel() for p in ctc.parameters())
     assert count_parameters(rnnt) > count_parameters(ctc)
+    # Frame posteriors (what WFST decoding reads) come from a CTC head, not a transducer.
+    assert isinstance(ctc, FramePosteriors) and not isinstance(rnnt, FramePosteriors)
 
 
 def test_stateless_predictor_from_config():
@@ -227,6 +230,7 @@ def test_schema_defaults_match_constructor_defaults():
     assert schema_defaults("trainer") == {
         "loss_normalization": _constructor_defaults(CTCModel, 2)["loss_normalization"],
         "use_crf": False, "lamb": _constructor_defaults(CRFModel, 2)["lamb"],
+        "simple_loss_scale": auxiliary["simple_loss_scale"],
         "den_lm_order": graph["order"].default,
         "den_lm_extra_states": graph["extra_states"].default,
         "den_lm_estimator": graph["estimator"].default}

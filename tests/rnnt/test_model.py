@@ -254,3 +254,56 @@ def test_an_auxiliary_ctc_head_mixes_its_loss_and_leaves_plain_rnnt_unchanged():
     loss.backward()
     assert model.ctc_head.weight.grad.abs().sum() > 0
     assert model.decode_methods == ("greedy", "beam")
+
+
+def test_simple_loss_equals_the_full_lattice_loss_of_the_linear_joiner():
+    """`simple_losses` (two-class lattice, O(B T U) memory) gives the loss and gradients of
+    rnnt_loss over the full [B, T, U+1, V] logits `am[t] + lm[u]`, padded labels included."""
+    generator = torch.Generator().manual_seed(3)
+    batch, frames, labels_max, classes = 3, 7, 4, 6
+    am = torch.randn(batch, frames, classes, generator=generator, requires_grad=True)
+    lm = torch.randn(batch, labels_max + 1, classes, generator=generator, requires_grad=True)
+    labels = torch.randint(1, classes, (batch, labels_max), generator=generator)
+    lengths, label_lens = torch.tensor([7, 5, 6]), torch.tensor([4, 2, 3])
+    for index, length in enumerate(label_lens.tolist()):
+        labels[index, length:] = 0
+    full = torchaudio.functional.rnnt_loss(am[:, :, None] + lm[:, None], labels.int(),
+                                           lengths.int(), label_lens.int(), blank=0,
+                                           reduction="none")
+    expected = torch.autograd.grad(full.sum(), [am, lm])
+    simple = rnnt_model.simple_losses(am, lm, labels, lengths, label_lens)
+    got = torch.autograd.grad(simple.sum(), [am, lm])
+    assert torch.allclose(simple, full, rtol=1e-5)
+    for mine, reference in zip(got, expected, strict=True):
+        assert torch.allclose(mine, reference, atol=1e-5)
+
+
+def test_simple_loss_scale_adds_the_simple_loss_and_is_rnnt_only():
+    from cat.core.config import ConfigError
+    from cat.models.registry import build_model
+    from tests.models.test_registry import ctc_config, rnnt_config
+
+    torch.manual_seed(0)
+    plain = build_model(rnnt_config(), num_classes=6).eval()
+    assert not any(key.startswith("simple") for key in plain.state_dict())
+    config = rnnt_config()
+    config["trainer"] = {"simple_loss_scale": 0.5}
+    torch.manual_seed(0)
+    model = build_model(config, num_classes=6).eval()
+    feats, feat_lens, labels, label_lens = make_task()
+    loss, _ = model(feats, feat_lens, labels, label_lens)
+    with torch.no_grad():
+        encoder_out, lengths = model.encoder(feats, feat_lens)
+        simple = rnnt_model.simple_losses(model.simple_am(encoder_out),
+                                          model.simple_lm(model.predictor(labels)), labels,
+                                          lengths, label_lens)
+    plain_loss, _ = plain(feats, feat_lens, labels, label_lens)
+    assert loss.item() == pytest.approx(plain_loss.item() + 0.5 * simple.mean().item(),
+                                        rel=1e-5)
+    loss.backward()
+    assert model.simple_am.weight.grad.abs().sum() > 0
+    assert model.simple_lm.weight.grad.abs().sum() > 0
+    bad = ctc_config()
+    bad["trainer"] = {"simple_loss_scale": 0.5}
+    with pytest.raises(ConfigError, match=r"trainer\.simple_loss_scale: only used by RNN-T"):
+        build_model(bad, num_classes=6)

@@ -180,3 +180,25 @@ def test_fusion_moves_the_best_sequence_to_the_lm_preferred_one():
                                         beam_size=16, fusion=fusion, token_topk=3)[0]
     assert tuple(plain[0][0]) == max(acoustic, key=acoustic.get)
     assert tuple(with_lm[0][0]) == max(fused, key=fused.get)
+
+
+@pytest.mark.parametrize("penalty", [0.7, 2.5])
+def test_blank_penalty_is_a_lower_blank_logit_in_both_searches(penalty):
+    """A search with `blank_penalty` p equals the search of a joiner whose blank bias is
+    lower by p, and it emits more tokens than without."""
+    predictor, joiner = components("lstm", num_classes=5, seed=0, blank_bias=1.0)
+    _, lowered = components("lstm", num_classes=5, seed=0, blank_bias=1.0 - penalty)
+    generator = torch.Generator().manual_seed(1)
+    encoder_out = 2 * torch.randn(3, 9, 6, generator=generator)
+    lengths = torch.tensor([9, 6, 2])
+    greedy = rnnt_greedy_search(predictor, joiner, encoder_out, lengths, 3, blank_penalty=penalty)
+    assert greedy == rnnt_greedy_search(predictor, lowered, encoder_out, lengths, 3)
+    beam = rnnt_modified_beam_search(predictor, joiner, encoder_out, lengths, 3,
+                                     blank_penalty=penalty)
+    expected = rnnt_modified_beam_search(predictor, lowered, encoder_out, lengths, 3)
+    assert [[hyp for hyp, _ in lists] for lists in beam] == \
+        [[hyp for hyp, _ in lists] for lists in expected]
+    for lists, reference in zip(beam, expected, strict=True):
+        assert [score for _, score in lists] == pytest.approx([s for _, s in reference])
+    plain = rnnt_greedy_search(predictor, joiner, encoder_out, lengths, 3)
+    assert sum(map(len, greedy)) > sum(map(len, plain))
