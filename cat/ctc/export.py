@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from cat.core.io import PathLike
-from cat.ctc.search import ctc_greedy_search
 from cat.ctc.stream import CtcChunkSearch
 from cat.decoding.export import (
     EXPORT_NAME,
@@ -39,6 +38,7 @@ from cat.decoding.export import (
     write_tokens,
 )
 from cat.models.chunked import StreamingEncoder
+from cat.models.ctc_search import ctc_greedy_search
 
 MODEL_NAME = "model.onnx"
 

@@ -39,9 +39,9 @@ import torch
 from torch import nn
 
 from cat.core.config import ConfigError
-from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
 from cat.lm.scorer import ShallowFusion
 from cat.models.attention import AttentionHead, build_attention, rescore
+from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     CTCHead,

@@ -12,8 +12,8 @@ import sys
 import torch
 from torch import nn
 
-from cat.ctc.search import BLANK
 from cat.decoding.online import main
+from cat.models.ctc_search import BLANK
 
 
 class CtcChunkSearch:

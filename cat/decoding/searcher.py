@@ -64,18 +64,25 @@ OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "method": {"enum": ["greedy", "beam", "attention_rescoring"],
+        "method": {"enum": ["greedy", "beam", "attention_rescoring", "joint_rescoring"],
                    "description": "search algorithm: greedy, beam search (prefix beam "
-                                  "search for CTC), or attention_rescoring (the prefix "
+                                  "search for CTC), attention_rescoring (the prefix "
                                   "beam's N-best ranked again by the attention decoder; "
-                                  "CTC models with an 'attention' head)"},
+                                  "CTC models with an 'attention' head), or "
+                                  "joint_rescoring (transducers with an auxiliary CTC "
+                                  "head: the N-best of both heads' beam searches ranked by "
+                                  "ctc_weight x the CTC head's + decoder_weight x the "
+                                  "transducer's log-likelihood)"},
         "beam_size": {"type": "integer", "minimum": 1,
                       "description": "beam width: hypotheses kept per step"},
         "ctc_weight": {"type": "number", "minimum": 0,
-                       "description": "attention_rescoring: weight of the search's score"},
+                       "description": "attention_rescoring: weight of the search's "
+                                      "score; joint_rescoring: of the CTC head's "
+                                      "log-likelihood"},
         "decoder_weight": {"type": "number", "minimum": 0,
                            "description": "attention_rescoring: weight of the decoders' "
-                                          "score (log probability)"},
+                                          "score (log probability); joint_rescoring: of "
+                                          "the transducer's log-likelihood"},
         "reverse_weight": {"type": "number", "minimum": 0, "maximum": 1,
                            "description": "attention_rescoring: share of the right to left "
                                           "decoder in the decoder's score (default: the "
@@ -135,8 +142,8 @@ class DecodeOptions:
 
     def __post_init__(self) -> None:
         if self.hotwords is not None and self.method == "greedy":
-            raise ValueError("hotwords need a beam search (method 'beam' or "
-                             "'attention_rescoring'), not greedy")
+            raise ValueError("hotwords need a beam search (method 'beam' or one of the "
+                             "rescoring methods), not greedy")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any], source: str) -> DecodeOptions:
@@ -158,8 +165,10 @@ class DecodeOptions:
         return cls.from_dict(options, f"{source}: inference.infer.option")
 
     def rescoring(self) -> dict[str, Any]:
-        """The weights a model's `decode` and `nbest` take for attention rescoring (nothing
-        for the other methods: `nbest` then returns the beam search's lists)."""
+        """The weights a model's `decode` and `nbest` take for attention or joint rescoring
+        (nothing for the other methods: `nbest` then returns the beam search's lists)."""
+        if self.method == "joint_rescoring":
+            return {"ctc_weight": self.ctc_weight, "decoder_weight": self.decoder_weight}
         if self.method != "attention_rescoring":
             return {}
         return {"ctc_weight": self.ctc_weight, "decoder_weight": self.decoder_weight,

@@ -83,7 +83,7 @@ def check_command(command: str, kind: str, source: str) -> None:
 
 def family(kind: str, part: str = "model") -> ModuleType:
     """The module `part` of the family of model kind `kind`: `model` (its `build_model`),
-    or the family's `search`, `stream` (its `ChunkSearch`) or `export` (its `export`),
+    or the family's `stream` (its `ChunkSearch`) or `export` (its `export`),
     those of `DECODES_AS[kind]` when the kind decodes as another."""
     if part != "model":
         kind = DECODES_AS.get(kind, kind)

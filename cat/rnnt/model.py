@@ -41,6 +41,7 @@ from torch import nn
 
 from cat.core.config import ConfigError
 from cat.lm.scorer import ShallowFusion
+from cat.models.ctc_search import ctc_prefix_beam_search
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     CTCHead,
@@ -231,7 +232,7 @@ class TransducerModel(nn.Module):
         ctc_weight: with an auxiliary CTC head on the encoder (config.json's `ctc` section
             in an RNN-T model: icefall's `ctc_loss_scale`, WeNet's transducer `ctc_weight`),
             the loss is `(1 - ctc_weight) * RNN-T + ctc_weight * CTC`; 0: no such head.
-            Decoding does not use it.
+            Decoding uses it in method `joint_rescoring` only (`nbest`).
         ctc_dropout, ctc_blank_init_prob: that head's dropout and initial blank
             probability (`ctc.dropout`, `ctc.blank_init_prob`).
         simple_loss_scale: with linear projections of the encoder and the predictor
@@ -317,9 +318,13 @@ class TransducerModel(nn.Module):
             self.simple_am(encoder_out), self.simple_lm(predictor_out), labels, lengths,
             label_lens)
 
-    #: The `method`s `decode` accepts.
-    decode_methods = ("greedy", "beam")
-    #: The search settings (`DecodeOptions`) `decode` and `nbest` take.
+    @property
+    def decode_methods(self) -> tuple[str, ...]:
+        """The `method`s `decode` accepts: `joint_rescoring` with an auxiliary CTC head."""
+        return ("greedy", "beam") + (("joint_rescoring",) if self.ctc_head is not None else ())
+
+    #: The search settings (`DecodeOptions`) `decode` and `nbest` take besides the rescoring
+    #: weights of joint_rescoring.
     search_settings = ("blank_penalty",)
 
     @torch.no_grad()
@@ -330,30 +335,106 @@ class TransducerModel(nn.Module):
         return self.encoder(feats, feat_lens.to(feats.device))
 
     def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
-              fusion: ShallowFusion | None = None, blank_penalty: float = 0.0) -> list:
+              fusion: ShallowFusion | None = None, blank_penalty: float = 0.0,
+              ctc_weight: float | None = None, decoder_weight: float = 1.0) -> list:
         """N-best lists of a batch: modified beam search, with shallow fusion (and LODR)
-        when given, and `blank_penalty` taken from the blank logit (`cat.rnnt.search`)."""
-        return rnnt_modified_beam_search(self.predictor, self.joiner, *inputs, beam_size,
-                                         fusion=fusion, blank_penalty=blank_penalty)
+        when given, and `blank_penalty` taken from the blank logit (`cat.rnnt.search`).
+        With `ctc_weight` (method joint_rescoring, a model with an auxiliary CTC head), the
+        lists of the transducer's beam search and of the CTC head's prefix beam search
+        (both with `fusion`) are merged and ranked by `ctc_weight` x the CTC head's
+        log-likelihood + `decoder_weight` x the transducer's, each summed over all
+        alignments (WeNet ranks a transducer's N-best by such weighted scores), plus the
+        fusion's score of the sequence."""
+        encoder_out, lengths = inputs
+        nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
+                                          beam_size, fusion=fusion, blank_penalty=blank_penalty)
+        if ctc_weight is None:
+            return nbest
+        self._check_method("joint_rescoring")
+        ctc_nbest = ctc_prefix_beam_search(self.ctc_head.log_probs(encoder_out), lengths,
+                                           beam_size, fusion=fusion)
+        return [self._rescore(encoder_out[index, :length], hyps + ctc_hyps, fusion,
+                              ctc_weight, decoder_weight)
+                for index, (length, hyps, ctc_hyps) in enumerate(
+                    zip(lengths.tolist(), nbest, ctc_nbest, strict=True))]
+
+    @torch.no_grad()
+    def sequence_log_likelihoods(self, encoder_out: torch.Tensor, hyps: list[list[int]]
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(transducer, CTC head) log-likelihoods [N] of token sequences `hyps` given one
+        utterance's encoder output [T', D], each summed over all alignments (-inf where
+        CTC has too few frames)."""
+        count, frames = len(hyps), encoder_out.size(0)
+        label_lens = torch.tensor([len(h) for h in hyps], device=encoder_out.device)
+        labels = torch.zeros(count, max(int(label_lens.max()), 1), dtype=torch.long,
+                             device=encoder_out.device)
+        for row, hyp in enumerate(hyps):
+            labels[row, :len(hyp)] = torch.tensor(hyp, dtype=torch.long)
+        repeated = encoder_out[None].expand(count, -1, -1)
+        lengths = torch.full((count,), frames, dtype=torch.long, device=encoder_out.device)
+        longest = int(label_lens.max())
+        logits = self.joiner(repeated, self.predictor(labels[:, :longest]))
+        transducer = -torchaudio.functional.rnnt_loss(
+            logits.float().contiguous(), labels[:, :longest].int().contiguous(),
+            lengths.int(), label_lens.int(), blank=BLANK, reduction="none")
+        log_probs = self.ctc_head.log_probs(encoder_out[None]).expand(count, -1, -1)
+        ctc = -nn.functional.ctc_loss(log_probs.transpose(0, 1), labels, lengths, label_lens,
+                                      blank=BLANK, reduction="none", zero_infinity=False)
+        return transducer, ctc
+
+    def _rescore(self, encoder_out: torch.Tensor, candidates: list, fusion: ShallowFusion | None,
+                 ctc_weight: float, decoder_weight: float) -> list[tuple[list[int], float]]:
+        """`candidates` ((tokens, score) pairs, duplicates allowed) ranked by the weighted
+        log-likelihoods (see `nbest`), best first."""
+        hyps = list(dict.fromkeys(tuple(tokens) for tokens, _ in candidates))
+        if not hyps or encoder_out.size(0) == 0:
+            return [(list(h), 0.0) for h in hyps]
+        transducer, ctc = self.sequence_log_likelihoods(encoder_out, [list(h) for h in hyps])
+        scores = (ctc_weight * ctc + decoder_weight * transducer).tolist()
+        if fusion is not None:
+            scores = [score + fusion_score(fusion, hyp) for score, hyp in zip(scores, hyps,
+                                                                            strict=True)]
+        ranked = sorted(zip(hyps, scores, strict=True), key=lambda pair: -pair[1])
+        return [(list(hyp), score) for hyp, score in ranked]
+
+    def _check_method(self, method: str) -> None:
+        if method not in self.decode_methods:
+            hint = "" if self.ctc_head is not None else \
+                " (joint_rescoring needs an auxiliary CTC head: config.json 'ctc' with a weight)"
+            raise ValueError(f"unknown RNN-T decoding method {method!r}; allowed: "
+                             f"{', '.join(self.decode_methods)}{hint}")
 
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                beam_size: int = 10, max_symbols_per_frame: int = 3,
-               blank_penalty: float = 0.0) -> list[list[int]]:
-        """Decode a batch to token ids with greedy (batched) or modified beam search.
+               blank_penalty: float = 0.0, **rescoring: Any) -> list[list[int]]:
+        """Decode a batch to token ids with greedy (batched) or modified beam search, or
+        joint rescoring (`rescoring` weights as in `nbest`).
 
         Uses the module's current mode: call `model.eval()` first.
         `max_symbols_per_frame` applies to greedy search; beam search emits at most
         one symbol per frame; both take `blank_penalty` (see `cat.rnnt.search`).
         """
+        self._check_method(method)
         encoder_out, lengths = self.encoder(feats, feat_lens.to(feats.device))
         if method == "greedy":
             return rnnt_greedy_search(self.predictor, self.joiner, encoder_out, lengths,
                                       max_symbols_per_frame, blank_penalty)
-        if method == "beam":
+        if method == "joint_rescoring":
+            nbest = self.nbest((encoder_out, lengths), beam_size, None, blank_penalty,
+                               **rescoring)
+        else:
             nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
                                               beam_size, blank_penalty=blank_penalty)
-            return [hyps[0][0] if hyps else [] for hyps in nbest]
-        raise ValueError(f"unknown RNN-T decoding method {method!r}; allowed: greedy, beam")
+        return [hyps[0][0] if hyps else [] for hyps in nbest]
+
+
+def fusion_score(fusion: ShallowFusion, tokens: tuple[int, ...]) -> float:
+    """The weighted score `fusion` gives a whole token sequence, end included."""
+    state, total = fusion.initial_state(), 0.0
+    for token in tokens:
+        delta, state = fusion.step(state, token)
+        total += delta
+    return total + fusion.final(state)
 
 
 # Read-only registries of this family: config names map to classes here and nowhere else.

@@ -253,7 +253,7 @@ def test_an_auxiliary_ctc_head_mixes_its_loss_and_leaves_plain_rnnt_unchanged():
                                               + 0.3 * stats["ctc_loss_sum"], rel=1e-5)
     loss.backward()
     assert model.ctc_head.weight.grad.abs().sum() > 0
-    assert model.decode_methods == ("greedy", "beam")
+    assert model.decode_methods == ("greedy", "beam", "joint_rescoring")
 
 
 def test_simple_loss_equals_the_full_lattice_loss_of_the_linear_joiner():
@@ -307,3 +307,51 @@ def test_simple_loss_scale_adds_the_simple_loss_and_is_rnnt_only():
     bad["trainer"] = {"simple_loss_scale": 0.5}
     with pytest.raises(ConfigError, match=r"trainer\.simple_loss_scale: only used by RNN-T"):
         build_model(bad, num_classes=6)
+
+
+def test_joint_rescoring_ranks_both_searches_lists_by_the_weighted_log_likelihoods():
+    """joint_rescoring (a transducer with an auxiliary CTC head): the union of the
+    transducer's and the CTC head's N-best, each scored ctc_weight x CTC + decoder_weight x
+    transducer log-likelihood over all alignments, best first; without a CTC head the
+    method does not exist."""
+    from cat.models.ctc_search import ctc_prefix_beam_search
+    from cat.models.registry import build_model
+    from tests.models.test_registry import rnnt_config
+
+    config = rnnt_config()
+    config["ctc"] = {"weight": 0.3}
+    torch.manual_seed(0)
+    model = build_model(config, num_classes=6).eval()
+    assert model.decode_methods == ("greedy", "beam", "joint_rescoring")
+    feats, feat_lens, _, _ = make_task()
+    inputs = model.search_inputs(feats, feat_lens)
+    encoder_out, lengths = inputs
+    joint = model.nbest(inputs, 3, ctc_weight=0.4, decoder_weight=0.7)
+    transducer = model.nbest(inputs, 3)
+    ctc = ctc_prefix_beam_search(model.ctc_head.log_probs(encoder_out), lengths, 3)
+    for index, hyps in enumerate(joint):
+        expected = {tuple(h) for h, _ in transducer[index]} | {tuple(h) for h, _ in ctc[index]}
+        assert {tuple(h) for h, _ in hyps} == expected
+        scores = [score for _, score in hyps]
+        assert scores == sorted(scores, reverse=True)
+        frames = encoder_out[index, :lengths[index]]
+        for tokens, score in hyps:
+            with torch.no_grad():
+                logits = model.joiner(frames[None], model.predictor(torch.tensor([tokens]).long()
+                                                                    if tokens else
+                                                                    torch.zeros(1, 0).long()))
+                rnnt = torchaudio.functional.rnnt_loss(
+                    logits, torch.tensor([tokens], dtype=torch.int32).reshape(1, -1),
+                    lengths[index:index + 1].int(), torch.tensor([len(tokens)]).int(),
+                    blank=0, reduction="none")
+                log_probs = model.ctc_head.log_probs(frames[None])
+                ctc_loss = torch.nn.functional.ctc_loss(
+                    log_probs.transpose(0, 1), torch.tensor([tokens or [0]]),
+                    lengths[index:index + 1], torch.tensor([len(tokens)]), reduction="none")
+            assert score == pytest.approx(-0.4 * float(ctc_loss) - 0.7 * float(rnnt), rel=1e-4)
+    best = model.decode(feats, feat_lens, "joint_rescoring", 3, ctc_weight=0.4,
+                        decoder_weight=0.7)
+    assert best == [hyps[0][0] for hyps in joint]
+    plain = build_model(rnnt_config(), num_classes=6).eval()
+    with pytest.raises(ValueError, match="joint_rescoring needs an auxiliary CTC head"):
+        plain.decode(feats, feat_lens, "joint_rescoring", 3, ctc_weight=0.4)

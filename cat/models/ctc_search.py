@@ -1,4 +1,5 @@
-"""CTC decoding: batched greedy search and batched prefix beam search.
+"""The CTC head's searches (CTC, CTC-CRF and U2 models, a transducer's auxiliary head):
+batched greedy search and batched prefix beam search.
 
 Both take frame log-probabilities `[B, T, V]` (log-softmax outputs, blank = 0)
 and lengths `[B]`; frames at or beyond an utterance's length are ignored.
