@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     train = list(read_table(args.train_text, allow_empty_value=True).values())
     listed, false_alarm = choose_lists(lexicon_words(Path(args.lexicon)), refs, train,
                                        args.num_words)
-    train_counts = Counter({w: "\n".join(train).count(w) for w in listed})
+    train_text = "\n".join(train)
+    train_counts = Counter({w: train_text.count(w) for w in listed})
     print(f"listed ({len(listed)}): {' '.join(listed)}")
     print(f"their training occurrences: {sum(train_counts.values())} "
           f"(at most {max(train_counts.values(), default=0)} each)")

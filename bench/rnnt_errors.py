@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cat.core.io import read_table
 from cat.decoding.checkpoint import averaged_checkpoint
 from cat.decoding.searcher import load_model
+from cat.models.ctc_search import ctc_greedy_search
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 from cat.utils.wer import align, tokenize
 
@@ -77,29 +78,11 @@ def error_kinds(refs: dict[str, str], hyps: dict[str, str]) -> dict[str, float]:
             "del_other": counts["del_"] - counts["del_repeat"] - counts["del_last"]}
 
 
-class PenalisedJoiner(torch.nn.Module):
-    """A joiner whose blank logit is lowered by `penalty` (sherpa-onnx's blank_penalty)."""
-
-    def __init__(self, joiner: torch.nn.Module, penalty: float) -> None:
-        super().__init__()
-        self.inner, self.penalty = joiner, penalty
-
-    def project_encoder(self, encoder_out: torch.Tensor) -> torch.Tensor:
-        return self.inner.project_encoder(encoder_out)
-
-    def project_predictor(self, predictor_out: torch.Tensor) -> torch.Tensor:
-        return self.inner.project_predictor(predictor_out)
-
-    def joint(self, encoder_proj: torch.Tensor, predictor_proj: torch.Tensor) -> torch.Tensor:
-        logits = self.inner.joint(encoder_proj, predictor_proj)
-        logits[..., 0] -= self.penalty
-        return logits
-
-
 def decode_set(model, tokenizer, scp: dict[str, str], beam: int, penalties: list[float],
                batch_size: int = 32) -> dict[str, dict[str, str]]:
     """Hypotheses of every search for the utterances of `scp`."""
-    keys = sorted(scp, key=lambda key: kaldiio.load_mat(scp[key]).shape[0])
+    features = {key: torch.from_numpy(kaldiio.load_mat(path).copy()) for key, path in scp.items()}
+    keys = sorted(features, key=lambda key: features[key].shape[0])
     hyps: dict[str, dict[str, str]] = {}
 
     def put(search: str, key: str, tokens: list[int]) -> None:
@@ -108,25 +91,22 @@ def decode_set(model, tokenizer, scp: dict[str, str], beam: int, penalties: list
     with torch.no_grad():
         for start in range(0, len(keys), batch_size):
             batch = keys[start:start + batch_size]
-            mats = [torch.from_numpy(kaldiio.load_mat(scp[key])) for key in batch]
-            lens = torch.tensor([m.shape[0] for m in mats])
-            feats = torch.nn.utils.rnn.pad_sequence(mats, batch_first=True)
+            lens = torch.tensor([features[key].shape[0] for key in batch])
+            feats = torch.nn.utils.rnn.pad_sequence([features[key] for key in batch],
+                                                    batch_first=True)
             encoder_out, lengths = model.encoder(feats, lens)
             for penalty in penalties:
-                joiner = PenalisedJoiner(model.joiner, penalty) if penalty else model.joiner
-                greedy = rnnt_greedy_search(model.predictor, joiner, encoder_out, lengths)
-                nbest = rnnt_modified_beam_search(model.predictor, joiner, encoder_out,
-                                                  lengths, beam)
+                greedy = rnnt_greedy_search(model.predictor, model.joiner, encoder_out, lengths,
+                                            blank_penalty=penalty)
+                nbest = rnnt_modified_beam_search(model.predictor, model.joiner, encoder_out,
+                                                  lengths, beam, blank_penalty=penalty)
                 for key, tokens, lists in zip(batch, greedy, nbest, strict=True):
                     put(f"rnnt greedy, blank penalty {penalty}", key, tokens)
                     put(f"rnnt beam {beam}, blank penalty {penalty}", key,
                         lists[0][0] if lists else [])
-            if getattr(model, "ctc_head", None) is not None:
-                best = model.ctc_head(encoder_out).argmax(-1)
-                for row, key in enumerate(batch):
-                    path = best[row, :int(lengths[row])].tolist()
-                    tokens = [t for i, t in enumerate(path)
-                              if t != 0 and (i == 0 or t != path[i - 1])]
+            if model.ctc_head is not None:
+                greedy = ctc_greedy_search(model.ctc_head.log_probs(encoder_out), lengths)
+                for key, tokens in zip(batch, greedy, strict=True):
                     put("auxiliary CTC head, greedy", key, tokens)
     return hyps
 

@@ -46,6 +46,7 @@ from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     CTCHead,
     batch_loss,
+    check_decode_method,
     ctc_losses,
     encode_batch,
 )
@@ -146,11 +147,9 @@ class CTCModel(nn.Module):
         return rescore(self.attention, inputs[2], inputs[1], nbest, **rescoring)
 
     def _check_method(self, method: str) -> None:
-        if method not in self.decode_methods:
-            hint = "" if self.attention is not None else \
-                " (attention_rescoring needs an attention decoder: config.json 'attention')"
-            raise ValueError(f"unknown CTC decoding method {method!r}; allowed: "
-                             f"{', '.join(self.decode_methods)}{hint}")
+        check_decode_method(self, method, "CTC", None if self.attention is not None else
+                            "attention_rescoring needs an attention decoder: config.json "
+                            "'attention'")
 
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                beam_size: int = 10, token_topk: int | None = None,

@@ -56,6 +56,16 @@ class Fusion(Protocol):
     def final(self, state: Any) -> float: ...
 
 
+def sequence_score(fusion: Fusion, tokens: Sequence[int]) -> float:
+    """The score `fusion` gives a whole token sequence, its end included (what a beam
+    search adds up step by step, for a hypothesis ranked again after the search)."""
+    state, total = fusion.initial_state(), 0.0
+    for token in tokens:
+        delta, state = fusion.step(state, token)
+        total += delta
+    return total + fusion.final(state)
+
+
 class CombinedFusion:
     """Several fusions as one: each score is the sum of theirs, each state the tuple of
     theirs (in the order of `parts`)."""

@@ -65,6 +65,16 @@ class FramePosteriors(Protocol):
                   feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def check_decode_method(model: AsrModel, method: str, what: str,
+                        missing_head: str | None = None) -> None:
+    """ValueError naming `method` when `model` (a `what` model) does not decode with it;
+    `missing_head`, when given, says what the model lacks for a method it could have."""
+    if method not in model.decode_methods:
+        hint = f" ({missing_head})" if missing_head else ""
+        raise ValueError(f"unknown {what} decoding method {method!r}; allowed: "
+                         f"{', '.join(model.decode_methods)}{hint}")
+
+
 def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Move lengths and labels to the features' device (collate output may be on CPU)."""
     return tuple(t.to(device) for t in tensors)

@@ -40,12 +40,13 @@ import torchaudio
 from torch import nn
 
 from cat.core.config import ConfigError
-from cat.lm.scorer import ShallowFusion
+from cat.lm.scorer import ShallowFusion, sequence_score
 from cat.models.ctc_search import ctc_prefix_beam_search
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     CTCHead,
     batch_loss,
+    check_decode_method,
     encode_batch,
     init_blank_bias,
 )
@@ -392,17 +393,15 @@ class TransducerModel(nn.Module):
         transducer, ctc = self.sequence_log_likelihoods(encoder_out, [list(h) for h in hyps])
         scores = (ctc_weight * ctc + decoder_weight * transducer).tolist()
         if fusion is not None:
-            scores = [score + fusion_score(fusion, hyp) for score, hyp in zip(scores, hyps,
-                                                                            strict=True)]
+            scores = [score + sequence_score(fusion, hyp)
+                      for score, hyp in zip(scores, hyps, strict=True)]
         ranked = sorted(zip(hyps, scores, strict=True), key=lambda pair: -pair[1])
         return [(list(hyp), score) for hyp, score in ranked]
 
     def _check_method(self, method: str) -> None:
-        if method not in self.decode_methods:
-            hint = "" if self.ctc_head is not None else \
-                " (joint_rescoring needs an auxiliary CTC head: config.json 'ctc' with a weight)"
-            raise ValueError(f"unknown RNN-T decoding method {method!r}; allowed: "
-                             f"{', '.join(self.decode_methods)}{hint}")
+        check_decode_method(self, method, "RNN-T", None if self.ctc_head is not None else
+                            "joint_rescoring needs an auxiliary CTC head: config.json 'ctc' "
+                            "with a weight")
 
     def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
                beam_size: int = 10, max_symbols_per_frame: int = 3,
@@ -426,15 +425,6 @@ class TransducerModel(nn.Module):
             nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
                                               beam_size, blank_penalty=blank_penalty)
         return [hyps[0][0] if hyps else [] for hyps in nbest]
-
-
-def fusion_score(fusion: ShallowFusion, tokens: tuple[int, ...]) -> float:
-    """The weighted score `fusion` gives a whole token sequence, end included."""
-    state, total = fusion.initial_state(), 0.0
-    for token in tokens:
-        delta, state = fusion.step(state, token)
-        total += delta
-    return total + fusion.final(state)
 
 
 # Read-only registries of this family: config names map to classes here and nowhere else.
