@@ -18,7 +18,7 @@ Parts (each prints its rows, or why it did not run; `--json` writes the same fig
    4,233 characters), in fp32, fp16 autocast with a GradScaler (what
    `cat.training.update` trains with `amp`) and bf16 autocast: median step time after
    warm-up and, on CUDA, peak memory per mode (a fresh model each).
-3. `rnnt`: the RNN-T model's loss path (`cat.rnnt.model.TransducerModel` of
+3. `rnnt`: the RNN-T model's loss path (`cat.rnnt.model.TransducerHead` of
    `egs/wenetspeech/exp/train_l/rnnt-v1`: predictor, joiner, `torchaudio`'s `rnnt_loss`)
    forward + backward from given encoder outputs at a WenetSpeech batch (32 x 250 encoder
    frames x 60 labels x 5,537 classes), fp32 and fp16 autocast: time and peak memory
@@ -516,7 +516,8 @@ class GivenEncoderOutput(torch.nn.Module):
 def rnnt_row(ctx: Context, mode: str, vocab: int) -> dict[str, Any]:
     """Forward + backward of the RNN-T model's loss path in `mode`: time, peak memory."""
     from cat.core.config import load_config
-    from cat.models.registry import family
+    from cat.models.model import AsrModel
+    from cat.rnnt.model import build_head
 
     problem = autocast_problem(ctx.device, MODES[mode], lstm=True)
     if problem:
@@ -525,7 +526,8 @@ def rnnt_row(ctx: Context, mode: str, vocab: int) -> dict[str, Any]:
     hdim = config["encoder"]["kwargs"]["hdim"]
     batch, frames, labels = ctx.sizes.rnnt_shape
     torch.manual_seed(0)
-    model = family("rnnt").build_model(config, GivenEncoderOutput(hdim), vocab, None)
+    head, _ = build_head(config, hdim, vocab)
+    model = AsrModel(GivenEncoderOutput(hdim), {"transducer": head}, {"transducer": 1.0})
     model.to(ctx.device).train()
     encoder_out = torch.randn(batch, frames, hdim, device=ctx.device, requires_grad=True)
     lengths = torch.full((batch,), frames, device=ctx.device)

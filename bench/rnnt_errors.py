@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cat.core.io import read_table
 from cat.decoding.checkpoint import averaged_checkpoint
 from cat.decoding.searcher import load_model
-from cat.models.ctc_search import ctc_greedy_search
-from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 from cat.utils.wer import align, tokenize
 
 
@@ -96,16 +94,15 @@ def decode_set(model, tokenizer, scp: dict[str, str], beam: int, penalties: list
                                                     batch_first=True)
             encoder_out, lengths = model.encoder(feats, lens)
             for penalty in penalties:
-                greedy = rnnt_greedy_search(model.predictor, model.joiner, encoder_out, lengths,
-                                            blank_penalty=penalty)
-                nbest = rnnt_modified_beam_search(model.predictor, model.joiner, encoder_out,
-                                                  lengths, beam, blank_penalty=penalty)
+                greedy = model.transducer.search(encoder_out, lengths, "greedy", beam,
+                                                 blank_penalty=penalty)
+                nbest = model.transducer.nbest(encoder_out, lengths, beam, blank_penalty=penalty)
                 for key, tokens, lists in zip(batch, greedy, nbest, strict=True):
                     put(f"rnnt greedy, blank penalty {penalty}", key, tokens)
                     put(f"rnnt beam {beam}, blank penalty {penalty}", key,
                         lists[0][0] if lists else [])
-            if model.ctc_head is not None:
-                greedy = ctc_greedy_search(model.ctc_head.log_probs(encoder_out), lengths)
+            if "ctc" in model.head_names:
+                greedy = model.ctc.search(encoder_out, lengths, "greedy", beam)
                 for key, tokens in zip(batch, greedy, strict=True):
                     put("auxiliary CTC head, greedy", key, tokens)
     return hyps

@@ -1,4 +1,4 @@
-"""CTC-CRF acoustic model: the CTC model's encoder and head, trained with the CRF loss.
+"""The CTC-CRF head: the CTC head trained with the CRF loss.
 
 config.json (as CAT names the keys)::
 
@@ -12,7 +12,8 @@ runs in float32 even under autocast. An utterance without a path through its num
 graph or the denominator (`CtcCrfLoss`'s `infeasible`) gets loss 0 and no gradient; the
 trainer counts them per epoch (`infeasible` in `log/epoch-<EEE>.json` and
 `log/coverage.jsonl`, and a warning). Decoding (greedy, prefix beam, LM fusion) is the CTC
-model's; WFST decoding with TLG is `cat.decoding.wfst`.
+head's; WFST decoding with TLG is `cat.decoding.wfst`. The head's parameters are the CTC
+head's (`ctc.*` in the state dict).
 """
 
 from __future__ import annotations
@@ -21,24 +22,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from cat.core.config import ConfigError
 from cat.crf.loss import CtcCrfLoss
-from cat.ctc.model import CTCModel
+from cat.ctc.head import CTCHead
 from cat.graph.denominator import load_den_graph
-from cat.models.heads import batch_loss, encode_batch
-from cat.models.specaug import SpecAugment
+
+#: `trainer` keys of CTC-CRF that stage 2 reads, not the head.
+STAGE_KEYS = ("use_crf", "den_lm_order", "den_lm_extra_states", "den_lm_estimator")
 
 
-class CRFModel(CTCModel):
-    """`CTCModel` with the CTC-CRF loss (see the module docstring)."""
+class CRFHead(CTCHead):
+    """`CTCHead` with the CTC-CRF loss (see the module docstring)."""
 
-    def __init__(self, encoder: nn.Module, num_classes: int, specaug: SpecAugment | None = None,
-                 dropout: float = 0.0, loss_normalization: str = "utterance",
+    stat_name = "crf"
+
+    def __init__(self, input_dim: int, num_classes: int, dropout: float = 0.0,
                  blank_init_prob: float = 0.5, den_lm: str = "", lamb: float = 0.01) -> None:
-        super().__init__(encoder, num_classes, specaug, dropout, loss_normalization,
-                         blank_init_prob)
+        super().__init__(input_dim, num_classes, dropout, blank_init_prob)
         if not den_lm:
             raise ValueError("trainer.den_lm: a CTC-CRF model needs its denominator graph")
         if lamb < 0:
@@ -53,30 +54,24 @@ class CRFModel(CTCModel):
         graph = load_den_graph(self.den_lm, self.num_classes, units)
         self._loss = CtcCrfLoss(graph, self.lamb)
 
-    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
-                label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return (normalised loss, stats) as `CTCModel.forward` does."""
+    def losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+               label_lens: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Per-utterance CTC-CRF losses, which utterances are infeasible, no stats."""
         if self._loss is None:
             self.prepare_training()
-        hidden, lengths, labels, label_lens = encode_batch(self, feats, feat_lens, labels,
-                                                           label_lens)
-        log_probs = self.ctc_log_probs(hidden)
+        log_probs = self.log_probs(hidden)
         with torch.autocast(device_type=log_probs.device.type, enabled=False):
             losses, infeasible = self._loss(log_probs.float(), lengths, labels, label_lens)
-        return batch_loss(losses, labels, label_lens, lengths, infeasible,
-                          self.loss_normalization)
+        return losses, infeasible, {}
 
 
-def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
-                specaug: SpecAugment | None, source: str = "config.json") -> CRFModel:
-    """The CTC-CRF model of `config` (`ctc` and `trainer` sections) around `encoder`."""
-    trainer = {k: v for k, v in config.get("trainer", {}).items()
-               if k not in ("use_crf", "den_lm_order", "den_lm_extra_states",
-                            "den_lm_estimator")}  # stage 2's
+def build_head(config: dict[str, Any], encoder_dim: int, num_classes: int,
+               source: str = "config.json") -> tuple[CRFHead, float | None]:
+    """The CTC-CRF head of `config` (`ctc` and `trainer` sections), alone in its model."""
     if "attention" in config:
         raise ConfigError(f"{source}: attention: an attention decoder is trained with CTC "
                           f"(U2), not with the CTC-CRF loss; remove it or trainer.use_crf")
-    try:
-        return CRFModel(encoder, num_classes, specaug, **{**config["ctc"], **trainer})
-    except ValueError as error:
-        raise ConfigError(f"{source}: {error}") from None
+    trainer = {k: v for k, v in config.get("trainer", {}).items()
+               if k not in STAGE_KEYS and k != "loss_normalization"}
+    return CRFHead(encoder_dim, num_classes, **config["ctc"], **trainer), None

@@ -44,7 +44,7 @@ MODEL_NAME = "model.onnx"
 
 
 class _LogProbs(nn.Module):
-    """`CTCModel.log_probs` with int64 lengths, as the graph's outputs."""
+    """`AsrModel.log_probs` with int64 lengths, as the graph's outputs."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -88,8 +88,8 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
                      "log_probs": {0: "N", 1: "T_out"}, "log_probs_len": {0: "N"}},
                     metadata)
         if streaming is not None:
-            export_streaming(_LogSoftmaxHead(model.head), streaming, directory / STREAMING_NAME,
-                             "log_probs", metadata)
+            export_streaming(_LogSoftmaxHead(model.first_head), streaming,
+                             directory / STREAMING_NAME, "log_probs", metadata)
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 

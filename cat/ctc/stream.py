@@ -21,7 +21,7 @@ class CtcChunkSearch:
     the whole utterance."""
 
     def __init__(self, model: nn.Module, chunk_size: int = 0) -> None:
-        self.head = model.head
+        self.head = model.first_head
         self.tokens: list[int] = []
         self.last = BLANK
 

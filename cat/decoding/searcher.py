@@ -7,9 +7,9 @@ options there (`OPTIONS_SCHEMA`), `allow_config_change` accepts a `config.json` 
 since training (`ACCEPT_SCHEMA`). `load_model` builds the experiment's model and loads a
 checkpoint into it after comparing its config with the one the checkpoint records
 (`cat.decoding.checkpoint.check_model_config`): a changed key is an error naming it
-unless the change is accepted. `Searcher` decodes a
-batch with the family's `decode` (greedy or beam search, best hypothesis), or with its
-`nbest` beam search once per shallow-fusion setting (`FusionSpec`, `cat.lm.scorer`)
+unless the change is accepted. `Searcher` decodes a batch with the model's `decode`
+(`cat.models.model.AsrModel`: greedy, beam search or a rescoring method, best hypothesis),
+or with its `nbest` lists once per shallow-fusion setting (`FusionSpec`, `cat.lm.scorer`)
 after one network forward. `plan_batches` groups utterances of similar length within a
 budget of padded frames.
 
@@ -17,7 +17,7 @@ Hotwords (`hotwords`, a file of phrases, and `hotwords_score`, their default sco
 token; `cat.decoding.context_graph`): the `Searcher` builds their context graph once with
 the experiment's tokenizer, and every beam search it runs scores it as a fusion, with the
 shallow-fusion LM when there is one (`cat.lm.scorer.CombinedFusion`); `best` then decodes
-through the family's `nbest` (the family's `decode` takes no fusion). Greedy search has no
+through the model's `nbest` (its `decode` takes no fusion). Greedy search has no
 hypotheses to favour a phrase among: hotwords with method `greedy` are a ValueError. A
 file without a usable phrase decodes as without hotwords.
 
@@ -164,28 +164,16 @@ class DecodeOptions:
         options.update({key: value for key, value in overrides.items() if value is not None})
         return cls.from_dict(options, f"{source}: inference.infer.option")
 
-    def rescoring(self) -> dict[str, Any]:
-        """The weights a model's `decode` and `nbest` take for attention or joint rescoring
-        (nothing for the other methods: `nbest` then returns the beam search's lists)."""
-        if self.method == "joint_rescoring":
-            return {"ctc_weight": self.ctc_weight, "decoder_weight": self.decoder_weight}
-        if self.method != "attention_rescoring":
-            return {}
-        return {"ctc_weight": self.ctc_weight, "decoder_weight": self.decoder_weight,
-                "reverse_weight": self.reverse_weight}
-
     def search_settings(self, accepted: Sequence[str], source: str) -> dict[str, Any]:
-        """The keyword arguments of a model's `decode` and `nbest`: `rescoring()`, and the
-        settings its searches take (`accepted`: the model's `search_settings`) that are
-        set; a setting set for a model whose searches do not take it is a ValueError
-        naming `source`."""
-        settings = self.rescoring()
-        if self.blank_penalty:
-            if "blank_penalty" not in accepted:
-                raise ValueError(f"{source}: blank_penalty: this model's searches have no "
-                                 f"blank logit to lower (a transducer's have)")
-            settings["blank_penalty"] = self.blank_penalty
-        return settings
+        """The keyword arguments of a model's `decode` and `nbest` for `method`: the options
+        named by `accepted` (what the model takes with this method:
+        `AsrModel.method_settings`, e.g. a rescoring head's weights, a transducer's
+        `blank_penalty`). A setting given a value its search does not take (a blank
+        penalty for a model without a blank logit) is a ValueError naming `source`."""
+        if self.blank_penalty and "blank_penalty" not in accepted:
+            raise ValueError(f"{source}: blank_penalty: this model's searches have no "
+                             f"blank logit to lower (a transducer's have)")
+        return {name: getattr(self, name) for name in accepted}
 
     def resolved_device(self) -> str:
         """`cpu` or `cuda` (`auto`: cuda when torch sees a GPU)."""
@@ -298,7 +286,7 @@ class Searcher:
         if options.method not in self.model.decode_methods:
             raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: this model decodes with "
                              f"{', '.join(self.model.decode_methods)}, not {options.method}")
-        self.search = options.search_settings(self.model.search_settings,
+        self.search = options.search_settings(self.model.method_settings(options.method),
                                               str(Path(exp_dir) / CONFIG_NAME))
         pieces = [self.tokenizer.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
         models: dict[str, TokenLM] = {}
@@ -323,7 +311,7 @@ class Searcher:
 
     def best(self, utterances: Sequence[Utterance]) -> list[tuple[str, str]]:
         """(key, best hypothesis) of each utterance, with `options.method` (with hotwords,
-        the first of the family's N-best lists searched with them)."""
+        the first of the model's N-best lists searched with them)."""
         if self.hotwords is not None:
             return self._best_with_hotwords(utterances)
         batch = collate(utterances)
@@ -341,7 +329,7 @@ class Searcher:
             encoded = self.model.search_inputs(batch.feats.to(self.device),
                                                batch.feat_lens.to(self.device))
             nbest = self.model.nbest(encoded, self.options.beam_size, self.hotwords,
-                                     **self.search)
+                                     self.options.method, **self.search)
         return [(u.key, self.tokenizer.decode(hyps[0][0] if hyps else []))
                 for u, hyps in zip(utterances, nbest, strict=True)]
 
@@ -359,7 +347,8 @@ class Searcher:
             for index, fusion in enumerate(self.fusions):
                 start = time.perf_counter()
                 nbest = self.model.nbest(encoded, self.options.beam_size,
-                                         self._with_hotwords(fusion), **self.search)
+                                         self._with_hotwords(fusion), self.options.method,
+                                         **self.search)
                 self.search_seconds[index] += time.perf_counter() - start
                 results.append([(u.key, [(self.tokenizer.decode(tokens), score)
                                          for tokens, score in hyps])

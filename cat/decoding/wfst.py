@@ -29,7 +29,6 @@ from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batche
 from cat.formats.tables import read_feature_index
 from cat.graph.tlg import DecodingGraph, build_tlg, decode
 from cat.loading.batch import Utterance, collate
-from cat.models.heads import FramePosteriors
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import UNK_ID, Tokenizer
 
@@ -85,7 +84,7 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
                        "the beam searches", Path(exp_dir) / "hyper-p.json", options.hotwords)
         options = dataclasses.replace(options, hotwords=None)
     searcher = Searcher(exp_dir, checkpoint, kind, options, "cpu")
-    if not isinstance(searcher.model, FramePosteriors):
+    if not searcher.model.frame_posteriors:
         raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame "
                          f"posteriors of a CTC head, which a {kind} model has not")
     if batches is None:

@@ -127,7 +127,13 @@ def teacher_forced(decoder: TransformerDecoder, memory: torch.Tensor, memory_len
 
 
 class AttentionHead(nn.Module):
-    """The attention decoder(s) of a CTC model (see the module docstring)."""
+    """The attention decoder(s) of a CTC model (see the module docstring): a `Head` beside
+    the CTC head, and the `Rescorer` of method `attention_rescoring`."""
+
+    stat_name = "att"
+    ctc_alignment = False
+    rescoring_method = "attention_rescoring"
+    rescoring_weights = ("ctc_weight", "decoder_weight", "reverse_weight")
 
     def __init__(self, dim: int, num_classes: int, num_layers: int = 3, num_heads: int = 4,
                  ffn_dim: int = 1024, dropout: float = 0.1, r2l_layers: int = 0,
@@ -164,9 +170,11 @@ class AttentionHead(nn.Module):
         return (losses * valid).sum(dim=1), correct.sum()
 
     def losses(self, memory: torch.Tensor, memory_lens: torch.Tensor, labels: torch.Tensor,
-               label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Per-utterance attention losses [B] of the encoder output `memory` [B, T, D],
-        and the decoder's token accuracy (`att_acc`, left to right, `<eos>` included)."""
+               label_lens: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Per-utterance attention losses [B] of the encoder output `memory` [B, T, D], no
+        infeasible utterance, and the decoder's token accuracy (`att_acc`, left to right,
+        `<eos>` included)."""
         losses, correct = self._decoder_losses(self.l2r, memory, memory_lens, labels,
                                                label_lens, reverse=False)
         if self.r2l is not None:
@@ -174,7 +182,17 @@ class AttentionHead(nn.Module):
                                               label_lens, reverse=True)
             losses = (1 - self.reverse_weight) * losses + self.reverse_weight * reverse
         positions = float((label_lens + 1).sum())
-        return losses, {"att_acc": float(correct) / max(positions, 1.0)}
+        return (losses, torch.zeros_like(label_lens, dtype=torch.bool),
+                {"att_acc": float(correct) / max(positions, 1.0)})
+
+    def rescore(self, memory: torch.Tensor, lengths: torch.Tensor,
+                nbest: Sequence[Sequence[tuple[Sequence[int], float]]], first: Any,
+                fusion: Any, beam_size: int, ctc_weight: float = 0.5,
+                decoder_weight: float = 1.0, reverse_weight: float | None = None
+                ) -> list[list[tuple[list[int], float]]]:
+        """`attention_rescoring` of the first head's `nbest` (`rescore`; the search scores
+        hold the fusion's already)."""
+        return rescore(self, memory, lengths, nbest, ctc_weight, decoder_weight, reverse_weight)
 
     @torch.no_grad()
     def score(self, memory: torch.Tensor, length: int, hyps: Sequence[Sequence[int]],
@@ -225,7 +243,9 @@ def rescore(head: AttentionHead, memory: torch.Tensor, lengths: torch.Tensor,
     return rescored
 
 
-def build_attention(section: dict[str, Any] | None, dim: int,
-                    num_classes: int) -> AttentionHead | None:
-    """The head of config.json's `attention` section (None without one)."""
-    return AttentionHead(dim, num_classes, **section) if section is not None else None
+def build_head(config: dict[str, Any], encoder_dim: int, num_classes: int,
+               source: str = "config.json") -> tuple[AttentionHead, float]:
+    """The head of config.json's `attention` section and its loss weight, 1 - `ctc_weight`
+    (the CTC head beside it takes the rest)."""
+    head = AttentionHead(encoder_dim, num_classes, **config["attention"])
+    return head, 1 - head.ctc_weight

@@ -136,10 +136,13 @@ class ConformerNet(nn.Module):
             which streaming needs: a chunk then depends on no future frame.
         max_chunk_size: train for streaming in chunks (U2's dynamic chunk training): per
             training batch, with probability `full_context_prob` full context, else
-            self-attention limited to chunks of a size drawn from 1..`max_chunk_size`
-            encoder output frames (each frame sees its own chunk and the earlier ones).
-            0 (default): full context only. Needs `causal_conv`.
+            self-attention limited to chunks of a size drawn uniformly from
+            `min_chunk_size`..`max_chunk_size` encoder output frames (each frame sees its
+            own chunk and the earlier ones). 0 (default): full context only. Needs
+            `causal_conv`.
         full_context_prob: share of training batches with full context (chunk training).
+        min_chunk_size: the smallest chunk drawn in chunk training (and the smallest chunk
+            size streaming accepts).
         left_chunks: earlier chunks a frame may attend to (-1: all).
 
     Frame rate: 4x from the subsampling times `time_reduction_factor`.
@@ -152,7 +155,8 @@ class ConformerNet(nn.Module):
                  time_reduction_factor: int = 1, time_reduction_position: int = 0,
                  time_reduction_mode: str = "stack", global_cmvn: bool = False,
                  causal_conv: bool = False, max_chunk_size: int = 0,
-                 full_context_prob: float = 0.5, left_chunks: int = -1) -> None:
+                 full_context_prob: float = 0.5, left_chunks: int = -1,
+                 min_chunk_size: int = 1) -> None:
         super().__init__()
         if not 0 <= time_reduction_position <= num_cells:
             raise ValueError(f"time_reduction_position={time_reduction_position} must be within "
@@ -160,6 +164,9 @@ class ConformerNet(nn.Module):
         if max_chunk_size < 0 or not 0.0 <= full_context_prob <= 1.0 or left_chunks < -1:
             raise ValueError(f"max_chunk_size={max_chunk_size} must be >= 0, full_context_prob="
                              f"{full_context_prob} within [0, 1], left_chunks={left_chunks} >= -1")
+        if max_chunk_size and not 1 <= min_chunk_size <= max_chunk_size:
+            raise ValueError(f"min_chunk_size={min_chunk_size} must be within [1, "
+                             f"max_chunk_size={max_chunk_size}]")
         if max_chunk_size and not causal_conv:
             raise ValueError("chunk training (max_chunk_size > 0) needs causal_conv: true, "
                              "else every chunk sees future frames through the convolutions")
@@ -167,6 +174,7 @@ class ConformerNet(nn.Module):
             raise ValueError("chunk training needs time_reduction_position 0 (every block "
                              "at the output frame rate, where chunks are counted)")
         self.max_chunk_size = max_chunk_size
+        self.min_chunk_size = min_chunk_size
         self.full_context_prob = full_context_prob
         self.left_chunks = left_chunks
         # Chunks of decoding (0: full context); see `set_decode_chunk_size`.
@@ -204,9 +212,10 @@ class ConformerNet(nn.Module):
         if not self.max_chunk_size:
             raise ValueError(f"chunk size {chunk_size}: this model was trained with full "
                              "context only (encoder.kwargs.max_chunk_size 0)")
-        if not 1 <= chunk_size <= self.max_chunk_size:
-            raise ValueError(f"chunk size {chunk_size}: this model was trained on chunks of 1 "
-                             f"to {self.max_chunk_size} frames (encoder.kwargs.max_chunk_size)")
+        if not self.min_chunk_size <= chunk_size <= self.max_chunk_size:
+            raise ValueError(f"chunk size {chunk_size}: this model was trained on chunks of "
+                             f"{self.min_chunk_size} to {self.max_chunk_size} frames "
+                             "(encoder.kwargs.min_chunk_size, max_chunk_size)")
 
     def set_decode_chunk_size(self, chunk_size: int) -> None:
         """Limit self-attention to chunks of `chunk_size` output frames outside training
@@ -218,7 +227,7 @@ class ConformerNet(nn.Module):
         if self.training and self.max_chunk_size:
             if float(torch.rand(())) < self.full_context_prob:
                 return 0
-            return int(torch.randint(1, self.max_chunk_size + 1, ()))
+            return int(torch.randint(self.min_chunk_size, self.max_chunk_size + 1, ()))
         return self.decode_chunk_size
 
     def _run_cells(self, x: torch.Tensor, lengths: torch.Tensor, cells: nn.ModuleList,

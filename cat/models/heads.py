@@ -1,6 +1,8 @@
-"""What the model families share: the model interfaces (`AsrModel`, `FramePosteriors`), the
-CTC head (`CTCHead`: of CTC, CTC-CRF and U2 models, and a transducer's auxiliary one), loss
-normalisation, batch checks, blank-heavy output init.
+"""Heads over the encoder output: their interfaces (`Head`, `SearchHead`, `Rescorer`,
+`FramePosteriors`, which `cat.models.model.AsrModel` uses), and what heads share: CTC losses,
+loss normalisation, batch checks, blank-heavy output init. The heads live with their own
+code: the CTC head in `cat.ctc.head`, the transducer's in `cat.rnnt.model`, CTC-CRF's in
+`cat.crf.model`, the attention decoder's in `cat.models.attention`.
 
 Usage:
     feats, feat_lens = on_device(device, feats, feat_lens)
@@ -11,87 +13,99 @@ Usage:
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from cat.lm.scorer import Fusion
+
 LOSS_NORMALIZATIONS = ("utterance", "token")
 
 
-@runtime_checkable
-class AsrModel(Protocol):
-    """What the trainer and decoding use of a model (a family's; the registry checks a
-    built model against it). The contract of each method: `cat.ctc.model`'s docstring.
+NBest = list[tuple[list[int], float]]
 
-    * `model(feats, feat_lens, labels, label_lens) -> (loss, stats)`: the training loss;
-    * `encoder` (an `Encoder`), `num_classes` (blank 0 included);
-    * `decode(feats, feat_lens, method, beam_size, **search) -> token ids per utterance`,
-      with `decode_methods` the methods it has and `search_settings` the names of the
-      `DecodeOptions` its searches take as `**search` (e.g. `blank_penalty`);
-    * `search_inputs(feats, feat_lens)`: one network forward, and
-      `nbest(inputs, beam_size, fusion, **search)`: N-best lists (token ids, score) of it,
-      once per shallow-fusion setting.
+
+@runtime_checkable
+class Head(Protocol):
+    """A head over the encoder output (`cat.models.model.AsrModel` holds one or more).
+
+    * `losses(hidden [B, T', D], lengths [B], labels [B, U], label_lens [B]) ->
+      (per-utterance losses [B], infeasible [B] bool, stats)`: `infeasible` marks the
+      utterances the head cannot align (loss 0 there, no gradient); `stats` floats the
+      trainer logs beside the loss;
+    * `stat_name`: the prefix of the head's `<stat_name>_loss_sum` in a model of several
+      heads;
+    * `ctc_alignment`: the head needs as many encoder frames as labels plus repeats (the
+      trainer's length filter checks it when the model's first head says so).
     """
 
-    encoder: nn.Module
-    num_classes: int
+    stat_name: str
+    ctc_alignment: bool
+
+    def losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+               label_lens: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]: ...
+
+
+@runtime_checkable
+class SearchHead(Head, Protocol):
+    """A head that decodes (a model's first head: CTC, CTC-CRF or transducer).
+
+    * `search_methods`: its own methods (`greedy`, `beam`); `search_settings`: the names of
+      the `DecodeOptions` its searches take as `**settings` (e.g. `blank_penalty`);
+    * `search(hidden, lengths, method, beam_size, **settings) -> token ids per utterance`;
+    * `nbest(hidden, lengths, beam_size, fusion, **settings) -> an N-best list (token ids,
+      score) per utterance`, with shallow fusion (and hotwords) when `fusion` is given;
+    * `sequence_log_likelihoods(hidden [T', D], hyps) -> [N]`: each token sequence's
+      log-likelihood given one utterance's encoder output, summed over all alignments.
+    """
+
+    search_methods: tuple[str, ...]
     search_settings: tuple[str, ...]
+    num_classes: int
 
-    @property
-    def decode_methods(self) -> tuple[str, ...]: ...
+    def search(self, hidden: torch.Tensor, lengths: torch.Tensor, method: str,
+               beam_size: int, **settings: Any) -> list[list[int]]: ...
 
-    def __call__(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
-                 label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def nbest(self, hidden: torch.Tensor, lengths: torch.Tensor, beam_size: int,
+              fusion: Fusion | None = None, **settings: Any) -> list[NBest]: ...
 
-    def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = ...,
-               beam_size: int = ..., **search: Any) -> list[list[int]]: ...
+    def sequence_log_likelihoods(self, hidden: torch.Tensor,
+                                 hyps: list[list[int]]) -> torch.Tensor: ...
 
-    def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor) -> Any: ...
 
-    def nbest(self, inputs: Any, beam_size: int, fusion: Any = None,
-              **search: Any) -> list: ...
+@runtime_checkable
+class Rescorer(Protocol):
+    """A head that ranks the first head's N-best again (decoding method
+    `rescoring_method`): `rescore(hidden, lengths, nbest, first, fusion, beam_size,
+    **weights) -> N-best lists`, `first` being the model's first head (a `SearchHead`),
+    `weights` the `DecodeOptions` named by `rescoring_weights`."""
+
+    rescoring_method: str
+    rescoring_weights: tuple[str, ...]
+
+    def rescore(self, hidden: torch.Tensor, lengths: torch.Tensor, nbest: list[NBest],
+                first: SearchHead, fusion: Fusion | None, beam_size: int,
+                **weights: float) -> list[NBest]: ...
 
 
 @runtime_checkable
 class FramePosteriors(Protocol):
-    """A model whose head gives log-probabilities per encoder frame (CTC, CTC-CRF, U2): what
-    WFST (TLG) decoding and streaming CTC search consume.
+    """A head that gives log-probabilities per encoder frame (CTC, CTC-CRF): what WFST
+    (TLG) decoding and streaming CTC search consume, through the model's `log_probs`
+    when this head is its first.
 
-    * `log_probs(feats, feat_lens) -> (log-probabilities [B, T', V] float32, lengths [B])`.
+    * `log_probs(hidden [B, T', D]) -> [B, T', V] float32`.
     """
 
-    def log_probs(self, feats: torch.Tensor,
-                  feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def check_decode_method(model: AsrModel, method: str, what: str,
-                        missing_head: str | None = None) -> None:
-    """ValueError naming `method` when `model` (a `what` model) does not decode with it;
-    `missing_head`, when given, says what the model lacks for a method it could have."""
-    if method not in model.decode_methods:
-        hint = f" ({missing_head})" if missing_head else ""
-        raise ValueError(f"unknown {what} decoding method {method!r}; allowed: "
-                         f"{', '.join(model.decode_methods)}{hint}")
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Move lengths and labels to the features' device (collate output may be on CPU)."""
     return tuple(t.to(device) for t in tensors)
-
-
-def encode_batch(model: nn.Module, feats: torch.Tensor, feat_lens: torch.Tensor,
-                 labels: torch.Tensor, label_lens: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What every model's training forward starts with: lengths and labels moved to the
-    features' device, the batch checked (`check_batch`), `model.specaug` in training mode,
-    `model.encoder`: (hidden [B, T', D], lengths [B], labels, label_lens)."""
-    feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
-    check_batch(feats, feat_lens, labels, label_lens, model.num_classes)
-    if model.training and model.specaug is not None:
-        feats = model.specaug(feats, feat_lens)
-    hidden, lengths = model.encoder(feats, feat_lens)
-    return hidden, lengths, labels, label_lens
 
 
 def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
@@ -156,28 +170,14 @@ def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:
         head.bias[0] = math.log(blank_prob / (1.0 - blank_prob) * num_tokens)
 
 
-class CTCHead(nn.Linear):
-    """A CTC head over encoder output: dropout, then a linear layer to `num_classes` (blank
-    0) that starts blank-heavy (`init_blank_bias`); the head of CTC, CTC-CRF and U2 models
-    and the auxiliary one of a transducer. Called, it gives logits (what exports and chunk
-    searches read); `log_probs` gives float32 log-probabilities (dropout in training mode);
-    `losses` per-utterance CTC losses (`ctc_losses`)."""
-
-    def __init__(self, input_dim: int, num_classes: int, dropout: float = 0.0,
-                 blank_init_prob: float = 0.5) -> None:
-        super().__init__(input_dim, num_classes)
-        self.dropout = nn.Dropout(dropout)
-        init_blank_bias(self, blank_init_prob)
-
-    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, T', V] float32 log-probabilities of encoder output `hidden` [B, T', D]."""
-        # log_softmax in float32 even under autocast: CTC needs the precision.
-        return torch.log_softmax(self(self.dropout(hidden)).float(), dim=-1)
-
-    def losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
-               label_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-utterance CTC losses of `hidden` and which utterances are infeasible."""
-        return ctc_losses(self.log_probs(hidden), lengths, labels, label_lens)
+def pad_hyps(hyps: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences as padded labels [N, max(1, longest)] (0-padded) and lengths [N]."""
+    label_lens = torch.tensor([len(h) for h in hyps], dtype=torch.long, device=device)
+    labels = torch.zeros(len(hyps), max(int(label_lens.max()) if hyps else 0, 1),
+                         dtype=torch.long, device=device)
+    for row, hyp in enumerate(hyps):
+        labels[row, :len(hyp)] = torch.tensor(hyp, dtype=torch.long)
+    return labels, label_lens
 
 
 def batch_loss(losses: torch.Tensor, labels: torch.Tensor, label_lens: torch.Tensor,

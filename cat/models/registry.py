@@ -14,16 +14,20 @@
                     "optimizer": {"type": "AdamW", "kwargs": {...}}}
     }
 
-The generic parts (the encoder, SpecAugment) are built here. The rest is the model
-family's: `FAMILIES` maps a model kind to the module of its family, imported by name when
-a model of that kind is built, so that generic code (this registry, the trainer, the
-decoder) never imports a family. A family's `model` module provides `build_model(config,
-encoder, num_classes, specaug, source)` and its own registries (predictors, joiners); its
-`stream` module a `ChunkSearch`, its `export` module an `export` (the verbs
-`python -m cat.stream` and `cat.export` find them with `family(kind, part)`).
+A model is an encoder and heads (`cat.models.model.AsrModel`). The encoder and SpecAugment
+are built here; each head by the module `HEADS` names for its section, imported by name when
+a model has that head, so that generic code (this registry, the trainer, decoding) never
+imports a head's family: its `build_head(config, encoder_dim, num_classes, source)` returns
+the head and its loss weight (None: what the other heads' weights leave). The first head
+present in `HEADS`' order decodes. A model kind (`cat.core.config.model_kind`) can build a
+head with another module (`KIND_HEADS`: CTC-CRF's CTC head has a graph loss). `FAMILIES`
+maps a kind to the package of its streaming search and export (the verbs `python -m
+cat.stream` and `cat.export` find them with `family(kind, part)`).
 
-What a model and an encoder provide is declared in `cat.models.heads` (`AsrModel`) and
-`cat.models.encoder` (`Encoder`) and checked here when a model is built.
+What an encoder and a head provide is declared in `cat.models.encoder` (`Encoder`) and
+`cat.models.heads` (`Head`, `SearchHead`, `Rescorer`) and checked when a model is built.
+Adding a head: its module (with `build_head`), an entry here, its config section in the
+schema.
 
 Usage::
 
@@ -45,13 +49,25 @@ from torch import nn
 
 from cat.core.config import ConfigError, model_kind, validate_config
 from cat.models.encoder import ConformerNet, Encoder
-from cat.models.heads import AsrModel
+from cat.models.heads import Head
+from cat.models.model import AsrModel
 from cat.models.specaug import SpecAugment
 
 # Read-only registries: config names map to classes and modules here and nowhere else.
 ENCODERS: Mapping[str, type[nn.Module]] = MappingProxyType({"ConformerNet": ConformerNet})
+#: The heads of a model, in decoding priority (the first one present decodes): name (the
+#: model's attribute and state-dict prefix) -> (the config section that gives it, the module
+#: whose `build_head` builds it).
+HEADS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "transducer": ("joiner", "cat.rnnt.model"),
+    "ctc": ("ctc", "cat.ctc.head"),
+    "attention": ("attention", "cat.models.attention"),
+})
+#: Heads a model kind builds with another module: CTC-CRF's CTC head has a graph loss.
+KIND_HEADS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "crf": MappingProxyType({"ctc": "cat.crf.model"})})
 #: Model kinds (`cat.core.config.model_kind`, the one place a kind is worked out) to the
-#: package of their family.
+#: package of their streaming search and export.
 FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc", "rnnt": "cat.rnnt",
                                                 "crf": "cat.crf"})
 #: Kinds whose searches, streaming and export are another kind's: a CTC-CRF model has the
@@ -81,13 +97,11 @@ def check_command(command: str, kind: str, source: str) -> None:
                           f"{' and '.join(kinds)} models; run python -m cat.{verb}")
 
 
-def family(kind: str, part: str = "model") -> ModuleType:
-    """The module `part` of the family of model kind `kind`: `model` (its `build_model`),
-    or the family's `stream` (its `ChunkSearch`) or `export` (its `export`),
-    those of `DECODES_AS[kind]` when the kind decodes as another."""
-    if part != "model":
-        kind = DECODES_AS.get(kind, kind)
-    return importlib.import_module(f"{FAMILIES[kind]}.{part}")
+def family(kind: str, part: str) -> ModuleType:
+    """The module `part` of the family of model kind `kind`: its `stream` (its
+    `ChunkSearch`) or `export` (its `export`), those of `DECODES_AS[kind]` when the kind
+    decodes as another."""
+    return importlib.import_module(f"{FAMILIES[DECODES_AS.get(kind, kind)]}.{part}")
 
 
 def build_specaug(config: dict[str, Any]) -> SpecAugment | None:
@@ -105,7 +119,7 @@ def build_component(registry: Mapping[str, type[nn.Module]], section: dict[str, 
 
 
 def build_model(config: dict[str, Any], num_classes: int,
-                source: str = "config.json") -> nn.Module:
+                source: str = "config.json") -> AsrModel:
     """Validate `config` and build its model for a vocabulary of `num_classes` (incl. blank)."""
     validate_config(config, source)
     kind = model_kind(config, source)
@@ -115,14 +129,30 @@ def build_model(config: dict[str, Any], num_classes: int,
         raise ConfigError(f"{source}: specaug: {error}") from None
     encoder = build_component(ENCODERS, config["encoder"], "encoder.kwargs", source)
     _check_interface(encoder, Encoder, f"{source}: encoder: {config['encoder']['type']}")
+    heads: dict[str, nn.Module] = {}
+    weights: dict[str, float | None] = {}
+    for name, (section, module) in HEADS.items():
+        if section not in config:
+            continue
+        module = KIND_HEADS.get(kind, {}).get(name, module)
+        try:
+            heads[name], weights[name] = importlib.import_module(module).build_head(
+                config, encoder.output_dim, num_classes, source)
+        except ValueError as error:
+            if isinstance(error, ConfigError):
+                raise
+            raise ConfigError(f"{source}: {error}") from None
+        _check_interface(heads[name], Head, f"{source}: {section}: the {name} head")
+    given = [weight for weight in weights.values() if weight is not None]
+    rest = 1 - sum(given)
+    trainer = config.get("trainer", {})
     try:
-        model = family(kind).build_model(config, encoder, num_classes, specaug, source)
-    except ValueError as error:
-        if isinstance(error, ConfigError):
-            raise
+        return AsrModel(encoder, heads, {name: rest if weight is None else weight
+                                         for name, weight in weights.items()}, specaug,
+                        **({"loss_normalization": trainer["loss_normalization"]}
+                           if "loss_normalization" in trainer else {}))
+    except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
-    _check_interface(model, AsrModel, f"{source}: the {kind} model")
-    return model
 
 
 def _check_interface(built: object, interface: type, what: str) -> None:

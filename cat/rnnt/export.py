@@ -58,7 +58,7 @@ Hypothesis = tuple[list[int], dict[str, np.ndarray], np.ndarray]
 class _Encoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.encoder, self.joiner = model.encoder, model.joiner
+        self.encoder, self.joiner = model.encoder, model.transducer.joiner
 
     def forward(self, x: torch.Tensor, x_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, lengths = self.encoder(x, x_lens)
@@ -68,7 +68,7 @@ class _Encoder(nn.Module):
 class _StatelessDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.predictor, self.joiner = model.predictor, model.joiner
+        self.predictor, self.joiner = model.transducer.predictor, model.transducer.joiner
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         embedded = self.predictor.embedding(y.clamp(min=BLANK))
@@ -78,7 +78,7 @@ class _StatelessDecoder(nn.Module):
 class _LSTMDecoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.predictor, self.joiner = model.predictor, model.joiner
+        self.predictor, self.joiner = model.transducer.predictor, model.transducer.joiner
 
     def forward(self, y: torch.Tensor, h: torch.Tensor,
                 c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,14 +89,14 @@ class _LSTMDecoder(nn.Module):
 class _Joiner(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.joiner = model.joiner
+        self.joiner = model.transducer.joiner
 
     def forward(self, encoder_out: torch.Tensor, decoder_out: torch.Tensor) -> torch.Tensor:
         return self.joiner.joint(encoder_out, decoder_out)
 
 
 def _export_decoder(model: nn.Module, path: Path, metadata: dict[str, Any]) -> None:
-    predictor = model.predictor
+    predictor = model.transducer.predictor
     if isinstance(predictor, StatelessPredictor):
         context = predictor.context_size
         export_onnx(_StatelessDecoder(model), (torch.zeros(2, context, dtype=torch.int64),),
@@ -119,14 +119,14 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
     encoder chunk by chunk, projected for the joiner, state in and out)."""
     model, tokenizer, path = load_experiment_model(exp_dir, "rnnt", checkpoint,
                                                    allow_config_change)
-    predictor = model.predictor
+    predictor = model.transducer.predictor
     stateless = isinstance(predictor, StatelessPredictor)
     metadata: dict[str, Any] = {
         "family": "rnnt", "model_type": "transducer", "framework": "cat",
         "vocab_size": int(model.num_classes), "blank_id": BLANK, "checkpoint": path.name,
         "predictor": "stateless" if stateless else "lstm",
         "context_size": predictor.context_size if stateless else 1,
-        "joiner_dim": int(model.joiner.enc_proj.out_features),
+        "joiner_dim": int(model.transducer.joiner.enc_proj.out_features),
         **feature_metadata(model.encoder)}
     if not stateless:
         metadata.update(lstm_layers=predictor.lstm.num_layers,
@@ -149,8 +149,8 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
                     {"encoder_out": {0: "N"}, "decoder_out": {0: "N"}, "logit": {0: "N"}},
                     metadata)
         if streaming is not None:
-            export_streaming(model.joiner.enc_proj, streaming, directory / STREAMING_NAME,
-                             "encoder_out", metadata)
+            export_streaming(model.transducer.joiner.enc_proj, streaming,
+                             directory / STREAMING_NAME, "encoder_out", metadata)
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 

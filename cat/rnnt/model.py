@@ -1,4 +1,4 @@
-"""RNN-T (transducer) model: encoder, predictor, joiner and the RNN-T loss (blank = 0).
+"""The transducer (RNN-T) head: predictor, joiner and the RNN-T loss (blank = 0).
 
 Components:
   * Predictors (the "decoder" of config.json) turn label histories into
@@ -13,9 +13,9 @@ Components:
         a per-channel 1-D convolution (state: the last tokens).
   * `JointNet`: `out(tanh(enc_proj(enc) + pred_proj(pred)))`. The projections are
     exposed separately so search projects each encoder frame / history once.
-  * `TransducerModel`: the common model interface (see `cat.ctc.model`):
-    `forward(feats, feat_lens, labels, label_lens) -> (loss, stats)` and
-    `decode(feats, feat_lens, method="greedy"|"beam", beam_size=...)`.
+  * `TransducerHead`: a `SearchHead` (`cat.models.heads`) of the model
+    (`cat.models.model.AsrModel`): its loss, greedy and modified beam search, N-best lists
+    and sequence log-likelihoods (for `joint_rescoring` with an auxiliary CTC head).
 
 Memory: the joint network materialises `[B, T', U+1, hdim]` activations and
 `[B, T', U+1, V]` logits, and `rnnt_loss` computes the logit gradients (same
@@ -39,19 +39,9 @@ import torch
 import torchaudio
 from torch import nn
 
-from cat.core.config import ConfigError
-from cat.lm.scorer import ShallowFusion, sequence_score
-from cat.models.ctc_search import ctc_prefix_beam_search
-from cat.models.heads import (
-    LOSS_NORMALIZATIONS,
-    CTCHead,
-    batch_loss,
-    check_decode_method,
-    encode_batch,
-    init_blank_bias,
-)
+from cat.lm.scorer import ShallowFusion
+from cat.models.heads import init_blank_bias, pad_hyps
 from cat.models.registry import build_component
-from cat.models.specaug import SpecAugment
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 
 BLANK = 0
@@ -221,81 +211,57 @@ def simple_losses(am_logits: torch.Tensor, lm_logits: torch.Tensor, labels: torc
         fused_log_softmax=False)
 
 
-class TransducerModel(nn.Module):
-    """RNN-T model trained with `torchaudio.functional.rnnt_loss` (blank = 0).
+class TransducerHead(nn.Module):
+    """The transducer head: predictor and joiner over the encoder output, trained with
+    `torchaudio.functional.rnnt_loss` (blank = 0); a model's first head when present.
 
     Args:
-        encoder: acoustic encoder with an `output_dim` attribute.
         predictor: `LSTMPredictor` or `StatelessPredictor`.
         joiner: `JointNet` built for the encoder/predictor output sizes.
-        specaug: optional SpecAugment applied in training mode.
-        loss_normalization: "utterance" or "token" (see `cat.ctc.model`).
-        ctc_weight: with an auxiliary CTC head on the encoder (config.json's `ctc` section
-            in an RNN-T model: icefall's `ctc_loss_scale`, WeNet's transducer `ctc_weight`),
-            the loss is `(1 - ctc_weight) * RNN-T + ctc_weight * CTC`; 0: no such head.
-            Decoding uses it in method `joint_rescoring` only (`nbest`).
-        ctc_dropout, ctc_blank_init_prob: that head's dropout and initial blank
-            probability (`ctc.dropout`, `ctc.blank_init_prob`).
         simple_loss_scale: with linear projections of the encoder and the predictor
-            output to the vocabulary (`simple_am`, `simple_lm`), the RNN-T loss becomes
+            output to the vocabulary (`simple_am`, `simple_lm`), the loss becomes
             `RNN-T + simple_loss_scale * simple` (`simple_losses`; icefall's
             `simple_loss_scale`); 0: no such projections. Decoding does not use them.
+
+    An auxiliary CTC head on the encoder (config.json's `ctc` section in an RNN-T model:
+    icefall's `ctc_loss_scale`, WeNet's transducer `ctc_weight`) is a head of the model
+    beside this one: the loss is `(1 - ctc.weight) * RNN-T + ctc.weight * CTC`, and it adds
+    the decoding method `joint_rescoring` (`cat.ctc.head.CTCHead.rescore`).
     """
 
-    def __init__(self, encoder: nn.Module, predictor: nn.Module, joiner: JointNet,
-                 specaug: SpecAugment | None = None,
-                 loss_normalization: str = "utterance", ctc_weight: float = 0.0,
-                 ctc_dropout: float = 0.0, ctc_blank_init_prob: float = 0.5,
+    stat_name = "rnnt"
+    ctc_alignment = False
+    search_methods = ("greedy", "beam")
+    #: The search settings (`DecodeOptions`) `search` and `nbest` take.
+    search_settings = ("blank_penalty",)
+
+    def __init__(self, encoder_dim: int, predictor: nn.Module, joiner: JointNet,
                  simple_loss_scale: float = 0.0) -> None:
         super().__init__()
-        if loss_normalization not in LOSS_NORMALIZATIONS:
-            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
-                             f"got {loss_normalization!r}")
-        if not 0.0 <= ctc_weight < 1.0:
-            raise ValueError(f"ctc.weight must be in [0, 1) (0: no auxiliary CTC head), "
-                             f"got {ctc_weight}")
-        self.ctc_weight = ctc_weight
-        self.ctc_head = (CTCHead(encoder.output_dim, joiner.out.out_features, ctc_dropout,
-                                 ctc_blank_init_prob) if ctc_weight else None)
         if simple_loss_scale < 0:
             raise ValueError(f"trainer.simple_loss_scale must be >= 0, got {simple_loss_scale}")
+        self.predictor = predictor
+        self.joiner = joiner
+        self.num_classes = joiner.out.out_features
         self.simple_loss_scale = simple_loss_scale
         if simple_loss_scale:
-            self.simple_am = nn.Linear(encoder.output_dim, joiner.out.out_features)
-            self.simple_lm = nn.Linear(predictor.output_dim, joiner.out.out_features)
+            self.simple_am = nn.Linear(encoder_dim, self.num_classes)
+            self.simple_lm = nn.Linear(predictor.output_dim, self.num_classes)
             # Blank-heavy from the start as the other heads (`init_blank_bias`): from a
             # uniform start the simple loss holds the shared encoder at the all-blank saddle.
             init_blank_bias(self.simple_am, 0.5)
             nn.init.zeros_(self.simple_lm.bias)
-        self.encoder = encoder
-        self.predictor = predictor
-        self.joiner = joiner
-        self.specaug = specaug
-        self.num_classes = joiner.out.out_features
-        self.loss_normalization = loss_normalization
 
-    def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
-                label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Return (normalised loss, stats); see `cat.ctc.model` for the contract."""
-        encoder_out, lengths, labels, label_lens = encode_batch(self, feats, feat_lens, labels,
-                                                                label_lens)
-        # Without frames nothing can be emitted: such utterances get loss 0.
+    def losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+               label_lens: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Per-utterance RNN-T losses, in sub-batches where the logits would be too many
+        (`loss_parts`); utterances without encoder frames are infeasible (loss 0)."""
         infeasible = lengths < 1
-        losses = torch.cat([self._losses(encoder_out[part], lengths[part], labels[part],
+        losses = torch.cat([self._losses(hidden[part], lengths[part], labels[part],
                                          label_lens[part])
                             for part in loss_parts(lengths, label_lens, self.num_classes)])
-        losses = losses.masked_fill(infeasible, 0.0)
-        if self.ctc_head is None:
-            return batch_loss(losses, labels, label_lens, lengths, infeasible,
-                              self.loss_normalization)
-        ctc, _ = self.ctc_head.losses(encoder_out, lengths, labels, label_lens)
-        combined = (1 - self.ctc_weight) * losses + self.ctc_weight * ctc.masked_fill(
-            infeasible, 0.0)
-        loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
-                                 self.loss_normalization)
-        stats.update(rnnt_loss_sum=float(losses.detach().sum()),
-                     ctc_loss_sum=float(ctc.detach().sum()))
-        return loss, stats
+        return losses.masked_fill(infeasible, 0.0), infeasible, {}
 
     def _losses(self, encoder_out: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
                 label_lens: torch.Tensor) -> torch.Tensor:
@@ -319,112 +285,37 @@ class TransducerModel(nn.Module):
             self.simple_am(encoder_out), self.simple_lm(predictor_out), labels, lengths,
             label_lens)
 
-    @property
-    def decode_methods(self) -> tuple[str, ...]:
-        """The `method`s `decode` accepts: `joint_rescoring` with an auxiliary CTC head."""
-        return ("greedy", "beam") + (("joint_rescoring",) if self.ctc_head is not None else ())
-
-    #: The search settings (`DecodeOptions`) `decode` and `nbest` take besides the rescoring
-    #: weights of joint_rescoring.
-    search_settings = ("blank_penalty",)
-
-    @torch.no_grad()
-    def search_inputs(self, feats: torch.Tensor, feat_lens: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `nbest` searches: the encoder output and its lengths (one network forward
-        for any number of searches)."""
-        return self.encoder(feats, feat_lens.to(feats.device))
-
-    def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
-              fusion: ShallowFusion | None = None, blank_penalty: float = 0.0,
-              ctc_weight: float | None = None, decoder_weight: float = 1.0) -> list:
-        """N-best lists of a batch: modified beam search, with shallow fusion (and LODR)
-        when given, and `blank_penalty` taken from the blank logit (`cat.rnnt.search`).
-        With `ctc_weight` (method joint_rescoring, a model with an auxiliary CTC head), the
-        lists of the transducer's beam search and of the CTC head's prefix beam search
-        (both with `fusion`) are merged and ranked by `ctc_weight` x the CTC head's
-        log-likelihood + `decoder_weight` x the transducer's, each summed over all
-        alignments (WeNet ranks a transducer's N-best by such weighted scores), plus the
-        fusion's score of the sequence."""
-        encoder_out, lengths = inputs
-        nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
-                                          beam_size, fusion=fusion, blank_penalty=blank_penalty)
-        if ctc_weight is None:
-            return nbest
-        self._check_method("joint_rescoring")
-        ctc_nbest = ctc_prefix_beam_search(self.ctc_head.log_probs(encoder_out), lengths,
-                                           beam_size, fusion=fusion)
-        return [self._rescore(encoder_out[index, :length], hyps + ctc_hyps, fusion,
-                              ctc_weight, decoder_weight)
-                for index, (length, hyps, ctc_hyps) in enumerate(
-                    zip(lengths.tolist(), nbest, ctc_nbest, strict=True))]
-
-    @torch.no_grad()
-    def sequence_log_likelihoods(self, encoder_out: torch.Tensor, hyps: list[list[int]]
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(transducer, CTC head) log-likelihoods [N] of token sequences `hyps` given one
-        utterance's encoder output [T', D], each summed over all alignments (-inf where
-        CTC has too few frames)."""
-        count, frames = len(hyps), encoder_out.size(0)
-        label_lens = torch.tensor([len(h) for h in hyps], device=encoder_out.device)
-        labels = torch.zeros(count, max(int(label_lens.max()), 1), dtype=torch.long,
-                             device=encoder_out.device)
-        for row, hyp in enumerate(hyps):
-            labels[row, :len(hyp)] = torch.tensor(hyp, dtype=torch.long)
-        repeated = encoder_out[None].expand(count, -1, -1)
-        lengths = torch.full((count,), frames, dtype=torch.long, device=encoder_out.device)
-        longest = int(label_lens.max())
-        logits = self.joiner(repeated, self.predictor(labels[:, :longest]))
-        transducer = -torchaudio.functional.rnnt_loss(
-            logits.float().contiguous(), labels[:, :longest].int().contiguous(),
-            lengths.int(), label_lens.int(), blank=BLANK, reduction="none")
-        log_probs = self.ctc_head.log_probs(encoder_out[None]).expand(count, -1, -1)
-        ctc = -nn.functional.ctc_loss(log_probs.transpose(0, 1), labels, lengths, label_lens,
-                                      blank=BLANK, reduction="none", zero_infinity=False)
-        return transducer, ctc
-
-    def _rescore(self, encoder_out: torch.Tensor, candidates: list, fusion: ShallowFusion | None,
-                 ctc_weight: float, decoder_weight: float) -> list[tuple[list[int], float]]:
-        """`candidates` ((tokens, score) pairs, duplicates allowed) ranked by the weighted
-        log-likelihoods (see `nbest`), best first."""
-        hyps = list(dict.fromkeys(tuple(tokens) for tokens, _ in candidates))
-        if not hyps or encoder_out.size(0) == 0:
-            return [(list(h), 0.0) for h in hyps]
-        transducer, ctc = self.sequence_log_likelihoods(encoder_out, [list(h) for h in hyps])
-        scores = (ctc_weight * ctc + decoder_weight * transducer).tolist()
-        if fusion is not None:
-            scores = [score + sequence_score(fusion, hyp)
-                      for score, hyp in zip(scores, hyps, strict=True)]
-        ranked = sorted(zip(hyps, scores, strict=True), key=lambda pair: -pair[1])
-        return [(list(hyp), score) for hyp, score in ranked]
-
-    def _check_method(self, method: str) -> None:
-        check_decode_method(self, method, "RNN-T", None if self.ctc_head is not None else
-                            "joint_rescoring needs an auxiliary CTC head: config.json 'ctc' "
-                            "with a weight")
-
-    def decode(self, feats: torch.Tensor, feat_lens: torch.Tensor, method: str = "greedy",
-               beam_size: int = 10, max_symbols_per_frame: int = 3,
-               blank_penalty: float = 0.0, **rescoring: Any) -> list[list[int]]:
-        """Decode a batch to token ids with greedy (batched) or modified beam search, or
-        joint rescoring (`rescoring` weights as in `nbest`).
-
-        Uses the module's current mode: call `model.eval()` first.
-        `max_symbols_per_frame` applies to greedy search; beam search emits at most
-        one symbol per frame; both take `blank_penalty` (see `cat.rnnt.search`).
-        """
-        self._check_method(method)
-        encoder_out, lengths = self.encoder(feats, feat_lens.to(feats.device))
+    def search(self, hidden: torch.Tensor, lengths: torch.Tensor, method: str,
+               beam_size: int, max_symbols_per_frame: int = 3,
+               blank_penalty: float = 0.0) -> list[list[int]]:
+        """Greedy (batched, up to `max_symbols_per_frame` symbols a frame) or the best of
+        modified beam search (one symbol a frame), both with `blank_penalty` taken from the
+        blank logit (`cat.rnnt.search`)."""
         if method == "greedy":
-            return rnnt_greedy_search(self.predictor, self.joiner, encoder_out, lengths,
+            return rnnt_greedy_search(self.predictor, self.joiner, hidden, lengths,
                                       max_symbols_per_frame, blank_penalty)
-        if method == "joint_rescoring":
-            nbest = self.nbest((encoder_out, lengths), beam_size, None, blank_penalty,
-                               **rescoring)
-        else:
-            nbest = rnnt_modified_beam_search(self.predictor, self.joiner, encoder_out, lengths,
-                                              beam_size, blank_penalty=blank_penalty)
+        nbest = self.nbest(hidden, lengths, beam_size, blank_penalty=blank_penalty)
         return [hyps[0][0] if hyps else [] for hyps in nbest]
+
+    def nbest(self, hidden: torch.Tensor, lengths: torch.Tensor, beam_size: int,
+              fusion: ShallowFusion | None = None, blank_penalty: float = 0.0) -> list:
+        """Modified beam search's N-best lists, with shallow fusion (and LODR) when given."""
+        return rnnt_modified_beam_search(self.predictor, self.joiner, hidden, lengths,
+                                         beam_size, fusion=fusion, blank_penalty=blank_penalty)
+
+    @torch.no_grad()
+    def sequence_log_likelihoods(self, hidden: torch.Tensor,
+                                 hyps: list[list[int]]) -> torch.Tensor:
+        """Transducer log-likelihoods [N] of `hyps` given one utterance's encoder output
+        `hidden` [T', D], each summed over all alignments."""
+        labels, label_lens = pad_hyps(hyps, hidden.device)
+        count, longest = len(hyps), int(label_lens.max())
+        repeated = hidden[None].expand(count, -1, -1)
+        lengths = torch.full((count,), hidden.size(0), dtype=torch.int32, device=hidden.device)
+        logits = self.joiner(repeated, self.predictor(labels[:, :longest]))
+        return -torchaudio.functional.rnnt_loss(
+            logits.float().contiguous(), labels[:, :longest].int().contiguous(),
+            lengths, label_lens.int(), blank=BLANK, reduction="none")
 
 
 # Read-only registries of this family: config names map to classes here and nowhere else.
@@ -435,19 +326,15 @@ PREDICTORS: Mapping[str, type[nn.Module]] = MappingProxyType({
 JOINERS: Mapping[str, type[nn.Module]] = MappingProxyType({"JointNet": JointNet})
 
 
-def build_model(config: dict[str, Any], encoder: nn.Module, num_classes: int,
-                specaug: SpecAugment | None, source: str = "config.json") -> TransducerModel:
-    """The RNN-T model of `config` (`decoder`, `joiner`, `trainer`, and `ctc` for an
-    auxiliary CTC head) around `encoder`."""
+def build_head(config: dict[str, Any], encoder_dim: int, num_classes: int,
+               source: str = "config.json") -> tuple[TransducerHead, float | None]:
+    """The transducer head of `config` (`decoder`, `joiner`, `trainer.simple_loss_scale`)
+    and its loss weight (None: what an auxiliary CTC head's `ctc.weight` leaves)."""
     predictor = build_component(PREDICTORS, config["decoder"], "decoder.kwargs", source,
                                 num_classes)
     joiner = build_component(JOINERS, config["joiner"], "joiner.kwargs", source,
-                             encoder.output_dim, predictor.output_dim, num_classes)
-    try:
-        # The `ctc` section (an auxiliary head) as `ctc_<key>` arguments: `weight`,
-        # `dropout`, `blank_init_prob`, the defaults of the ones not given being the schema's.
-        auxiliary = {f"ctc_{key}": value for key, value in config.get("ctc", {}).items()}
-        return TransducerModel(encoder, predictor, joiner, specaug,
-                               **config.get("trainer", {}), **auxiliary)
-    except ValueError as error:
-        raise ConfigError(f"{source}: {error}") from None
+                             encoder_dim, predictor.output_dim, num_classes)
+    trainer = config.get("trainer", {})
+    scale = {"simple_loss_scale": trainer["simple_loss_scale"]} if (
+        "simple_loss_scale" in trainer) else {}
+    return TransducerHead(encoder_dim, predictor, joiner, **scale), None

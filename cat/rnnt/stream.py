@@ -23,7 +23,7 @@ class RnntChunkSearch:
     same tokens as `rnnt_greedy_search` of the whole utterance."""
 
     def __init__(self, model: nn.Module, chunk_size: int = 0) -> None:
-        self.predictor, self.joiner = model.predictor, model.joiner
+        self.predictor, self.joiner = model.transducer.predictor, model.transducer.joiner
         self.tokens: list[int] = []
         with torch.inference_mode():
             tokens = torch.full((1,), BLANK, dtype=torch.long)

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from cat.core.io import PathLike, atomic_write, remove_stale_temporaries
+from cat.models.model import upgrade_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ def _read_model_file(path: PathLike) -> dict[str, Any]:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{path}: model entry {key!r} is a {type(value).__name__}, "
                              f"not a tensor")
+    # Checkpoints of the one-class-per-family layout load with the heads' names.
+    checkpoint["model"] = upgrade_state_dict(checkpoint["model"])
     return checkpoint
 
 
@@ -213,6 +216,26 @@ def state_mismatch(model_state: dict[str, torch.Tensor], state: dict[str, torch.
     problems += [f"{name!r} is in the checkpoint but not in the model"
                  for name in state if name not in model_state]
     return problems
+
+
+def upgrade_training_checkpoint(state: dict[str, Any], model: torch.nn.Module) -> None:
+    """A training checkpoint of the one-class-per-family layout made fit for `model`, in
+    place: its model keys renamed (`upgrade_state_dict`) and its optimizer state, which is
+    indexed by parameter position, reordered from the saved model's parameter order (its
+    state dict's) to `model`'s. A checkpoint of the current layout is left as it is."""
+    saved = list(state["model"])
+    state["model"] = upgrade_state_dict(state["model"])
+    parameters = [name for name, _ in model.named_parameters()]
+    known = set(parameters)
+    saved_order = [name for name in state["model"] if name in known]
+    if saved_order == parameters or sorted(saved_order) != sorted(parameters):
+        return  # nothing to reorder, or a mismatch that load_model_state names
+    position = {name: index for index, name in enumerate(parameters)}
+    optimizer = state["scheduler"]["optimizer"]
+    optimizer["state"] = {position[saved_order[int(index)]]: value
+                          for index, value in optimizer["state"].items()}
+    logger.info("checkpoint of the earlier model layout: %d keys renamed, optimizer state "
+                "reordered", sum(a != b for a, b in zip(saved, state["model"], strict=True)))
 
 
 def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor],

@@ -88,6 +88,7 @@ from cat.training.checkpoint import (
     flatten,
     load_checkpoint,
     load_model_state,
+    upgrade_training_checkpoint,
 )
 from cat.training.distributed import DistributedContext, set_threads
 from cat.training.monitor import Monitor, plot_scalars
@@ -244,6 +245,7 @@ class Manager:
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpoints.directory}")
         state = load_checkpoint(path)
+        upgrade_training_checkpoint(state, self.model)
         load_model_state(self.model, state["model"], path,
                          self.exp_dir / config_module.CONFIG_NAME)
         self._check_settings(state["meta"].get("settings"), path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cat.core.config import ConfigError, model_kind
-from cat.crf.model import CRFModel
+from cat.crf.model import CRFHead
 from cat.graph.den_graph import build_for_tokenizer
 from cat.graph.denominator import DenGraphError, build_den_graph, save_den_graph
 from cat.models.registry import build_model
@@ -37,7 +37,8 @@ def test_use_crf_builds_a_crf_model_that_trains(tmp_path):
     config = crf_config(tmp_path / "den_lm.npz")
     assert model_kind(config) == "crf"
     model = build_model(config, num_classes=6)
-    assert isinstance(model, CRFModel) and model.lamb == 0.01
+    assert model.head_names == ("ctc",) and isinstance(model.ctc, CRFHead)
+    assert model.ctc.lamb == 0.01 and model.frame_posteriors
     model.prepare_training(UNITS)
     torch.manual_seed(0)
     feats = torch.randn(2, 40, 8)
@@ -45,7 +46,7 @@ def test_use_crf_builds_a_crf_model_that_trains(tmp_path):
     loss, stats = model(feats, torch.tensor([40, 32]), labels, torch.tensor([3, 2]))
     loss.backward()
     assert stats["num_infeasible"] == 0 and torch.isfinite(loss) and loss > 0
-    assert model.head.weight.grad.abs().sum() > 0
+    assert model.ctc.weight.grad.abs().sum() > 0
 
 
 def test_crf_keys_without_use_crf_are_an_error(tmp_path):

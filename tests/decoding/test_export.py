@@ -49,7 +49,7 @@ def trained(request, tmp_path_factory):
         config_path.write_text(json.dumps(config), encoding="utf-8")
         train(EXP, f"cat.{kind}.train")
     state = torch.load(next((root / EXP / "check").glob("ckpt-*.pt")), map_location="cpu")
-    state["model"]["head.bias" if kind == "ctc" else "joiner.out.bias"][0] -= \
+    state["model"]["ctc.bias" if kind == "ctc" else "transducer.joiner.out.bias"][0] -= \
         3.0 if kind == "ctc" else 1.0
     checkpoint = root / EXP / "lowered-blank.pt"
     torch.save(state, checkpoint)
@@ -75,7 +75,8 @@ def _references(kind: str, experiment, checkpoint: Path, max_symbols: int = 3):
                 hyps[key] = model.decode(x, lengths, method="greedy")[0]
             else:
                 encoder_out, out_lens = model.encoder(x, lengths)
-                hyps[key] = rnnt_greedy_search(model.predictor, model.joiner, encoder_out,
+                head = model.transducer
+                hyps[key] = rnnt_greedy_search(head.predictor, head.joiner, encoder_out,
                                                out_lens, max_symbols)[0]
     return hyps, feats, tokenizer
 
@@ -119,7 +120,7 @@ def test_torchscript_export_equals_pytorch(recipe, tmp_path):
             expected, expected_lens = model.log_probs(x, lengths)
         else:  # encoder.onnx / .pt hold the joiner's projection of the encoder's output
             encoder_out, expected_lens = model.encoder(x, lengths)
-            expected = model.joiner.project_encoder(encoder_out)
+            expected = model.transducer.joiner.project_encoder(encoder_out)
         got, got_lens = traced(x, lengths)
     assert got_lens.tolist() == expected_lens.tolist()
     for i, n in enumerate(expected_lens.tolist()):

@@ -48,7 +48,7 @@ def _model(kind: str) -> torch.nn.Module:
     config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=8,
                                        time_reduction_factor=2)
     model = build_model(config, num_classes=12)
-    head = model.head if kind == "ctc" else model.joiner.out
+    head = model.ctc if kind == "ctc" else model.transducer.joiner.out
     with torch.no_grad():  # a blank-light random model: tokens on most frames
         head.bias[0] -= 1.0
     return model.eval()
@@ -70,7 +70,8 @@ def _reference(kind: str, model, samples: np.ndarray, chunk_size: int) -> list[i
             if kind == "ctc":
                 return model.decode(feats, lengths, method="greedy")[0]
             out, out_lens = model.encoder(feats, lengths)
-            return rnnt_greedy_search(model.predictor, model.joiner, out, out_lens)[0]
+            head = model.transducer
+            return rnnt_greedy_search(head.predictor, head.joiner, out, out_lens)[0]
     finally:
         model.encoder.set_decode_chunk_size(0)
 
@@ -146,7 +147,7 @@ def chunk_experiment(request, tmp_path_factory):
         config_path.write_text(json.dumps(config), encoding="utf-8")
         train("exp/tiny", f"cat.{kind}.train")
     state = torch.load(next((root / "exp/tiny/check").glob("ckpt-*.pt")), map_location="cpu")
-    state["model"]["head.bias" if kind == "ctc" else "joiner.out.bias"][0] -= \
+    state["model"]["ctc.bias" if kind == "ctc" else "transducer.joiner.out.bias"][0] -= \
         3.0 if kind == "ctc" else 1.0
     checkpoint = root / "exp/tiny/lowered-blank.pt"
     torch.save(state, checkpoint)

@@ -223,5 +223,7 @@ def test_search_settings_reach_only_the_searches_that_take_them():
     with pytest.raises(ValueError, match=r"exp/x/config\.json: blank_penalty: this model's"):
         options.search_settings((), "exp/x/config.json")
     assert DecodeOptions.from_dict({}, "hyper-p.json").search_settings((), "config.json") == {}
-    rescoring = DecodeOptions.from_dict({"method": "attention_rescoring"}, "hyper-p.json")
-    assert rescoring.search_settings((), "config.json") == rescoring.rescoring() != {}
+    rescoring = DecodeOptions.from_dict({"method": "attention_rescoring",
+                                         "reverse_weight": 0.3}, "hyper-p.json")
+    assert rescoring.search_settings(("ctc_weight", "reverse_weight"), "config.json") == {
+        "ctc_weight": rescoring.ctc_weight, "reverse_weight": 0.3}

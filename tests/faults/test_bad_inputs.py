@@ -1114,9 +1114,9 @@ def test_decode_a_checkpoint_that_outputs_only_blanks(trained_copy):
     check = trained_copy / NAME / "check"
     for path in check.glob("ckpt-*.pt"):
         state = torch.load(path, weights_only=True)
-        state["model"]["head.weight"].zero_()
-        state["model"]["head.bias"].fill_(-10.0)
-        state["model"]["head.bias"][0] = 10.0  # blank
+        state["model"]["ctc.weight"].zero_()
+        state["model"]["ctc.bias"].fill_(-10.0)
+        state["model"]["ctc.bias"][0] = 10.0  # blank
         torch.save(state, path)
     with pytest.raises(DegenerateModelError, match=r"the model exp/tiny/.*\.pt \(trained for "
                                                    r"10 updates\) is degenerate: every "
@@ -1161,7 +1161,8 @@ def test_stream_with_an_untrained_chunk_size():
     from cat.models.chunked import StreamingEncoder
 
     with pytest.raises(ValueError, match=r"^chunk size 9: this model was trained on chunks of 1 "
-                                         r"to 8 frames \(encoder.kwargs.max_chunk_size\)$"):
+                                         r"to 8 frames \(encoder.kwargs.min_chunk_size, "
+                                         r"max_chunk_size\)$"):
         StreamingEncoder(_streaming_encoder(8), 9)
     with pytest.raises(ValueError, match=r"^chunk size 4: this model was trained with full "
                                          r"context only \(encoder.kwargs.max_chunk_size 0\)$"):
@@ -1175,7 +1176,7 @@ def test_stream_audio_at_another_sample_rate():
 
     encoder = StreamingEncoder(_streaming_encoder(8), 4)
     model = _streaming_encoder(8)  # any module with a head will do: nothing is encoded
-    model.head = None
+    model.first_head = None
     recognizer = StreamingRecognizer(lambda feats: feats, encoder.stride, CtcChunkSearch(model),
                                      None)
     with pytest.raises(StreamingError, match=r"^audio at 8000 Hz: the model takes 16000 Hz "

@@ -117,9 +117,9 @@ def test_rescoring_with_decoder_weight_zero_is_the_prefix_beam_result():
     torch.manual_seed(1)
     model = build_model(u2_config(), num_classes=6).eval()  # untrained: the decoder disagrees
     feats, feat_lens, _, _ = make_task()
-    log_probs, lengths, hidden = model.search_inputs(feats, feat_lens)
-    beam = ctc_prefix_beam_search(log_probs, lengths, 4)
-    same = model.nbest((log_probs, lengths, hidden), 4, None, ctc_weight=1.0,
+    hidden, lengths = model.search_inputs(feats, feat_lens)
+    beam = ctc_prefix_beam_search(model.ctc.log_probs(hidden), lengths, 4)
+    same = model.nbest((hidden, lengths), 4, None, "attention_rescoring", ctc_weight=1.0,
                        decoder_weight=0.0)
     assert [[tokens for tokens, _ in hyps] for hyps in same] == \
         [[tokens for tokens, _ in hyps] for hyps in beam]
@@ -132,14 +132,19 @@ def test_rescoring_with_decoder_weight_zero_is_the_prefix_beam_result():
 def test_a_model_without_the_head_refuses_attention_rescoring():
     model = build_model(ctc_config(), num_classes=6).eval()
     assert model.decode_methods == ("greedy", "beam")
-    with pytest.raises(ValueError, match="attention_rescoring needs an attention decoder"):
+    with pytest.raises(ValueError, match=r"attention_rescoring needs config\.json's 'attention'"):
         model.decode(torch.randn(1, 40, 16), torch.tensor([40]), method="attention_rescoring")
 
 
 def test_without_the_section_the_ctc_model_is_unchanged():
     # Checkpoints of CTC models written before the head existed keep loading: the model
-    # holds its encoder, SpecAugment's counter and its linear head, nothing else.
+    # holds its encoder, SpecAugment's counter and its linear head, nothing else; the
+    # head's keys of the one-class-per-family layout (`head.*`) load under `ctc.*`.
     plain = build_model(ctc_config(), num_classes=6)
-    assert plain.attention is None
+    assert plain.head_names == ("ctc",) and not hasattr(plain, "attention")
     assert {key for key in plain.state_dict() if not key.startswith("encoder.")} == \
-        {"specaug.batches_seen", "head.weight", "head.bias"}
+        {"specaug.batches_seen", "ctc.weight", "ctc.bias"}
+    old = {("head." + key[4:] if key.startswith("ctc.") else key): torch.randn_like(value)
+           if value.is_floating_point() else value for key, value in plain.state_dict().items()}
+    plain.load_state_dict(old)
+    assert torch.equal(plain.ctc.weight, old["head.weight"])

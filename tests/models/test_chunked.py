@@ -73,10 +73,28 @@ def test_chunk_training_draws_chunk_sizes():
     assert encoder.eval()._chunk_size() == 0
 
 
+def test_min_chunk_size_bounds_training_and_streaming_chunks():
+    encoder = ConformerNet(80, 16, 1, 2, kernel_size=3, subsampling_channels=4,
+                           causal_conv=True, max_chunk_size=8, min_chunk_size=3,
+                           full_context_prob=0.0).train()
+    torch.manual_seed(0)
+    sizes = {encoder._chunk_size() for _ in range(300)}
+    assert sizes == set(range(3, 9))
+    encoder.set_decode_chunk_size(3)
+    with pytest.raises(ValueError,
+                       match=r"chunk size 2: this model was trained on chunks of 3 to 8 frames"):
+        encoder.set_decode_chunk_size(2)
+    with pytest.raises(ValueError,
+                       match=r"min_chunk_size=9 must be within \[1, max_chunk_size=8\]"):
+        ConformerNet(80, 16, 1, 2, kernel_size=3, causal_conv=True, max_chunk_size=8,
+                     min_chunk_size=9)
+
+
 def test_chunk_sizes_the_model_was_not_trained_for():
     encoder = _encoder(1, -1)
     with pytest.raises(ValueError, match=r"chunk size 9: this model was trained on chunks of 1 "
-                                         r"to 8 frames \(encoder.kwargs.max_chunk_size\)"):
+                                         r"to 8 frames \(encoder.kwargs.min_chunk_size, "
+                                         r"max_chunk_size\)"):
         StreamingEncoder(encoder, 9)
     full_context = ConformerNet(80, 16, 1, 2, kernel_size=3, subsampling_channels=4)
     with pytest.raises(ValueError, match="trained with full context only"):

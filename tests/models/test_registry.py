@@ -12,9 +12,9 @@ import torch
 
 from cat.core.config import ConfigError, load_config, model_kind, validate_config
 from cat.core.config import load_config_schema as load_schema
-from cat.ctc.model import CTCModel
+from cat.ctc.head import CTCHead
 from cat.models.encoder import ConformerNet
-from cat.models.heads import FramePosteriors
+from cat.models.model import AsrModel
 from cat.models.registry import ENCODERS, build_model, check_command, count_parameters
 from cat.models.specaug import SpecAugment
 from cat.rnnt.model import (
@@ -23,7 +23,7 @@ from cat.rnnt.model import (
     JointNet,
     LSTMPredictor,
     StatelessPredictor,
-    TransducerModel,
+    TransducerHead,
 )
 from cat.training.scheduler import SCHEDULERS, build_scheduler
 
@@ -67,22 +67,25 @@ def test_schema_is_a_valid_draft_2020_12_schema():
 
 def test_build_ctc_and_rnnt_models():
     ctc = build_model(ctc_config(), num_classes=10)
-    assert isinstance(ctc, CTCModel)
+    assert isinstance(ctc, AsrModel) and ctc.head_names == ("ctc",)
     assert isinstance(ctc.encoder, ConformerNet)
     assert isinstance(ctc.specaug, SpecAugment)
-    assert ctc.head.out_features == 10
+    assert isinstance(ctc.ctc, CTCHead) and ctc.ctc.out_features == 10
     rnnt = build_model(rnnt_config(), num_classes=10)
-    assert isinstance(rnnt, TransducerModel)
-    assert isinstance(rnnt.predictor, LSTMPredictor)
-    assert rnnt.joiner.out.out_features == 10
-    assert rnnt.joiner.enc_proj.in_features == 32
-    assert rnnt.joiner.pred_proj.in_features == 24
+    assert isinstance(rnnt, AsrModel) and rnnt.head_names == ("transducer",)
+    assert isinstance(rnnt.transducer, TransducerHead)
+    assert isinstance(rnnt.transducer.predictor, LSTMPredictor)
+    assert rnnt.transducer.joiner.out.out_features == 10
+    assert rnnt.transducer.joiner.enc_proj.in_features == 32
+    assert rnnt.transducer.joiner.pred_proj.in_features == 24
     assert model_kind(ctc_config()) == "ctc"
     assert model_kind(rnnt_config()) == "rnnt"
     assert count_parameters(ctc) == sum(p.numel() for p in ctc.parameters())
     assert count_parameters(rnnt) > count_parameters(ctc)
     # Frame posteriors (what WFST decoding reads) come from a CTC head, not a transducer.
-    assert isinstance(ctc, FramePosteriors) and not isinstance(rnnt, FramePosteriors)
+    assert ctc.frame_posteriors and not rnnt.frame_posteriors
+    with pytest.raises(TypeError, match="gives no log-probabilities per frame"):
+        rnnt.log_probs(torch.zeros(1, 20, 16), torch.tensor([20]))
 
 
 def test_stateless_predictor_from_config():
@@ -90,8 +93,8 @@ def test_stateless_predictor_from_config():
     config["decoder"] = {"type": "StatelessPredictor", "kwargs": {"embed_dim": 16,
                                                                   "context_size": 2}}
     model = build_model(config, num_classes=7)
-    assert isinstance(model.predictor, StatelessPredictor)
-    assert model.predictor.context_size == 2
+    assert isinstance(model.transducer.predictor, StatelessPredictor)
+    assert model.transducer.predictor.context_size == 2
 
 
 def test_specaug_is_optional():
@@ -107,8 +110,9 @@ def test_misspelled_encoder_key_names_key_and_allowed_keys():
     assert "encoder.kwargs: unknown key 'num_cell' (did you mean 'num_cells'?)" in message
     assert ("allowed keys: causal_conv, conv_norm, dropout, dropout_attn, ffn_mult, "
             "full_context_prob, global_cmvn, hdim, idim, kernel_size, left_chunks, "
-            "max_chunk_size, num_cells, num_heads, subsampling, subsampling_channels, "
-            "time_reduction_factor, time_reduction_mode, time_reduction_position") in message
+            "max_chunk_size, min_chunk_size, num_cells, num_heads, subsampling, "
+            "subsampling_channels, time_reduction_factor, time_reduction_mode, "
+            "time_reduction_position") in message
     assert "'num_cells' is a required property" in message
 
 
@@ -217,20 +221,17 @@ def test_schema_defaults_match_constructor_defaults():
     assert schema_defaults("StatelessPredictor") == _constructor_defaults(StatelessPredictor, 1)
     assert schema_defaults("JointNet") == _constructor_defaults(JointNet, 3)
     assert schema_defaults("specaug") == _constructor_defaults(SpecAugment, 0)
-    ctc_defaults = _constructor_defaults(CTCModel, 2)
+    ctc_defaults = _constructor_defaults(CTCHead, 2)
     assert schema_defaults("ctc") == {key: ctc_defaults[key]
                                       for key in ("dropout", "blank_init_prob")}
-    auxiliary = _constructor_defaults(TransducerModel, 3)  # RNN-T's auxiliary CTC head
-    assert schema_defaults("ctc") == {key: auxiliary[f"ctc_{key}"]
-                                      for key in ("dropout", "blank_init_prob")}
-    from cat.crf.model import CRFModel
+    from cat.crf.model import CRFHead
     from cat.graph.den_graph import build_for_tokenizer
 
     graph = inspect.signature(build_for_tokenizer).parameters
     assert schema_defaults("trainer") == {
-        "loss_normalization": _constructor_defaults(CTCModel, 2)["loss_normalization"],
-        "use_crf": False, "lamb": _constructor_defaults(CRFModel, 2)["lamb"],
-        "simple_loss_scale": auxiliary["simple_loss_scale"],
+        "loss_normalization": _constructor_defaults(AsrModel, 3)["loss_normalization"],
+        "use_crf": False, "lamb": _constructor_defaults(CRFHead, 2)["lamb"],
+        "simple_loss_scale": _constructor_defaults(TransducerHead, 3)["simple_loss_scale"],
         "den_lm_order": graph["order"].default,
         "den_lm_extra_states": graph["extra_states"].default,
         "den_lm_estimator": graph["estimator"].default}
@@ -398,13 +399,13 @@ def test_blank_init_prob_sets_the_initial_blank_probability(blank_prob):
     config["ctc"]["blank_init_prob"] = blank_prob
     model = build_model(config, 30)
     # With a zero hidden state the output is the bias alone: blank_prob, the rest uniform.
-    probs = torch.softmax(model.head.bias.detach(), dim=0)
+    probs = torch.softmax(model.ctc.bias.detach(), dim=0)
     assert float(probs[0]) == pytest.approx(blank_prob, abs=1e-6)
     assert torch.allclose(probs[1:], torch.full((29,), (1 - blank_prob) / 29))
     config["ctc"]["blank_init_prob"] = 0.0  # PyTorch's default initialisation
     torch.manual_seed(0)
     default = build_model(config, 30)
-    assert float(torch.softmax(default.head.bias.detach(), dim=0)[0]) < 0.1
+    assert float(torch.softmax(default.ctc.bias.detach(), dim=0)[0]) < 0.1
 
 
 def test_global_cmvn_normalises_with_stats_held_in_the_model():

@@ -7,18 +7,19 @@ import torch
 import torchaudio
 
 from cat.models.encoder import ConformerNet
+from cat.models.model import AsrModel
 from cat.rnnt import model as rnnt_model
 from cat.rnnt.model import (
     JointNet,
     LSTMPredictor,
     StatelessPredictor,
-    TransducerModel,
+    TransducerHead,
     loss_parts,
 )
 
 
 def tiny_transducer(num_classes: int = 6, predictor: str = "lstm",
-                    loss_normalization: str = "utterance") -> TransducerModel:
+                    loss_normalization: str = "utterance") -> AsrModel:
     torch.manual_seed(0)
     encoder = ConformerNet(idim=16, hdim=32, num_cells=1, num_heads=2, kernel_size=3,
                            dropout=0.0, conv_norm="layernorm")
@@ -27,7 +28,9 @@ def tiny_transducer(num_classes: int = 6, predictor: str = "lstm",
     else:
         pred = StatelessPredictor(num_classes, embed_dim=24, context_size=2)
     joiner = JointNet(encoder.output_dim, pred.output_dim, num_classes, hdim=24)
-    return TransducerModel(encoder, pred, joiner, loss_normalization=loss_normalization)
+    head = TransducerHead(encoder.output_dim, pred, joiner)
+    return AsrModel(encoder, {"transducer": head}, {"transducer": 1.0},
+                    loss_normalization=loss_normalization)
 
 
 def make_task(seed: int = 0, num_classes: int = 6):
@@ -101,8 +104,8 @@ def test_loss_equals_forward_recursion_and_is_padding_independent():
         expected = []
         for index in range(4):
             sequence = labels[index, :label_lens[index]]
-            logits = model.joiner(encoder_out[index:index + 1, :lengths[index]],
-                                  model.predictor(sequence[None]))[0]
+            logits = model.transducer.joiner(encoder_out[index:index + 1, :lengths[index]],
+                                  model.transducer.predictor(sequence[None]))[0]
             expected.append(brute_force_rnnt_loss(logits, sequence.tolist()))
     assert stats["loss_sum"] == pytest.approx(sum(expected), rel=1e-4)
     assert loss.item() == pytest.approx(sum(expected) / 4, rel=1e-4)
@@ -242,17 +245,18 @@ def test_an_auxiliary_ctc_head_mixes_its_loss_and_leaves_plain_rnnt_unchanged():
 
     torch.manual_seed(0)
     plain = build_model(rnnt_config(), num_classes=6)
-    assert plain.ctc_head is None and not any(k.startswith("ctc") for k in plain.state_dict())
+    assert plain.head_names == ("transducer",)
+    assert not any(k.startswith("ctc") for k in plain.state_dict())
     config = rnnt_config()
     config["ctc"] = {"weight": 0.3}
     model = build_model(config, num_classes=6).eval()
-    assert model.ctc_head.out_features == 6
+    assert model.ctc.out_features == 6
     feats, feat_lens, labels, label_lens = make_task()
     loss, stats = model(feats, feat_lens, labels, label_lens)
     assert stats["loss_sum"] == pytest.approx(0.7 * stats["rnnt_loss_sum"]
                                               + 0.3 * stats["ctc_loss_sum"], rel=1e-5)
     loss.backward()
-    assert model.ctc_head.weight.grad.abs().sum() > 0
+    assert model.ctc.weight.grad.abs().sum() > 0
     assert model.decode_methods == ("greedy", "beam", "joint_rescoring")
 
 
@@ -294,15 +298,16 @@ def test_simple_loss_scale_adds_the_simple_loss_and_is_rnnt_only():
     loss, _ = model(feats, feat_lens, labels, label_lens)
     with torch.no_grad():
         encoder_out, lengths = model.encoder(feats, feat_lens)
-        simple = rnnt_model.simple_losses(model.simple_am(encoder_out),
-                                          model.simple_lm(model.predictor(labels)), labels,
+        head = model.transducer
+        simple = rnnt_model.simple_losses(head.simple_am(encoder_out),
+                                          head.simple_lm(head.predictor(labels)), labels,
                                           lengths, label_lens)
     plain_loss, _ = plain(feats, feat_lens, labels, label_lens)
     assert loss.item() == pytest.approx(plain_loss.item() + 0.5 * simple.mean().item(),
                                         rel=1e-5)
     loss.backward()
-    assert model.simple_am.weight.grad.abs().sum() > 0
-    assert model.simple_lm.weight.grad.abs().sum() > 0
+    assert model.transducer.simple_am.weight.grad.abs().sum() > 0
+    assert model.transducer.simple_lm.weight.grad.abs().sum() > 0
     bad = ctc_config()
     bad["trainer"] = {"simple_loss_scale": 0.5}
     with pytest.raises(ConfigError, match=r"trainer\.simple_loss_scale: only used by RNN-T"):
@@ -326,9 +331,9 @@ def test_joint_rescoring_ranks_both_searches_lists_by_the_weighted_log_likelihoo
     feats, feat_lens, _, _ = make_task()
     inputs = model.search_inputs(feats, feat_lens)
     encoder_out, lengths = inputs
-    joint = model.nbest(inputs, 3, ctc_weight=0.4, decoder_weight=0.7)
+    joint = model.nbest(inputs, 3, None, "joint_rescoring", ctc_weight=0.4, decoder_weight=0.7)
     transducer = model.nbest(inputs, 3)
-    ctc = ctc_prefix_beam_search(model.ctc_head.log_probs(encoder_out), lengths, 3)
+    ctc = ctc_prefix_beam_search(model.ctc.log_probs(encoder_out), lengths, 3)
     for index, hyps in enumerate(joint):
         expected = {tuple(h) for h, _ in transducer[index]} | {tuple(h) for h, _ in ctc[index]}
         assert {tuple(h) for h, _ in hyps} == expected
@@ -337,14 +342,15 @@ def test_joint_rescoring_ranks_both_searches_lists_by_the_weighted_log_likelihoo
         frames = encoder_out[index, :lengths[index]]
         for tokens, score in hyps:
             with torch.no_grad():
-                logits = model.joiner(frames[None], model.predictor(torch.tensor([tokens]).long()
-                                                                    if tokens else
-                                                                    torch.zeros(1, 0).long()))
+                history = (torch.tensor([tokens]).long() if tokens
+                           else torch.zeros(1, 0).long())
+                logits = model.transducer.joiner(frames[None],
+                                                 model.transducer.predictor(history))
                 rnnt = torchaudio.functional.rnnt_loss(
                     logits, torch.tensor([tokens], dtype=torch.int32).reshape(1, -1),
                     lengths[index:index + 1].int(), torch.tensor([len(tokens)]).int(),
                     blank=0, reduction="none")
-                log_probs = model.ctc_head.log_probs(frames[None])
+                log_probs = model.ctc.log_probs(frames[None])
                 ctc_loss = torch.nn.functional.ctc_loss(
                     log_probs.transpose(0, 1), torch.tensor([tokens or [0]]),
                     lengths[index:index + 1], torch.tensor([len(tokens)]), reduction="none")
@@ -353,5 +359,5 @@ def test_joint_rescoring_ranks_both_searches_lists_by_the_weighted_log_likelihoo
                         decoder_weight=0.7)
     assert best == [hyps[0][0] for hyps in joint]
     plain = build_model(rnnt_config(), num_classes=6).eval()
-    with pytest.raises(ValueError, match="joint_rescoring needs an auxiliary CTC head"):
+    with pytest.raises(ValueError, match="joint_rescoring a 'ctc' head beside a transducer"):
         plain.decode(feats, feat_lens, "joint_rescoring", 3, ctc_weight=0.4)

@@ -88,3 +88,49 @@ def test_keeps_the_last_and_the_best(tmp_path):
     assert reopened.records[-1]["dev_loss"] is None
     with pytest.raises(ValueError, match="unknown checkpoint selection 'worst'"):
         reopened.select("worst", 1)
+
+
+def _old_layout_name(key: str) -> str:
+    """A state-dict key as the one-class-per-family transducer model named it."""
+    for new, old in (("transducer.", ""), ("ctc.", "ctc_head.")):
+        if key.startswith(new):
+            return old + key[len(new):]
+    return key
+
+
+def test_a_transducer_checkpoint_of_the_earlier_layout_resumes_with_its_optimizer_state():
+    """The earlier transducer class registered its auxiliary CTC head first, then the
+    encoder, predictor and joiner: its checkpoint's keys are renamed and Adam's moments,
+    indexed by parameter position, follow their parameters into the new order."""
+    from cat.models.registry import build_model
+    from cat.training.checkpoint import upgrade_training_checkpoint
+    from tests.models.test_registry import rnnt_config
+
+    config = rnnt_config()
+    config["ctc"] = {"weight": 0.3}
+    torch.manual_seed(0)
+    model = build_model(config, num_classes=6)
+    named = dict(model.named_parameters())
+    old_order = ([k for k in named if k.startswith("ctc.")]
+                 + [k for k in named if not k.startswith("ctc.")])
+    assert old_order != list(named)  # the layouts differ in order, not only in names
+    old_optimizer = torch.optim.AdamW([named[k] for k in old_order], lr=0.1)
+    for index, key in enumerate(old_order):
+        named[key].grad = torch.full_like(named[key], float(index + 1))
+    old_optimizer.step()
+    buffers = [k for k in model.state_dict() if k not in named]
+    state = {"model": {_old_layout_name(k): model.state_dict()[k]
+                       for k in old_order + buffers},
+             "scheduler": {"optimizer": old_optimizer.state_dict()}}
+    upgrade_training_checkpoint(state, model)
+    assert list(state["model"]) == old_order + buffers
+    new_optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    new_optimizer.load_state_dict(state["scheduler"]["optimizer"])
+    for key, parameter in named.items():
+        moment = new_optimizer.state[parameter]["exp_avg"]
+        assert torch.allclose(moment, torch.full_like(moment, 0.1 * (old_order.index(key) + 1)))
+    current = {"model": model.state_dict(),
+               "scheduler": {"optimizer": new_optimizer.state_dict()}}
+    before = {k: dict(v) for k, v in current["scheduler"]["optimizer"]["state"].items()}
+    upgrade_training_checkpoint(current, model)  # the current layout: left alone
+    assert current["scheduler"]["optimizer"]["state"].keys() == before.keys()

@@ -277,7 +277,7 @@ def test_rnnt_training_runs_from_the_command_line(tmp_path, monkeypatch):
     rnnt_train.main([NAME])
     latest = _latest(experiment)
     assert latest["step"] == 10 and latest["meta"]["train_bin"] == "cat.rnnt.train"
-    assert "predictor.embedding.weight" in latest["model"]
+    assert "transducer.predictor.embedding.weight" in latest["model"]
     assert torch.isfinite(torch.tensor(latest["dev_loss"]))
 
 
