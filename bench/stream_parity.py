@@ -1,6 +1,9 @@
-"""Streaming in PyTorch vs the exported `streaming.onnx` in onnxruntime: identical
-hypotheses and real-time factors of chunk-by-chunk greedy decoding of a test set's audio
-(fed in 0.1 s pieces, one thread).
+"""Streaming in PyTorch vs the exported `streaming.onnx` in onnxruntime, and for CTC
+`streaming_wenet_ctc.onnx` in sherpa-onnx's `OnlineRecognizer` (model type `wenet_ctc`):
+identical hypotheses and real-time factors of chunk-by-chunk greedy decoding of a test set's
+audio (fed in 0.1 s pieces, one thread). sherpa-onnx decodes whole chunks only, so its
+audio is followed by 1 s of silence (what its examples do); its cache holds
+`--num-left-chunks` chunks. CER of each runtime against the set's `text`.
 
 Usage (from the recipe directory, after stage 3 of a chunk-trained experiment):
     python ../../bench/stream_parity.py exp/synth-ctc-stream ctc --chunk-size 16 --limit 100
@@ -12,6 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from cat.core.config import load_hyper
@@ -22,6 +26,7 @@ from cat.decoding.online import StreamingRecognizer, _chunk_encoder, decode_utte
 from cat.decoding.searcher import load_model
 from cat.features.fbank import read_audio
 from cat.models.chunked import StreamingEncoder
+from cat.utils.wer import score
 
 
 def main() -> None:
@@ -31,6 +36,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--set", default="test")
     parser.add_argument("--limit", type=int, default=0)
+    parser.add_argument("--num-left-chunks", type=int, default=16,
+                        help="sherpa-onnx's attention cache, in chunks")
     args = parser.parse_args()
     torch.set_num_threads(1)
     family = __import__(f"cat.{args.kind}.export", fromlist=["export"])
@@ -48,9 +55,15 @@ def main() -> None:
     onnx_encoder = OnnxChunkEncoder(export_dir)
     onnx_decoder = family.OnnxRnntDecoder(export_dir) if args.kind == "rnnt" else None
     runs = {}
-    for name in ("pytorch", "onnxruntime"):
+    names = ("pytorch", "onnxruntime") + (("sherpa-onnx",) if args.kind == "ctc" else ())
+    for name in names:
         hyps, start = {}, time.perf_counter()
+        if name == "sherpa-onnx":
+            sherpa = family.sherpa_online_recognizer(export_dir, args.num_left_chunks)
         for key, (samples, rate) in audio.items():
+            if name == "sherpa-onnx":
+                hyps[key] = _sherpa_decode(sherpa, samples, rate)
+                continue
             if name == "pytorch":
                 recognizer = StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
                                                  stream.__dict__[
@@ -64,11 +77,35 @@ def main() -> None:
                                                  tokenizer)
             hyps[key] = decode_utterance(recognizer, samples, rate).text
         runs[name] = (hyps, (time.perf_counter() - start) / seconds)
-    same = sum(runs["pytorch"][0][k] == runs["onnxruntime"][0][k] for k in audio)
+    refs = {key: text for key, text in read_table(Path(f"data/{args.set}/text")).items()
+            if key in audio}
     print(f"{args.exp} ({args.kind}), chunk {args.chunk_size}, {args.set}: {len(audio)} "
-          f"utterances, {seconds:.0f} s; identical hypotheses {100 * same / len(audio):.1f} %")
-    for name, (_, rtf) in runs.items():
-        print(f"| {name} streaming | RTF {rtf:.4f} |")
+          f"utterances, {seconds:.0f} s")
+    print("| runtime | identical to PyTorch (%) | CER | RTF |\n|---|---:|---:|---:|")
+    for name, (hyps, rtf) in runs.items():
+        same = sum(_plain(runs["pytorch"][0][k]) == _plain(hyps[k]) for k in audio)
+        cer = score(refs, hyps, "char").error_rate
+        print(f"| {name} | {100 * same / len(audio):.1f} | {cer:.2f} | {rtf:.4f} |")
+
+
+def _plain(text: str) -> str:
+    """A hypothesis without white space or SentencePiece's word marks."""
+    return "".join(text.replace("\u2581", " ").split())
+
+
+def _sherpa_decode(recognizer, samples, rate: int) -> str:
+    """sherpa-onnx's online result of `samples` fed in 0.1 s pieces, then 1 s of silence."""
+    stream = recognizer.create_stream()
+    padded = np.concatenate([samples, np.zeros(rate, np.float32)])
+    piece = rate // 10
+    for start in range(0, len(padded), piece):
+        stream.accept_waveform(rate, padded[start:start + piece])
+        while recognizer.is_ready(stream):
+            recognizer.decode_stream(stream)
+    stream.input_finished()
+    while recognizer.is_ready(stream):
+        recognizer.decode_stream(stream)
+    return "".join(recognizer.get_result_all(stream).tokens)
 
 
 if __name__ == "__main__":

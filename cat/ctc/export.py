@@ -27,20 +27,25 @@ from cat.decoding.export import (
     EXPORT_NAME,
     STREAMING_NAME,
     TOKENS_NAME,
+    ExportError,
     export_main,
     export_onnx,
     export_streaming,
     feature_metadata,
     load_experiment_model,
+    load_export_metadata,
     onnx_session,
+    sherpa_feature_config,
     streaming_metadata,
     write_export,
     write_tokens,
 )
-from cat.models.chunked import StreamingEncoder
+from cat.models.chunked import KeyValueStreamingEncoder, StreamingEncoder
 from cat.models.ctc_search import ctc_greedy_search
 
 MODEL_NAME = "model.onnx"
+#: The streaming model in sherpa-onnx's online `wenet_ctc` layout.
+WENET_CTC_NAME = "streaming_wenet_ctc.onnx"
 
 
 class _LogProbs(nn.Module):
@@ -64,11 +69,64 @@ class _LogSoftmaxHead(nn.Module):
         return torch.log_softmax(self.head(x), dim=-1)
 
 
+class _WenetCtcStep(nn.Module):
+    """One chunk in the state layout of sherpa-onnx's online `wenet_ctc` model type (inputs
+    and outputs matched by position; see `export`)."""
+
+    def __init__(self, streaming: KeyValueStreamingEncoder, head: nn.Module) -> None:
+        super().__init__()
+        self.streaming, self.head = streaming, _LogSoftmaxHead(head)
+
+    def forward(self, x: torch.Tensor, offset: torch.Tensor, required_cache_size: torch.Tensor,
+                attn_cache: torch.Tensor, conv_cache: torch.Tensor, attn_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Relative positions need no absolute offset, and the cache's size is its own; both
+        # inputs stay in the graph (a runtime feeds them by position), contributing zero.
+        unused = (offset.sum() + required_cache_size.sum()).to(x.dtype) * 0.0
+        out, attn_cache, conv_cache = self.streaming(x + unused, attn_cache, conv_cache,
+                                                     attn_mask)
+        return self.head(out), attn_cache, conv_cache
+
+
+def export_wenet_ctc(model: nn.Module, chunk_size: int, path: Path,
+                     metadata: dict[str, Any]) -> None:
+    """`streaming_wenet_ctc.onnx`: the chunk step in sherpa-onnx's online `wenet_ctc` layout
+    (`x`, `offset`, `required_cache_size`, `attn_cache`, `conv_cache`, `attn_mask` ->
+    `log_probs`, `next_att_cache`, `next_conv_cache`; `KeyValueStreamingEncoder`) with the
+    metadata it reads (`head`, `num_blocks`, `output_size`, `cnn_module_kernel`,
+    `right_context`, `subsampling_factor`, `vocab_size`)."""
+    streaming = KeyValueStreamingEncoder(model.encoder, chunk_size)
+    encoder = model.encoder
+    cell = encoder.cells[0]
+    stride = streaming.streaming.stride
+    wenet = {"head": cell.attn.num_heads, "num_blocks": len(encoder.cells),
+             "output_size": encoder.output_dim,
+             "cnn_module_kernel": cell.conv.depthwise.kernel_size[0],
+             "subsampling_factor": stride // chunk_size,
+             # A chunk's frames: (chunk - 1) x subsampling + right_context + 1.
+             "right_context": streaming.streaming.frames_per_chunk - stride + stride // chunk_size
+             - 1, "vocab_size": int(model.num_classes)}
+    cache = 2 * chunk_size
+    attn_cache, conv_cache = streaming.initial_state(cache)
+    mask = torch.ones(1, 1, cache + chunk_size, dtype=torch.bool)
+    mask[:, :, :chunk_size] = False
+    example = (torch.randn(1, streaming.streaming.frames_per_chunk, metadata["feature_dim"]),
+               torch.tensor([cache], dtype=torch.int64), torch.tensor([cache], dtype=torch.int64),
+               attn_cache, conv_cache, mask)
+    export_onnx(_WenetCtcStep(streaming, model.first_head), example, path,
+                ["x", "offset", "required_cache_size", "attn_cache", "conv_cache", "attn_mask"],
+                ["log_probs", "next_att_cache", "next_conv_cache"],
+                {"x": {1: "T"}, "attn_cache": {2: "R"}, "attn_mask": {2: "M"},
+                 "log_probs": {1: "T_out"}, "next_att_cache": {2: "R_out"}},
+                {**metadata, **wenet}, torchscript=False)
+
+
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
            checkpoint: PathLike | None = None, chunk_size: int | None = None,
            allow_config_change: bool | None = None) -> Path:
     """Write `model.onnx`, `tokens.txt` and `export.json` of a CTC experiment; with
-    `chunk_size`, also `streaming.onnx` (chunk log-probabilities, state in and out)."""
+    `chunk_size`, also `streaming.onnx` (chunk log-probabilities, state in and out) and
+    `streaming_wenet_ctc.onnx` (the same in sherpa-onnx's online `wenet_ctc` layout)."""
     model, tokenizer, path = load_experiment_model(exp_dir, "ctc", checkpoint,
                                                    allow_config_change)
     metadata: dict[str, Any] = {
@@ -90,10 +148,44 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
         if streaming is not None:
             export_streaming(_LogSoftmaxHead(model.first_head), streaming,
                              directory / STREAMING_NAME, "log_probs", metadata)
+            export_wenet_ctc(model, streaming.chunk_size, directory / WENET_CTC_NAME, metadata)
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 
     return write_export(out_dir or Path(exp_dir) / EXPORT_NAME, write)
+
+
+def sherpa_online_recognizer(export_dir: PathLike, num_left_chunks: int = 16,
+                             num_threads: int = 1) -> Any:
+    """A `sherpa_onnx.OnlineRecognizer` running `streaming_wenet_ctc.onnx` (model type
+    `wenet_ctc`, greedy search) with the export's chunk size and the fbank settings of
+    `export.json`; `num_left_chunks` x the chunk size is its attention cache: a model
+    trained with all left context (`left_chunks` -1) gives `cat.ctc.stream`'s hypotheses
+    while an utterance's earlier chunks fit in it."""
+    import sherpa_onnx
+    from sherpa_onnx.lib import _sherpa_onnx as native
+
+    export_dir = Path(export_dir)
+    meta = load_export_metadata(export_dir)
+    if not (export_dir / WENET_CTC_NAME).is_file():
+        raise ExportError(f"{export_dir}: no {WENET_CTC_NAME} (export with --chunk-size)")
+    if int(meta["left_chunks"]) > 0 and num_left_chunks != int(meta["left_chunks"]):
+        raise ExportError(f"{export_dir}: the model attends to {meta['left_chunks']} earlier "
+                          f"chunks (encoder.kwargs.left_chunks); num_left_chunks must be that, "
+                          f"not {num_left_chunks}")
+    model = native.OnlineModelConfig(
+        wenet_ctc=native.OnlineWenetCtcModelConfig(
+            model=str(export_dir / WENET_CTC_NAME), chunk_size=int(meta["chunk_size"]),
+            num_left_chunks=num_left_chunks),
+        tokens=str(export_dir / TOKENS_NAME), num_threads=num_threads, debug=False)
+    config = native.OnlineRecognizerConfig(feat_config=sherpa_feature_config(meta),
+                                           model_config=model, enable_endpoint=False,
+                                           decoding_method="greedy_search")
+    # What the class's own factory methods do, with our feature settings.
+    recognizer = sherpa_onnx.OnlineRecognizer.__new__(sherpa_onnx.OnlineRecognizer)
+    recognizer.recognizer = native.OnlineRecognizer(config)
+    recognizer.config = config
+    return recognizer
 
 
 class OnnxCtcDecoder:

@@ -176,6 +176,18 @@ def load_export_metadata(export_dir: PathLike) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def sherpa_feature_config(meta: Mapping[str, Any]) -> Any:
+    """sherpa-onnx's fbank settings of an export's metadata (`feature_metadata`): its
+    recognizers' defaults differ (high_freq -400, samples in [-1, 1), snip_edges false)."""
+    import sherpa_onnx
+
+    return sherpa_onnx.FeatureExtractorConfig(
+        sampling_rate=int(meta["sample_rate"]), feature_dim=int(meta["feature_dim"]),
+        low_freq=float(meta["low_freq"]), high_freq=float(meta["high_freq"]),
+        dither=float(meta["dither"]), normalize_samples=bool(int(meta["normalize_samples"])),
+        snip_edges=bool(int(meta["snip_edges"])))
+
+
 def sherpa_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
     """A `sherpa_onnx.OfflineRecognizer` over an export (CTC or transducer), with the
     fbank settings of `export.json` (the factory methods fix some of them otherwise)."""
@@ -188,11 +200,7 @@ def sherpa_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
         raise ExportError(f"{export_dir}: sherpa-onnx's transducer type needs a stateless "
                           "predictor (decoder.type StatelessPredictor); this model's LSTM "
                           "predictor runs in onnxruntime only (cat.rnnt.export.OnnxRnntDecoder)")
-    features = sherpa_onnx.FeatureExtractorConfig(
-        sampling_rate=int(meta["sample_rate"]), feature_dim=int(meta["feature_dim"]),
-        low_freq=float(meta["low_freq"]), high_freq=float(meta["high_freq"]),
-        dither=float(meta["dither"]), normalize_samples=bool(int(meta["normalize_samples"])),
-        snip_edges=bool(int(meta["snip_edges"])))
+    features = sherpa_feature_config(meta)
     common = {"tokens": str(export_dir / TOKENS_NAME), "num_threads": num_threads,
               "provider": "cpu", "debug": False}
     if meta["model_type"] == "zipformer2_ctc":  # sherpa-onnx's name of its generic CTC model

@@ -14,7 +14,7 @@ import torch
 
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
-from cat.decoding.export import OnnxChunkEncoder
+from cat.decoding.export import OnnxChunkEncoder, read_metadata
 from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
@@ -179,3 +179,46 @@ def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp
     assert emitted >= 10
     with pytest.raises(ValueError, match="chunk size 9: this model was trained on chunks"):
         family.export("exp/tiny", tmp_path / "export9", checkpoint, chunk_size=9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_experiment", ["ctc"], indirect=True)
+def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_experiment,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """`streaming_wenet_ctc.onnx` in sherpa-onnx's `OnlineRecognizer` (model type
+    `wenet_ctc`, audio in pieces of random sizes) gives the tokens of this package's
+    streaming decoder on the same audio."""
+    kind, experiment, checkpoint = chunk_experiment
+    monkeypatch.chdir(experiment.root)
+    out = ctc_export.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    meta = read_metadata(out / ctc_export.WENET_CTC_NAME)
+    assert {key: meta[key] for key in ("head", "num_blocks", "subsampling_factor",
+                                       "right_context")} == {
+        "head": "2", "num_blocks": "1", "subsampling_factor": "4", "right_context": "6"}
+    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    recognizer = ctc_export.sherpa_online_recognizer(out, num_left_chunks=64)
+    rng = np.random.default_rng(0)
+    emitted = 0
+    for key, path in sorted(experiment.test_audio().items()):
+        samples, rate = soundfile.read(str(path), dtype="float32")
+        # sherpa-onnx decodes whole chunks only: silence after the speech flushes the last.
+        samples = np.concatenate([samples, np.zeros(rate, np.float32)])
+        ours = _recognizer(kind, model, 4)
+        stream, start = recognizer.create_stream(), 0
+        while start < len(samples):
+            size = int(rng.integers(200, 6000))
+            stream.accept_waveform(rate, samples[start:start + size])
+            while recognizer.is_ready(stream):
+                recognizer.decode_stream(stream)
+            ours.accept_waveform(rate, samples[start:start + size])
+            start += size
+        stream.input_finished()
+        while recognizer.is_ready(stream):
+            recognizer.decode_stream(stream)
+        # Whole chunks only on both sides (no finish): sherpa-onnx drops a partial last one.
+        expected = [tokenizer.id_to_piece(token) for token in ours.search.tokens]
+        got = list(recognizer.get_result_all(stream).tokens)
+        emitted += len(expected)
+        assert got == expected, key
+    assert emitted >= 10

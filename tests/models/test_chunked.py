@@ -116,3 +116,33 @@ def test_recipe_stream_configs(name):
     assert kwargs["causal_conv"] and kwargs["max_chunk_size"] == 25
     if "decoder" in config:  # sherpa-onnx's transducer type needs a stateless predictor
         assert config["decoder"]["type"] == "StatelessPredictor"
+
+
+@pytest.mark.parametrize(("time_reduction", "left_chunks"), [(1, -1), (2, -1), (2, 2)])
+def test_the_key_value_cache_layout_gives_the_streaming_output(time_reduction, left_chunks):
+    """WeNet's layout (`KeyValueStreamingEncoder`, what sherpa-onnx's `wenet_ctc` feeds): a
+    fixed cache of R frames whose invalid ones the mask leaves out, filled as sherpa-onnx
+    fills it, gives `StreamingEncoder`'s chunks while the cache holds the left context."""
+    from cat.models.chunked import KeyValueStreamingEncoder
+
+    encoder = _encoder(time_reduction, left_chunks)
+    chunk = 3
+    feats = torch.randn(1, 8 * 4 * time_reduction * chunk + 2, 80)
+    expected = _stream(encoder, chunk, feats)
+    kv = KeyValueStreamingEncoder(encoder, chunk)
+    left = left_chunks if left_chunks > 0 else 10
+    cache_frames = chunk * left
+    attn_cache, conv_cache = kv.initial_state(cache_frames)
+    outputs, start, seen = [], 0, 0
+    frames, stride = kv.streaming.frames_per_chunk, kv.streaming.stride
+    while feats.size(1) - start >= frames:
+        mask = torch.ones(1, 1, cache_frames + chunk, dtype=torch.bool)
+        mask[:, :, :max(cache_frames - seen, 0)] = False
+        with torch.no_grad():
+            out, attn_cache, conv_cache = kv(feats[:, start:start + frames], attn_cache,
+                                             conv_cache, mask)
+        outputs.append(out)
+        start, seen = start + stride, seen + chunk
+    got = torch.cat(outputs, dim=1)
+    assert attn_cache.shape == (2, 2, cache_frames, 16)
+    assert torch.allclose(got, expected[:, :got.size(1)], atol=1e-5)
