@@ -12,11 +12,11 @@ import sys
 import torch
 from torch import nn
 
-from cat.decoding.online import main
+from cat.decoding.online import TokenChunkSearch, main
 from cat.models.ctc_search import BLANK
 
 
-class CtcChunkSearch:
+class CtcChunkSearch(TokenChunkSearch):
     """Greedy CTC search carried over chunks: the same tokens as `ctc_greedy_search` of
     the whole utterance."""
 

@@ -18,9 +18,16 @@ latency when the last chunk is done, from the end of the audio.
 The model is that of `cat.decoding.searcher.load_model`: a `config.json` changed since the
 checkpoint was trained is an error naming the keys, unless `--allow-config-change`.
 
+With `--tlg`, the chunks' frame posteriors (CTC and CTC-CRF models) are decoded with a TLG
+graph as they come (`cat.decoding.wfst.TlgChunkSearch`): partial words after each chunk,
+the same final words as WFST decoding of the whole utterance.
+
 Usage:
     python -m cat.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
         --chunk-size 16 --out exp/synth-ctc-stream/stream-c16/test
+    python -m cat.stream exp/synth-crf-stream --wav-scp data/test/wav.scp --chunk-size 16 \
+        --tlg exp/synth-crf-stream/decode-lm/word-3gram-tlg/graph --lm-weight 0.5 \
+        --out exp/synth-crf-stream/stream-tlg-c16/test
 """
 
 from __future__ import annotations
@@ -54,12 +61,33 @@ class StreamingError(ValueError):
 
 
 class ChunkSearch(Protocol):
-    """A family's search over encoder chunks."""
+    """A search over encoder chunks: a family's greedy search (token ids), or TLG decoding
+    of frame posteriors (words, `cat.decoding.wfst.TlgChunkSearch`)."""
 
-    tokens: list[int]
+    #: What it has emitted so far (token ids or words; their count dates the first token).
+    tokens: list[Any]
 
     def step(self, encoder_out: torch.Tensor) -> None:
         """Search one chunk's encoder output [T', D] (batch of one removed)."""
+
+    def finish(self) -> None:
+        """The audio has ended (after its last chunk)."""
+
+    def text(self, tokenizer: Any) -> str:
+        """The hypothesis so far."""
+
+
+class TokenChunkSearch:
+    """What a family's token search over chunks shares: nothing to do at the end, its
+    text the tokenizer's of its token ids."""
+
+    tokens: list[int]
+
+    def finish(self) -> None:
+        """Nothing is held back: the tokens are final as they come."""
+
+    def text(self, tokenizer: Any) -> str:
+        return tokenizer.decode(self.tokens)
 
 
 class FeatureStream:
@@ -119,10 +147,11 @@ class StreamingRecognizer:
         if len(self.pending) >= MIN_INPUT_FRAMES:
             self._run(self.pending)
         self.pending = self.pending[:0]
+        self.search.finish()
         return self.text()
 
     def text(self) -> str:
-        return self.tokenizer.decode(self.search.tokens)
+        return self.search.text(self.tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +200,13 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                         help="decode although config.json changed since the checkpoint was "
                              "trained (the changed keys are logged; default: hyper-p.json "
                              "inference.infer.option.allow_config_change)")
+    parser.add_argument("--tlg", metavar="DIR",
+                        help="streaming WFST decoding: the frame posteriors of a CTC or CTC-CRF "
+                             "model through the TLG graph in DIR (TLG.fst, words.json: stage "
+                             "5's exp/<name>/decode-lm/<setting>/graph) instead of greedy search")
+    parser.add_argument("--lm-weight", type=float, default=1.0,
+                        help="--tlg: the word LM's weight (stage 5's weights.json)")
+    parser.add_argument("--beam", type=float, default=16.0, help="--tlg: the decoder's beam")
     return parser
 
 
@@ -185,11 +221,20 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
     try:
         kind = experiment_kind(args.exp_dir)
         check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
-        searcher = family(kind, "stream").ChunkSearch
         model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"),
                                       args.allow_config_change)
         encoder = StreamingEncoder(model.encoder, args.chunk_size)
-    except ValueError as error:
+        if args.tlg:
+            from cat.decoding.wfst import TlgChunkSearch, read_graph
+
+            graph = read_graph(args.tlg)
+            TlgChunkSearch(model, graph)  # a model without frame posteriors: an error now
+
+            def searcher(model: Any, chunk_size: int) -> ChunkSearch:
+                return TlgChunkSearch(model, graph, lm_weight=args.lm_weight, beam=args.beam)
+        else:
+            searcher = family(kind, "stream").ChunkSearch
+    except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     results = {}
@@ -198,8 +243,10 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         recognizer = StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
                                          searcher(model, args.chunk_size), tokenizer)
         results[key] = decode_utterance(recognizer, samples, rate, args.piece_seconds)
-    write_summary(Path(args.out), results, {"checkpoint": str(checkpoint),
-                                            "chunk_size": args.chunk_size, "runtime": "pytorch"})
+    info = {"checkpoint": str(checkpoint), "chunk_size": args.chunk_size, "runtime": "pytorch"}
+    if args.tlg:
+        info.update(tlg=args.tlg, lm_weight=args.lm_weight, beam=args.beam)
+    write_summary(Path(args.out), results, info)
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import kaldiio
 import numpy as np
@@ -27,7 +28,7 @@ from cat.core.config import CONFIG_NAME, experiment_kind
 from cat.core.io import PathLike, atomic_write
 from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batches
 from cat.formats.tables import read_feature_index
-from cat.graph.tlg import DecodingGraph, build_tlg, decode
+from cat.graph.tlg import ChunkDecoder, DecodingGraph, build_tlg, decode
 from cat.loading.batch import Utterance, collate
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import UNK_ID, Tokenizer
@@ -50,14 +51,10 @@ def pronouncer(tokenizer: Tokenizer) -> Callable[[str], list[list[int]] | None]:
 
 def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike) -> DecodingGraph:
     """TLG of `arpa` for `tokenizer`, cached in `out_dir` (TLG.fst, words.json)."""
-    import kaldifst
-
     out_dir = Path(out_dir)
     fst_path, words_path = out_dir / "TLG.fst", out_dir / "words.json"
     if fst_path.is_file() and words_path.is_file():
-        meta = json.loads(words_path.read_text(encoding="utf-8"))
-        return DecodingGraph(kaldifst.StdVectorFst.read(str(fst_path)), meta["words"],
-                             meta["info"])
+        return read_graph(out_dir)
     graph = build_tlg(pronouncer(tokenizer), tokenizer.vocab_size, arpa)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / ".TLG.fst.tmp"
@@ -68,6 +65,47 @@ def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike) -> D
         json.dump({"words": graph.words, "info": graph.info}, f, ensure_ascii=False)
     logger.info("TLG %s: %s", fst_path, graph.info)
     return graph
+
+
+def read_graph(graph_dir: PathLike) -> DecodingGraph:
+    """The TLG `decoding_graph` cached in `graph_dir` (TLG.fst, words.json)."""
+    import kaldifst
+
+    graph_dir = Path(graph_dir)
+    fst_path, words_path = graph_dir / "TLG.fst", graph_dir / "words.json"
+    for path in (fst_path, words_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist (a TLG graph dir holds TLG.fst and "
+                                    "words.json: stage 5 builds them)")
+    meta = json.loads(words_path.read_text(encoding="utf-8"))
+    return DecodingGraph(kaldifst.StdVectorFst.read(str(fst_path)), meta["words"], meta["info"])
+
+
+class TlgChunkSearch:
+    """Streaming WFST decoding: each chunk's log-posteriors of the model's first head (CTC
+    or CTC-CRF) through TLG (`cat.graph.tlg.ChunkDecoder`). `tokens` are the words of the
+    best path so far, and after `finish` those of WFST decoding of the whole utterance;
+    `text` joins them without spaces (Chinese), as `decode_all` does."""
+
+    def __init__(self, model: Any, graph: DecodingGraph, acoustic_scale: float = 1.0,
+                 lm_weight: float = 1.0, beam: float = 16.0) -> None:
+        if not model.frame_posteriors:
+            raise ValueError("WFST decoding needs the frame posteriors of a CTC or CTC-CRF "
+                             "head; this model's first head gives none")
+        self.head = model.first_head
+        self.decoder = ChunkDecoder(graph, acoustic_scale, lm_weight, beam)
+        self.tokens: list[str] = []
+
+    def step(self, encoder_out: torch.Tensor) -> None:
+        """Decode one chunk's encoder output [T', D]."""
+        self.decoder.accept(self.head.log_probs(encoder_out[None])[0].numpy())
+        self.tokens = self.decoder.words()
+
+    def finish(self) -> None:
+        self.tokens = self.decoder.words(final=True)
+
+    def text(self, tokenizer: Any) -> str:
+        return "".join(self.tokens)
 
 
 def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,

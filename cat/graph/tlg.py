@@ -36,6 +36,7 @@ import os
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -190,22 +191,55 @@ def build_tlg(pronounce: Callable[[str], Sequence[Sequence[int]] | None], vocab_
     return DecodingGraph(tlg, words, info)
 
 
+class ChunkDecoder:
+    """TLG decoding of one utterance's log-posteriors as they arrive, chunk by chunk:
+    kaldi-decoder's `FasterDecoder` advances frame by frame over each chunk (`accept`),
+    `words()` is the best path so far (partial: it may still change), `words(final=True)`
+    the result, the same as `decode` of the whole utterance."""
+
+    def __init__(self, graph: DecodingGraph, acoustic_scale: float = 1.0,
+                 lm_weight: float = 1.0, beam: float = 16.0, max_active: int = 7000) -> None:
+        from kaldi_decoder import FasterDecoder, FasterDecoderOptions
+
+        self.graph = graph
+        self.scale = acoustic_scale / lm_weight
+        self.decoder = FasterDecoder(graph.fst, FasterDecoderOptions(beam=beam,
+                                                                     max_active=max_active))
+        self.decoder.init_decoding()
+        self.frames = 0
+        self._decodable: Any = None
+
+    def accept(self, log_probs: np.ndarray) -> None:
+        """Decode the next frames' log-posteriors [t, V]."""
+        from kaldi_decoder import DecodableCtc
+
+        if len(log_probs) == 0:
+            return
+        scaled = np.ascontiguousarray(log_probs * self.scale, dtype=np.float32)
+        # Frame numbers go on from the earlier chunks (the decodable's offset); the decoder
+        # reads it while advancing, so it is kept until the next chunk.
+        self._decodable = DecodableCtc(scaled, self.frames)
+        self.decoder.advance_decoding(self._decodable)
+        self.frames += len(scaled)
+
+    def words(self, final: bool = False) -> list[str]:
+        """Words of the best path so far; `final`: of the best path ending in a final state
+        (empty when none does, or before any frame)."""
+        import kaldifst
+
+        if self.frames == 0 or (final and not self.decoder.reached_final()):
+            return []
+        ok, best = self.decoder.get_best_path(final)
+        if not ok:
+            return []
+        ok, _, olabels, _ = kaldifst.get_linear_symbol_sequence(best)
+        num = len(self.graph.words)
+        return [self.graph.words[o - 1] for o in olabels if 0 < o <= num] if ok else []
+
+
 def decode(graph: DecodingGraph, log_probs: np.ndarray, acoustic_scale: float = 1.0,
            lm_weight: float = 1.0, beam: float = 16.0, max_active: int = 7000) -> list[str]:
     """Best word sequence of one utterance's log-posteriors [T, V] (empty when no path)."""
-    import kaldifst
-    from kaldi_decoder import DecodableCtc, FasterDecoder, FasterDecoderOptions
-
-    if len(log_probs) == 0:
-        return []
-    scaled = np.ascontiguousarray(log_probs * (acoustic_scale / lm_weight), dtype=np.float32)
-    decoder = FasterDecoder(graph.fst, FasterDecoderOptions(beam=beam, max_active=max_active))
-    decoder.decode(DecodableCtc(scaled))
-    if not decoder.reached_final():
-        return []
-    ok, best = decoder.get_best_path()
-    if not ok:
-        return []
-    ok, _, olabels, _ = kaldifst.get_linear_symbol_sequence(best)
-    num = len(graph.words)
-    return [graph.words[o - 1] for o in olabels if 0 < o <= num] if ok else []
+    decoder = ChunkDecoder(graph, acoustic_scale, lm_weight, beam, max_active)
+    decoder.accept(log_probs)
+    return decoder.words(final=True)

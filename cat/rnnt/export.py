@@ -47,6 +47,7 @@ from cat.decoding.export import (
     write_export,
     write_tokens,
 )
+from cat.decoding.online import TokenChunkSearch
 from cat.models.chunked import StreamingEncoder
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
@@ -216,7 +217,7 @@ class OnnxRnntDecoder:
         return self.decode_encoded(encoder_out[0, :int(lengths[0])])[0]
 
 
-class OnnxRnntChunkSearch:
+class OnnxRnntChunkSearch(TokenChunkSearch):
     """Greedy search of `streaming.onnx`'s chunks with the export's decoder and joiner,
     carried over chunks."""
 

@@ -12,13 +12,13 @@ import sys
 import torch
 from torch import nn
 
-from cat.decoding.online import main
+from cat.decoding.online import TokenChunkSearch, main
 from cat.rnnt.model import BLANK
 
 MAX_SYMBOLS_PER_FRAME = 3
 
 
-class RnntChunkSearch:
+class RnntChunkSearch(TokenChunkSearch):
     """Greedy RNN-T search carried over chunks (predictor state kept between them): the
     same tokens as `rnnt_greedy_search` of the whole utterance."""
 

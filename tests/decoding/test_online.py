@@ -222,3 +222,46 @@ def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_e
         emitted += len(expected)
         assert got == expected, key
     assert emitted >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_experiment", ["ctc"], indirect=True)
+def test_streaming_tlg_decoding_ends_with_the_whole_utterance_wfst_result(chunk_experiment,
+                                                                         tmp_path,
+                                                                         monkeypatch):
+    """`python -m cat.stream --tlg`: the chunks' posteriors decoded with TLG as they come
+    give the words of WFST decoding of the whole utterance's (chunk-masked) posteriors."""
+    from cat.core.io import read_table
+    from cat.decoding import online
+    from cat.decoding.wfst import decoding_graph
+    from cat.graph.tlg import decode
+    from cat.lm.ngram import estimate, write_arpa
+
+    kind, experiment, checkpoint = chunk_experiment
+    monkeypatch.chdir(experiment.root)
+    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    texts = read_table(experiment.root / "data/fbank/train/text").values()
+    arpa = tmp_path / "lm.arpa"
+    write_arpa(estimate([list(text.replace(" ", "")) for text in texts], 2,
+                        discount_fallback=(0.5, 1.0, 1.5)), arpa)
+    graph = decoding_graph(tokenizer, arpa, tmp_path / "graph")
+    assert online.main("cat.stream", [
+        "exp/tiny", "--wav-scp", str(experiment.test_data / "wav.scp"), "--chunk-size", "4",
+        "--checkpoint", str(checkpoint), "--tlg", str(tmp_path / "graph"),
+        "--lm-weight", "0.5", "--out", str(tmp_path / "out")]) == 0
+    hyps = read_table(tmp_path / "out" / "hyp", allow_empty_value=True)
+    words = 0
+    model.encoder.set_decode_chunk_size(4)
+    for key, path in sorted(experiment.test_audio().items()):
+        samples, rate = soundfile.read(str(path), dtype="float32")
+        feats = torch.from_numpy(compute_fbank(samples, rate))[None]
+        with torch.no_grad():
+            log_probs, _ = model.log_probs(feats, torch.tensor([feats.size(1)]))
+        expected = "".join(decode(graph, log_probs[0].numpy(), lm_weight=0.5))
+        assert hyps[key] == expected, key
+        words += len(expected)
+    assert words >= 5
+    from cat.decoding.wfst import TlgChunkSearch
+
+    with pytest.raises(ValueError, match="WFST decoding needs the frame posteriors"):
+        TlgChunkSearch(_model("rnnt"), graph)

@@ -100,3 +100,27 @@ def test_a_malformed_arpa_is_an_error_naming_file_and_line(tmp_path, kind):
     arpa.write_text("".join(damage(_lines(arpa))), encoding="utf-8")
     with pytest.raises(ArpaError, match=message):
         build_tlg(SPELLING.get, 5, arpa)
+
+
+def test_chunk_by_chunk_decoding_ends_with_the_whole_utterance_result(graph):
+    """Log-posteriors fed in chunks of any size (`ChunkDecoder`): partial words grow as the
+    chunks come, and the final words are `decode`'s of the whole utterance, for noisy
+    posteriors where the LM decides."""
+    from cat.graph.tlg import ChunkDecoder
+
+    rng = np.random.default_rng(0)
+    frames = [2, 2, 0, 3, 4, 0, 2, 0, 4, 0, 2, 3, 0, 4, 4, 0, 2, 0, 3, 4] * 2
+    noisy = posteriors(frames, sharp=-0.5) + rng.normal(0, 1.5, (len(frames), 5)).astype(
+        np.float32)
+    whole = decode(graph, noisy, lm_weight=0.7)
+    assert len(whole) >= 6
+    for _ in range(4):
+        decoder, start, partials = ChunkDecoder(graph, lm_weight=0.7), 0, []
+        while start < len(frames):
+            size = int(rng.integers(1, 9))
+            decoder.accept(noisy[start:start + size])
+            partials.append(decoder.words())
+            start += size
+        assert decoder.words(final=True) == whole
+        assert partials[0] != partials[-1] and len(partials[len(partials) // 2]) >= 2
+    assert ChunkDecoder(graph).words(final=True) == []  # no frame, no words
