@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from cat.core.config import ConfigError
+from cat.decoding.timestamps import Span, ctc_token_frames
 from cat.lm.scorer import ShallowFusion
 from cat.models.attention import AttentionHead, build_attention, rescore
 from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
@@ -145,6 +146,12 @@ class CTCModel(nn.Module):
             return nbest
         self._check_method("attention_rescoring")
         return rescore(self.attention, inputs[2], inputs[1], nbest, **rescoring)
+
+    def token_frames(self, inputs: tuple[torch.Tensor, ...],
+                     hyps: list[list[int]]) -> list[list[Span]]:
+        """Each token's spike on the Viterbi alignment of `hyps` to `inputs` (what
+        `search_inputs` returned); `cat.decoding.timestamps`."""
+        return ctc_token_frames(inputs[0], inputs[1], hyps)
 
     def _check_method(self, method: str) -> None:
         check_decode_method(self, method, "CTC", None if self.attention is not None else

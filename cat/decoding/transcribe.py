@@ -35,7 +35,8 @@ builds their context graph and searches with it.
 Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
 key, as stage 4 writes them), `skipped.txt` (`<key> <reason>`), `decode.log` (inputs,
 checkpoint, options, counts, audio and wall seconds, real-time factor) and, with an LM,
-`nbest.jsonl`.
+`nbest.jsonl`; for an `output` format other than text, its file (`hyp.jsonl`, `hyp.ctm`,
+`srt/<key>.srt`: `cat.decoding.results`), whose results hold pieces, times and N-best.
 
 Usage:
     audio = from_data_list("data.list")
@@ -65,8 +66,8 @@ from cat.core.io import PathLike, atomic_write
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import WINDOW_VARIABLE, AudioList, Recording, recording_features
+from cat.decoding.results import Result, check_format, write_results
 from cat.decoding.searcher import (
-    FRAME_SHIFT_SECONDS,
     NO_LABEL,
     DecodeOptions,
     DecodeSummary,
@@ -76,6 +77,7 @@ from cat.decoding.searcher import (
     plan_batches,
     write_hyp,
 )
+from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.features.fbank import FbankOptions
 from cat.features.plan import balance_jobs
 from cat.lm.rescore import NBEST_NAME, write_nbest
@@ -104,18 +106,29 @@ class Transcript:
     workers: int
     options: DecodeOptions
     fusion: FusionSpec | None
-    hypotheses: list[tuple[str, str]]
-    nbest: list[tuple[str, NBest]] | None
+    results: list[Result]
     skipped: list[tuple[str, str]]
     summary: DecodeSummary
+    output: str = "text"
+
+    @property
+    def hypotheses(self) -> list[tuple[str, str]]:
+        """(key, text) of each utterance."""
+        return [(result.key, result.text) for result in self.results]
+
+    @property
+    def nbest(self) -> list[tuple[str, NBest]] | None:
+        """(key, N-best list) of each utterance with an LM, else None."""
+        if self.fusion is None:
+            return None
+        return [(result.key, list(result.nbest or ())) for result in self.results]
 
 
 @dataclasses.dataclass
 class _Decoded:
     """One process's results."""
 
-    hypotheses: list[tuple[Order, str, str, NBest | None]] = dataclasses.field(
-        default_factory=list)
+    hypotheses: list[tuple[Order, Result]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[Order, str, str]] = dataclasses.field(default_factory=list)
     frames: int = 0
 
@@ -180,23 +193,30 @@ def _pooled_features(pool: Executor, recordings: list[Recording], fbank: FbankOp
         yield from items
 
 
+def _window_results(searcher: Searcher, utterances: list[Utterance],
+                    output: str) -> list[Result]:
+    """The results of a batch: with times unless `output` is text."""
+    if output != "text":
+        return searcher.results(utterances)
+    if searcher.fusions:
+        return [Result(key, hyps[0][0] if hyps else "", nbest=tuple(hyps))
+                for key, hyps in searcher.nbest(utterances)[0]]
+    return [Result(key, text) for key, text in searcher.best(utterances)]
+
+
 def _decode_window(searcher: Searcher, window: dict[str, tuple[Order, np.ndarray]],
-                   options: DecodeOptions, out: _Decoded) -> None:
+                   options: DecodeOptions, out: _Decoded, output: str = "text") -> None:
     lengths = {key: len(features) for key, (_, features) in window.items()}
     for keys in plan_batches(lengths, options.max_frames, options.batch_size):
         utterances = [Utterance(key, window[key][1], NO_LABEL) for key in keys]
-        if searcher.fusions:
-            for key, hyps in searcher.nbest(utterances)[0]:
-                out.hypotheses.append((window[key][0], key, hyps[0][0] if hyps else "", hyps))
-        else:
-            for key, text in searcher.best(utterances):
-                out.hypotheses.append((window[key][0], key, text, None))
+        for result in _window_results(searcher, utterances, output):
+            out.hypotheses.append((window[result.key][0], result))
         out.frames += sum(lengths[key] for key in keys)
         advance(len(keys))
 
 
 def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | str]],
-            options: DecodeOptions, window_frames: int) -> _Decoded:
+            options: DecodeOptions, window_frames: int, output: str = "text") -> _Decoded:
     """Decode utterances as their features arrive, a window of frames at a time."""
     out = _Decoded()
     window: dict[str, tuple[Order, np.ndarray]] = {}
@@ -216,20 +236,21 @@ def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | s
         window[key] = (order, result)
         frames += len(result)
         if frames >= window_frames:
-            _decode_window(searcher, window, options, out)
+            _decode_window(searcher, window, options, out, output)
             window, frames = {}, 0
     if window:
-        _decode_window(searcher, window, options, out)
+        _decode_window(searcher, window, options, out, output)
     return out
 
 
 def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptions,
                   device: str, fusion: FusionSpec | None, share: list[tuple[int, Recording]],
-                  fbank: FbankOptions, window_frames: int) -> _Decoded:
+                  fbank: FbankOptions, window_frames: int, output: str = "text") -> _Decoded:
     """Read, featurize and decode `share` in this process."""
     searcher = Searcher(exp_dir, checkpoint, kind, options, device,
                         [fusion] if fusion is not None else [])
-    return _decode(searcher, _features(share, fbank, window_frames), options, window_frames)
+    return _decode(searcher, _features(share, fbank, window_frames), options, window_frames,
+                   output)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -245,7 +266,8 @@ def _shares(audio: AudioList, num_workers: int) -> list[list[tuple[int, Recordin
 
 def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: DecodeOptions,
          device: str, fusion: FusionSpec | None, fbank: FbankOptions,
-         window_frames: int, initializer: tuple) -> tuple[list[_Decoded], int]:
+         window_frames: int, initializer: tuple, output: str = "text"
+         ) -> tuple[list[_Decoded], int]:
     """Results per process, and the number of processes; `initializer`: of the worker
     processes, that report their progress."""
     workers = max(1, min(options.nj, len(audio.recordings)))
@@ -254,27 +276,29 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
                             [fusion] if fusion is not None else [])
         if workers == 1:
             items = _features(enumerate(audio.recordings), fbank, window_frames)
-            return [_decode(searcher, items, options, window_frames)], 1
+            return [_decode(searcher, items, options, window_frames, output)], 1
         with process_pool(workers) as pool:  # feature workers; decoding reports here
             items = _pooled_features(pool, audio.recordings, fbank, 2 * workers,
                                      window_frames)
-            return [_decode(searcher, items, options, window_frames)], workers
+            return [_decode(searcher, items, options, window_frames, output)], workers
     shares = _shares(audio, workers)
     arguments = (exp_dir, checkpoint, kind, options, device, fusion)
     if len(shares) == 1:
-        return [_decode_share(*arguments, shares[0], fbank, window_frames)], 1
+        return [_decode_share(*arguments, shares[0], fbank, window_frames, output)], 1
     with process_pool(len(shares), *initializer) as pool:
-        futures = [pool.submit(_decode_share, *arguments, share, fbank, window_frames)
-                   for share in shares]
+        futures = [pool.submit(_decode_share, *arguments, share, fbank, window_frames,
+                               output) for share in shares]
         return [future.result() for future in futures], len(shares)
 
 
 def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: str,
                options: DecodeOptions, fusion: FusionSpec | None = None,
                fbank: FbankOptions | None = None,
-               window_frames: int | None = None) -> Transcript:
+               window_frames: int | None = None, output: str = "text") -> Transcript:
     """Decode every utterance of `audio` (see the module docstring); `window_frames`
-    default: `window_frames_setting()`."""
+    default: `window_frames_setting()`; `output`: the format the results are for
+    (`cat.decoding.results`; other than text, they hold pieces, times and N-best)."""
+    check_format(output)
     fbank = fbank or FbankOptions()
     window_frames = window_frames or window_frames_setting()
     check_feature_dim(exp_dir, fbank)
@@ -288,20 +312,22 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
         sum(len(r.pieces) or 1 for r in audio.recordings)
     with WorkerProgress(total, f"transcribing {audio.name}") as progress:
         results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
-                                fusion, fbank, window_frames, progress.pool_initializer())
+                                fusion, fbank, window_frames, progress.pool_initializer(),
+                                output)
     seconds = time.perf_counter() - start
-    decoded = sorted(item for out in results for item in out.hypotheses)
+    decoded = sorted((item for out in results for item in out.hypotheses),
+                     key=lambda item: item[0])
     skipped = sorted(item for out in results for item in out.skipped)
     # Processes catch a key repeated in their own share; this, one repeated across shares.
     first: dict[str, Order] = {}
     kept = []
-    for item in decoded:
-        if item[1] in first:
-            skipped.append((item[0], item[1], f"key {item[1]!r} again: only its first "
-                                              "utterance is decoded"))
+    for order, result in decoded:
+        if result.key in first:
+            skipped.append((order, result.key, f"key {result.key!r} again: only its first "
+                                               "utterance is decoded"))
         else:
-            first[item[1]] = item[0]
-            kept.append(item)
+            first[result.key] = order
+            kept.append(result)
     skipped.sort()
     frames = sum(out.frames for out in results)  # all that was decoded
     for _, key, reason in skipped:
@@ -316,10 +342,8 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
                 audio.name, seconds, summary.rtf, device, workers, "s" * (workers > 1),
                 len(skipped))
     return Transcript(
-        audio.name, str(checkpoint), device, workers, options, fusion,
-        [(key, text) for _, key, text, _ in kept],
-        [(key, hyps) for _, key, _, hyps in kept] if fusion is not None else None,
-        [(key, reason) for _, key, reason in skipped], summary)
+        audio.name, str(checkpoint), device, workers, options, fusion, kept,
+        [(key, reason) for _, key, reason in skipped], summary, output)
 
 
 def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
@@ -331,11 +355,13 @@ def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
             f.write(f"{key} {' '.join(reason.split())}\n")
     if transcript.nbest is not None:
         write_nbest(out_dir / NBEST_NAME, transcript.nbest)
+    write_results(out_dir, transcript.results, transcript.output)
     summary = transcript.summary
     report: dict[str, Any] = {
         "data": transcript.name, "checkpoint": transcript.checkpoint,
         **dataclasses.asdict(transcript.options),
         "device": transcript.device, "workers": transcript.workers,
+        "format": transcript.output,
         "fusion": dataclasses.asdict(transcript.fusion) if transcript.fusion else None,
         "num_utts": summary.num_utts, "num_skipped": summary.num_skipped,
         "audio_seconds": round(summary.audio_seconds, 2),

@@ -40,6 +40,7 @@ import torchaudio
 from torch import nn
 
 from cat.core.config import ConfigError
+from cat.decoding.timestamps import Span
 from cat.lm.scorer import ShallowFusion, sequence_score
 from cat.models.ctc_search import ctc_prefix_beam_search
 from cat.models.heads import (
@@ -52,6 +53,7 @@ from cat.models.heads import (
 )
 from cat.models.registry import build_component
 from cat.models.specaug import SpecAugment
+from cat.rnnt.align import rnnt_token_frames
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 
 BLANK = 0
@@ -397,6 +399,12 @@ class TransducerModel(nn.Module):
                       for score, hyp in zip(scores, hyps, strict=True)]
         ranked = sorted(zip(hyps, scores, strict=True), key=lambda pair: -pair[1])
         return [(list(hyp), score) for hyp, score in ranked]
+
+    def token_frames(self, inputs: tuple[torch.Tensor, torch.Tensor],
+                     hyps: list[list[int]]) -> list[list[Span]]:
+        """The frame each token of `hyps` is emitted on, on the Viterbi path through the
+        lattice of `inputs` (what `search_inputs` returned); `cat.rnnt.align`."""
+        return rnnt_token_frames(self.predictor, self.joiner, inputs[0], inputs[1], hyps)
 
     def _check_method(self, method: str) -> None:
         check_decode_method(self, method, "RNN-T", None if self.ctc_head is not None else

@@ -4,6 +4,7 @@ are the fbank of real audio files."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -30,6 +31,7 @@ from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import UioUtterance, write_raw_list, write_shard_list, write_uio_shard
 from cat.training.cli import train
 from cat.utils import stage_driver
+from tests.decoding.test_results import parse_srt
 
 EXP = "exp/tiny"
 CHECKPOINT = "exp/tiny/check/avg-best-2.pt"
@@ -119,6 +121,78 @@ def test_wav_scp_and_data_lists_give_stage_4_hypotheses(recipe, tmp_path):
         assert main(f"cat.{kind}.decode", [EXP, "--data-list", str(tmp_path / name),
                            "--out", str(out_dir)]) == 0
         assert read_table(out_dir / "hyp", allow_empty_value=True) == expected, name
+
+
+def check_times(record: dict, seconds: float) -> None:
+    """Token times of a JSON record: one per token, none ending before it starts (tokens a
+    transducer emits on one frame share its 80 ms, to the millisecond), monotonic, inside
+    the utterance."""
+    times = record["timestamps"]
+    assert len(times) == len(record["tokens"]), record
+    assert all(0 <= start <= end <= seconds + 0.08 for start, end in times), (record, seconds)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(times)), record
+
+
+def test_results_as_json_ctm_and_srt(recipe, tmp_path, capsys, caplog):
+    """Every format holds the text format's hypotheses; the text output is unchanged."""
+    _kind, experiment, hyps = recipe
+    audio = experiment.test_audio()
+    wavs = [str(audio[utt]) for utt in sorted(audio)]
+    durations = {utt: soundfile.info(path).duration for utt, path in audio.items()}
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--format", "json", "--out",
+                               str(tmp_path / "json")]) == 0
+    assert (tmp_path / "json/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
+    records = [json.loads(line) for line in
+               (tmp_path / "json/hyp.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert {record["key"]: record["text"] for record in records} == hyps
+    for record in records:
+        check_times(record, durations[record["key"]])
+        assert record["nbest"][0]["text"] == record["text"]
+        scores = [entry["score"] for entry in record["nbest"]]
+        assert scores == sorted(scores, reverse=True) and len(scores) <= 4
+
+    capsys.readouterr()
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--format", "ctm"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == sum(len(text) for text in hyps.values())  # a word per character
+    for line in lines:
+        key, channel, start, duration, word, confidence = line.split(" ")
+        assert key in hyps and word in hyps[key] and channel == "1"
+        assert float(start) >= 0 and float(start) + float(duration) <= durations[key] + 0.08
+        assert 0 < float(confidence) <= 1
+
+    utt = sorted(audio)[3]
+    assert main("cat.decode", [EXP, "--audio", str(audio[utt]), "--format", "srt"]) == 0
+    cues = parse_srt(capsys.readouterr().out)
+    assert "".join(text for *_, text in cues) == "".join(hyps[utt].split())
+    assert all(0 <= start < end <= durations[utt] + 0.08 for _, start, end, _ in cues)
+
+    # Greedy search: its own hypotheses, timed, without N-best.
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--method", "greedy"]) == 0
+    greedy = dict(line.partition(" ")[::2] for line in capsys.readouterr().out.splitlines())
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--method", "greedy", "--format",
+                               "json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {record["key"]: record["text"] for record in records} == greedy
+    assert all("nbest" not in record for record in records)
+    for record in records:
+        check_times(record, durations[record["key"]])
+
+    # Stage 4's decoding of the features: the same hyp, and the records beside it.
+    assert main("cat.decode", [EXP, "--data", str(experiment.test_features), "--format",
+                               "json", "--out", str(tmp_path / "data")]) == 0
+    assert (tmp_path / "data/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
+    assert [json.loads(line)["key"] for line in (tmp_path / "data/hyp.jsonl").read_text(
+        encoding="utf-8").splitlines()] == sorted(hyps)
+
+    caplog.clear()
+    assert main("cat.decode", [EXP, "--audio", *wavs[:2], "--format", "srt"]) == 1
+    assert "--format srt without --out writes the subtitles of one utterance, command line " \
+           "audio files has 2" in caplog.text
+    with pytest.raises(SystemExit):
+        main("cat.decode", [EXP, "--audio", *wavs, "--format", "xml"])
+    assert "--format 'xml': unknown output format; allowed: text, json, ctm, srt" in \
+        capsys.readouterr().err
 
 
 def test_unreadable_audio_is_reported_and_skipped(recipe, tmp_path, caplog):
