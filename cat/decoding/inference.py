@@ -31,6 +31,12 @@ Without `--out` (audio only), the `<key> <hypothesis>` lines go to standard outp
 order of the list. The real-time factor (decoding time / audio time) is logged to
 standard error.
 
+Long recordings (audio, `--max-segment SECONDS`, `--segment-overlap SECONDS`, default
+2): an utterance longer than `--max-segment` is read and decoded in windows of that
+length, each overlapping the next by the overlap, and their timed results joined into
+one (`cat.decoding.transcribe`), so a recording of any length is transcribed in the
+memory of a few windows.
+
 Results as data (`--format`, `cat.decoding.results`): `text` (the default: the lines
 above, unchanged), `json` (a JSON object per utterance: key, text, tokens, token and word
 times, and for beam searches the N-best list with scores), `ctm` (Kaldi's CTM, a line per
@@ -98,7 +104,14 @@ from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
-from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
+from cat.decoding.audio import (
+    AudioList,
+    AudioListError,
+    Segmenting,
+    from_data_list,
+    from_files,
+    from_wav_scp,
+)
 from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
 from cat.decoding.context_graph import HotwordsError
 from cat.decoding.results import (
@@ -386,6 +399,14 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                              f"{', '.join(FORMATS)}: text lines (default), JSON lines with "
                              "tokens, times and N-best, Kaldi CTM, SRT subtitles (with --out: "
                              "hyp.jsonl, hyp.ctm or srt/<key>.srt besides hyp)")
+    long = parser.add_argument_group("long recordings (audio)")
+    long.add_argument("--max-segment", type=float,
+                      help="seconds: an utterance longer than this is decoded in windows of "
+                           "this length and the results joined (default: decoded whole, up to "
+                           "the transcription window)")
+    long.add_argument("--segment-overlap", type=float, default=2.0,
+                      help="seconds each window overlaps the next (less than half of "
+                           "--max-segment); words are joined at the middle of the overlap")
     options = parser.add_argument_group("options (default: hyper-p.json inference.infer.option)")
     # Help and choices come from the option schema, the one definition of these options.
     defaults = DecodeOptions()
@@ -426,8 +447,10 @@ def _decode_features(args: argparse.Namespace, kind: str, checkpoint: Path,
 def _transcribe(args: argparse.Namespace, kind: str, checkpoint: Path, options: DecodeOptions,
                 spec: FusionSpec | None) -> DecodeSummary:
     audio = _audio_list(args)
+    segmenting = Segmenting(args.max_segment, args.segment_overlap) \
+        if args.max_segment is not None else None
     transcript = transcribe(args.exp_dir, audio, checkpoint, kind, options, spec,
-                            output=args.format)
+                            output=args.format, segmenting=segmenting)
     if args.out:
         write_outputs(transcript, args.out)
     elif args.format == "srt":
@@ -452,6 +475,14 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         parser.error("--data needs --out")
     if args.segments and not args.wav_scp:
         parser.error("--segments goes with --wav-scp")
+    if args.max_segment is not None:
+        if args.data:
+            parser.error("--max-segment is for audio: --data decodes stage 1's features of "
+                         "each utterance whole")
+        try:
+            Segmenting(args.max_segment, args.segment_overlap)
+        except ValueError as error:
+            parser.error(str(error))
     if args.format not in FORMATS:
         parser.error(f"--format {args.format!r}: unknown output format; allowed: "
                      f"{', '.join(FORMATS)}")

@@ -24,9 +24,11 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import itertools
 import json
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ class Result:
     pieces: tuple[str, ...] = ()
     times: tuple[TimedUnit, ...] | None = None
     nbest: tuple[tuple[str, float], ...] | None = None
+    ids: tuple[int, ...] = ()  # the pieces' token ids (not written)
 
     def words(self) -> list[TimedUnit]:
         """The timed words (`group_words`); a ResultFormatError without times."""
@@ -78,6 +81,57 @@ class Result:
         return dataclasses.replace(self, times=tuple(
             dataclasses.replace(unit, start=round(unit.start + seconds, 3),
                                 end=round(unit.end + seconds, 3)) for unit in self.times))
+
+
+#: Tokens of two overlapping windows are the same token when they start this close (s).
+SAME_TOKEN_SECONDS = 0.25
+
+
+def _seam(left: list[tuple[TimedUnit, int]], right: list[tuple[TimedUnit, int]],
+          start: float, end: float) -> list[tuple[TimedUnit, int]]:
+    """`left` (the tokens so far) up to the seam, and `right` (the next window's) from it:
+    of the tokens both have in the overlap `start`..`end` (equal ids starting within
+    `SAME_TOKEN_SECONDS`, matched in order by `difflib`), the pair nearest the middle of
+    the overlap, taken from `right`; without such a pair, the middle itself."""
+    middle = (start + end) / 2
+    ours = [index for index, (unit, _) in enumerate(left) if unit.start >= start]
+    theirs = [index for index, (unit, _) in enumerate(right) if unit.start < end]
+    matcher = difflib.SequenceMatcher(None, [left[i][1] for i in ours],
+                                      [right[j][1] for j in theirs], autojunk=False)
+    best: tuple[float, int, int] | None = None
+    for block in matcher.get_matching_blocks():
+        for offset in range(block.size):
+            i, j = ours[block.a + offset], theirs[block.b + offset]
+            a, b = left[i][0].start, right[j][0].start
+            if abs(a - b) <= SAME_TOKEN_SECONDS and (
+                    best is None or abs((a + b) / 2 - middle) < best[0]):
+                best = (abs((a + b) / 2 - middle), i, j)
+    if best is not None:
+        return left[:best[1]] + right[best[2]:]
+    return ([token for token in left if token[0].start < middle]
+            + [token for token in right if token[0].start >= middle])
+
+
+def join_windows(key: str, windows: Sequence[tuple[float, Result]], overlap: float,
+                 decode: Callable[[list[int]], str]) -> Result:
+    """One result of the timed results of an utterance's windows ((start in the utterance,
+    result), in order, each overlapping the next by `overlap` seconds): each seam is cut
+    at a token both windows hold near the middle of their overlap (`_seam`), so that no
+    word is repeated or lost, and a token before a seam ends where the next one starts;
+    its text is `decode` of the joined token ids. N-best lists are not joined."""
+    tokens: list[tuple[TimedUnit, int]] = []
+    for index, (start, result) in enumerate(windows):
+        if result.times is None:
+            raise ResultFormatError(f"utterance {key}: window {index} has no times to join by")
+        timed = list(zip(result.shifted(start).times, result.ids, strict=True))
+        tokens = _seam(tokens, timed, start, start + overlap) if index else timed
+    ids = [token_id for _, token_id in tokens]
+    units = [unit for unit, _ in tokens]
+    # A token before a seam ends where the next window's first token starts.
+    units = [dataclasses.replace(unit, end=min(unit.end, following.start))
+             for unit, following in itertools.pairwise(units)] + units[-1:]
+    return Result(key, decode(ids), tuple(unit.text for unit in units), tuple(units), None,
+                  tuple(ids))
 
 
 def json_record(result: Result) -> dict[str, Any]:

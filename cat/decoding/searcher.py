@@ -379,7 +379,7 @@ class Searcher:
                 (self.tokenizer.decode(candidate), float(score))
                 for candidate, score in nbests[index])
             results.append(Result(utterance.key, self.tokenizer.decode(list(tokens)), pieces,
-                                  times, nbest))
+                                  times, nbest, tuple(int(token) for token in tokens)))
         return results
 
     def nbest(self, utterances: Sequence[Utterance]) -> list[list[tuple[str, NBest]]]:

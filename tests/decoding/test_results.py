@@ -14,6 +14,7 @@ from cat.decoding.results import (
     ResultFormatError,
     check_format,
     format_lines,
+    join_windows,
     srt_document,
     srt_path,
     write_results,
@@ -124,3 +125,52 @@ def test_shifted_moves_times_only():
     assert [unit.start for unit in result.times] == [10.2, 10.5, 10.9]
     assert (result.key, result.text, result.nbest) == (RESULTS[0].key, RESULTS[0].text,
                                                        RESULTS[0].nbest)
+
+
+def window_result(tokens: list[tuple[int, float]], vocab: str = "_abcdefghij") -> Result:
+    """A window's result: (token id, start in the window) pairs, 0.2 s each at most."""
+    times = []
+    for index, (token, start) in enumerate(tokens):
+        following = tokens[index + 1][1] if index + 1 < len(tokens) else start + 0.2
+        times.append(TimedUnit(vocab[token], start, min(start + 0.2, following), 0.9))
+    return Result("long", "", tuple(unit.text for unit in times), tuple(times), None,
+                  tuple(token for token, _ in tokens))
+
+
+def spoken(ids: list[int], starts: list[float], window: tuple[float, float],
+           jitter: float = 0.0) -> Result:
+    """What a window from window[0] to window[1] hears of tokens spoken at `starts`."""
+    return window_result([(token, start - window[0] + jitter)
+                          for token, start in zip(ids, starts, strict=True)
+                          if window[0] <= start < window[1]])
+
+
+def decode(ids: list[int]) -> str:
+    return "".join("_abcdefghij"[token] for token in ids)
+
+
+def test_windows_join_without_repeated_or_lost_tokens():
+    ids = [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10, 1]
+    starts = [round(0.4 * index, 1) for index in range(len(ids))]  # up to 4.4 s
+    # Windows of 2 s overlapping by 0.8 s: 0-2, 1.2-3.2, 2.4-4.4, 3.6-5.6; tokens start
+    # at the middle of each overlap (1.6, 2.8, 4.0 s), where a cut by time alone loses
+    # or repeats them when the windows place them a little apart.
+    windows = [(0.0, (0.0, 2.0)), (1.2, (1.2, 3.2)), (2.4, (2.4, 4.4)), (3.6, (3.6, 5.6))]
+    for jitter in (0.0, 0.08, -0.08):  # the windows place the tokens a little apart
+        parts = [(start, spoken(ids, starts, span, jitter if index % 2 else 0.0))
+                 for index, (start, span) in enumerate(windows)]
+        joined = join_windows("long", parts, 0.8, decode)
+        assert list(joined.ids) == ids and joined.text == decode(ids), jitter
+        assert [unit.start for unit in joined.times] == sorted(unit.start
+                                                             for unit in joined.times)
+    # Windows that disagree after a shared token: the right one's tokens from it on.
+    left = window_result([(1, 0.2), (2, 1.5), (3, 1.9)])
+    right = window_result([(2, 0.3), (4, 0.75)])  # b at 1.5 s, d at 1.95 s
+    joined = join_windows("long", [(0.0, left), (1.2, right)], 0.8, decode)
+    assert decode(list(joined.ids)) == "abd"  # cut at the shared token b (1.5 s)
+    # Nothing shared in the overlap: cut at its middle (1.6 s).
+    right = window_result([(5, 0.1), (6, 0.6)])  # 1.3 s and 1.8 s
+    joined = join_windows("long", [(0.0, left), (1.2, right)], 0.8, decode)
+    assert decode(list(joined.ids)) == "abf"
+    with pytest.raises(ResultFormatError, match="utterance long: window 1 has no times"):
+        join_windows("long", [(0.0, left), (1.2, Result("long", "x"))], 0.8, decode)

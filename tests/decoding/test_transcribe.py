@@ -309,8 +309,9 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
     assert skipped[long[1]] == (
         f"{tmp_path / 'wav.scp'}:{line}: {audio[long[1]]}: the recording lasts 1.6 s "
         "(0:00:02), longer than the transcription window of 1.2 s: an utterance is decoded "
-        "whole, so it is not read; split it into shorter utterances (a segments file), or "
-        "raise $CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+        "whole, so it is not read; decode it in windows (--max-segment), split it into "
+        "shorter utterances (a segments file), or raise $CAT_TRANSCRIBE_WINDOW_SECONDS "
+        "(seconds)")
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == {
         utt: text for utt, text in hyps.items() if utt not in long}
     assert json.loads((tmp_path / "out/decode.log").read_text())["num_skipped"] == 2
@@ -326,6 +327,74 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
     assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[long[0]])]) == 1
     assert "CAT_TRANSCRIBE_WINDOW_SECONDS='-1': expected a positive number of seconds" \
         in caplog.text
+
+
+def test_a_long_recording_in_windows(recipe, tmp_path, capsys, caplog):
+    """The test utterances end to end, in windows of 3 s overlapping by 1 s: one timed
+    result over the whole recording; a window longer than the recording changes nothing."""
+    _kind, experiment, _ = recipe
+    audio = experiment.test_audio()
+    pieces = []
+    for utt in sorted(audio):
+        samples, rate = soundfile.read(audio[utt], dtype="int16")
+        pieces += [samples, np.zeros(rate // 4, np.int16)]
+    long = tmp_path / "long.wav"
+    soundfile.write(long, np.concatenate(pieces), 16000)
+    seconds = soundfile.info(long).duration
+    assert main("cat.decode", [EXP, "--audio", str(long)]) == 0
+    whole = capsys.readouterr().out
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "60"]) == 0
+    assert capsys.readouterr().out == whole
+
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "3",
+                               "--segment-overlap", "1", "--format", "json", "--out",
+                               str(tmp_path / "out")]) == 0
+    (record,) = [json.loads(line) for line in (tmp_path / "out/hyp.jsonl").read_text(
+        encoding="utf-8").splitlines()]
+    assert record["key"] == "long" and "nbest" not in record
+    check_times(record, seconds)
+    assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == {"long": record["text"]}
+    log = json.loads((tmp_path / "out/decode.log").read_text())
+    # The overlaps are decoded twice but counted once (each window's fbank has 2 frames
+    # fewer than its 10 ms steps: 25 ms frames).
+    assert log["audio_seconds"] == pytest.approx(seconds, abs=0.1)
+
+    with pytest.raises(SystemExit):
+        main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "2",
+                            "--segment-overlap", "1"])
+    assert "--segment-overlap 1: expected at least 0 and less than half of --max-segment 2 " \
+           "seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main("cat.decode", [EXP, "--data", str(experiment.test_features), "--out",
+                            str(tmp_path / "x"), "--max-segment", "10"])
+    assert "--max-segment is for audio" in capsys.readouterr().err
+    caplog.clear()
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "3000"]) == 1
+    assert "--max-segment 3000 s is longer than the transcription window of 1800 s" \
+        in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trained", ["ctc"], indirect=True)  # reading audio is measured
+def test_windows_keep_memory_flat_on_an_hour_long_recording(recipe, tmp_path, monkeypatch):
+    """An hour in windows of 10 s, features gathered a minute at a time, takes no more
+    memory than 5 minutes: 50 MB at most beyond it (the features of the whole hour alone
+    are 115 MB)."""
+    kind, experiment, _hyps = recipe
+    monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "60")
+    audio = experiment.test_audio()
+    inserts = {start: soundfile.read(audio[utt], dtype="int16")[0]
+               for start, utt in zip((1.0, 100.0, 250.0), sorted(audio), strict=False)}
+    decode = [sys.executable, "-m", f"cat.{kind}.decode", EXP, "--max-segment", "10",
+              "--segment-overlap", "2", "--format", "ctm"]
+    peaks = []
+    for seconds in (300, 3600):
+        long = tmp_path / f"long-{seconds}.wav"
+        write_long_wav(long, seconds, inserts)
+        status, peak, errors = peak_rss_mb([*decode, "--audio", str(long)])
+        assert status == 0, errors[-2000:]
+        peaks.append(peak)
+    assert peaks[1] - peaks[0] < 50, peaks
 
 
 #: A recording of 3 hours and where the test utterances are in it (seconds).
