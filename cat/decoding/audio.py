@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import soundfile
 
-from cat.audio.codec import READ_EXTENSIONS, AudioDecodeError, decode
+from cat.audio.codec import READ_EXTENSIONS, AudioDecodeError, decode, resample
 from cat.core.io import PathLike, TableError, iter_table
 from cat.features.extract import cut_features, segment_span, utterance_features
 from cat.features.fbank import AudioError, FbankOptions, num_frames, open_audio, read_channel
@@ -60,6 +60,47 @@ AUDIO_EXTENSIONS = frozenset(READ_EXTENSIONS)
 
 class AudioListError(ValueError):
     """A list of audio is malformed; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segmenting:
+    """Long utterances in fixed windows: an utterance longer than `max_segment` seconds is
+    read and decoded as windows of `max_segment` seconds, each starting `max_segment -
+    overlap` seconds after the one before (the last one shorter). `overlap` must be less
+    than half of `max_segment`, so that only neighbouring windows overlap."""
+
+    max_segment: float
+    overlap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.max_segment > 0:
+            raise ValueError(f"--max-segment {self.max_segment:g}: expected a positive number "
+                             "of seconds")
+        if not 0 <= self.overlap < self.max_segment / 2:
+            raise ValueError(f"--segment-overlap {self.overlap:g}: expected at least 0 and "
+                             f"less than half of --max-segment {self.max_segment:g} seconds")
+
+    def starts(self, num_samples: int, rate: int) -> list[tuple[int, int]]:
+        """(first, end) samples of each window of an utterance of `num_samples` samples."""
+        size = round(self.max_segment * rate)
+        hop = size - round(self.overlap * rate)
+        windows = []
+        start = 0
+        while True:
+            windows.append((start, min(start + size, num_samples)))
+            if start + size >= num_samples:
+                return windows
+            start += hop
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Features of one window of a long utterance (`Segmenting`): `start` is where it
+    begins in the utterance (seconds), `index` its place among the utterance's windows."""
+
+    features: np.ndarray
+    start: float
+    index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +251,8 @@ WINDOW_VARIABLE = "CAT_TRANSCRIBE_WINDOW_SECONDS"
 
 
 def recording_features(recording: Recording, options: FbankOptions,
-                       max_frames: int | None = None
-                       ) -> Iterator[tuple[str, np.ndarray | str]]:
+                       max_frames: int | None = None, segmenting: Segmenting | None = None
+                       ) -> Iterator[tuple[str, np.ndarray | Window | str]]:
     """`(key, features or why there are none)` of each utterance of `recording`, in order.
 
     A file or command is opened once (`open_audio`); at `options.sample_rate`, only each
@@ -219,6 +260,12 @@ def recording_features(recording: Recording, options: FbankOptions,
     takes the memory of its longest segment; at another rate it is read whole and
     resampled, as stage 1 does. An utterance of more than `max_frames` frames (None: no
     limit) is not read: its reason names it, its duration and `WINDOW_VARIABLE`.
+
+    With `segmenting`, an utterance of a file or command longer than its `max_segment` is
+    read a window at a time instead (at any rate: each window's samples alone are read and
+    resampled), giving a `Window` per window, in order; a window that cannot be read ends
+    the utterance with its reason (`(key, reason)` after the windows read before it).
+    Utterances of tar shards are decoded whole.
     """
     if recording.shard:
         yield from _shard_features(recording, options, max_frames)
@@ -230,22 +277,28 @@ def recording_features(recording: Recording, options: FbankOptions,
             for piece in recording.pieces:
                 yield piece.key, f"{recording.where}: {error}"
             return
-        yield from _pieces_features(recording.pieces, audio, name, options, max_frames)
+        yield from _pieces_features(recording.pieces, audio, name, options, max_frames,
+                                    segmenting)
 
 
 def _pieces_features(pieces: Sequence[Piece], audio: soundfile.SoundFile, name: str,
-                     options: FbankOptions, max_frames: int | None
-                     ) -> Iterator[tuple[str, np.ndarray | str]]:
+                     options: FbankOptions, max_frames: int | None,
+                     segmenting: Segmenting | None = None
+                     ) -> Iterator[tuple[str, np.ndarray | Window | str]]:
     rate, target = audio.samplerate, options.sample_rate
     # At another rate, an estimate of the resampled length: enough to refuse by length.
     length = audio.frames if rate == target else round(audio.frames * target / rate)
     spans = [segment_span(piece.start, piece.end, length, target, DEFAULT_MAX_OVERSHOOT)
              for piece in pieces]
     reasons: dict[int, str] = {}
+    windowed: dict[int, tuple[int, int]] = {}
     for index, (piece, span) in enumerate(zip(pieces, spans, strict=True)):
         if isinstance(span, str):
             if rate == target:  # else stage 1's code finds it, with the exact length
                 reasons[index] = span
+        elif segmenting is not None and span[1] - span[0] > segmenting.max_segment * target:
+            windowed[index] = span
+            reasons[index] = ""  # read below, a window at a time
         elif max_frames is not None and num_frames(span[1] - span[0], options) > max_frames:
             reasons[index] = _too_long(piece, name, (span[1] - span[0]) / target,
                                        max_frames, options)
@@ -256,8 +309,36 @@ def _pieces_features(pieces: Sequence[Piece], audio: soundfile.SoundFile, name: 
             for index, (piece, span) in enumerate(zip(pieces, spans, strict=True)))
     else:
         results = _resampled_features(pieces, reasons, audio, name, options)
-    for piece, result in zip(pieces, results, strict=True):
-        yield piece.key, f"{piece.where}: {result}" if isinstance(result, str) else result
+    for index, (piece, result) in enumerate(zip(pieces, results, strict=True)):
+        if index in windowed:
+            yield from _window_features(piece, windowed[index], audio, name, options,
+                                        segmenting)
+        else:
+            yield piece.key, f"{piece.where}: {result}" if isinstance(result, str) else result
+
+
+def _window_features(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,
+                     name: str, options: FbankOptions, segmenting: Segmenting
+                     ) -> Iterator[tuple[str, Window | str]]:
+    """The windows of one long utterance (`span`: its samples at the target rate), each
+    read alone and resampled when the audio has another rate."""
+    rate, target = audio.samplerate, options.sample_rate
+    begin, end = span
+    for index, (first, last) in enumerate(segmenting.starts(end - begin, target)):
+        try:
+            samples = read_channel(audio, name, round((begin + first) * rate / target),
+                                   round((begin + last) * rate / target))
+        except AudioError as error:
+            yield piece.key, f"{piece.where}: {error}"
+            return
+        if rate != target:
+            samples = resample(samples, rate, target)
+        features = cut_features(samples, piece.key, options)
+        if isinstance(features, str):
+            yield piece.key, (f"{piece.where}: {name}: the window at {first / target:g} s: "
+                              f"{features}")
+            return
+        yield piece.key, Window(features, first / target, index)
 
 
 def _span_features(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,
@@ -295,8 +376,8 @@ def _too_long(piece: Piece, name: str, seconds: float, max_frames: int,
     window = max_frames * options.frame_shift_ms / 1000
     return (f"{name}: {what} lasts {seconds:.1f} s ({_clock(seconds)}), longer than the "
             f"transcription window of {window:g} s: an utterance is decoded whole, so it is "
-            "not read; split it into shorter utterances (a segments file), or raise "
-            f"${WINDOW_VARIABLE} (seconds)")
+            "not read; decode it in windows (--max-segment), split it into shorter "
+            f"utterances (a segments file), or raise ${WINDOW_VARIABLE} (seconds)")
 
 
 def _clock(seconds: float) -> str:

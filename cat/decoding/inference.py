@@ -31,6 +31,23 @@ Without `--out` (audio only), the `<key> <hypothesis>` lines go to standard outp
 order of the list. The real-time factor (decoding time / audio time) is logged to
 standard error.
 
+Long recordings (audio, `--max-segment SECONDS`, `--segment-overlap SECONDS`, default
+2): an utterance longer than `--max-segment` is read and decoded in windows of that
+length, each overlapping the next by the overlap, and their timed results joined into
+one (`cat.decoding.transcribe`), so a recording of any length is transcribed in the
+memory of a few windows.
+
+Results as data (`--format`, `cat.decoding.results`): `text` (the default: the lines
+above, unchanged), `json` (a JSON object per utterance: key, text, tokens, token and word
+times, and for beam searches the N-best list with scores), `ctm` (Kaldi's CTM, a line per
+word) or `srt` (SubRip subtitles). With `--out` the records go to `hyp.jsonl`, `hyp.ctm`
+or `srt/<key>.srt` besides `hyp` (which holds the text format's lines whatever the
+format, for scoring), with `--data` too; without it, to standard output (srt: one
+utterance only). Times (`cat.decoding.timestamps`) come from the alignment of each
+hypothesis to the encoder frames: CTC spikes, transducer emission frames. A format other
+than text decodes beam searches through the family's `nbest` (the same best hypothesis)
+and, with greedy search, runs the encoder twice.
+
 Options (`hyper-p.json: inference.infer.option`, or the command line):
 `method` (greedy | beam), `beam_size`, `nj`, `max_frames`, `batch_size`, `device`
 (auto | cpu | cuda); `hotwords` (a file of phrases the beam searches favour, one per line
@@ -87,11 +104,26 @@ from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
-from cat.decoding.audio import AudioList, AudioListError, from_data_list, from_files, from_wav_scp
+from cat.decoding.audio import (
+    AudioList,
+    AudioListError,
+    Segmenting,
+    from_data_list,
+    from_files,
+    from_wav_scp,
+)
 from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
 from cat.decoding.context_graph import HotwordsError
+from cat.decoding.results import (
+    FORMATS,
+    Result,
+    ResultFormatError,
+    check_format,
+    format_lines,
+    srt_document,
+    write_results,
+)
 from cat.decoding.searcher import (
-    FRAME_SHIFT_SECONDS,
     NO_LABEL,
     OPTIONS_SCHEMA,
     DecodeOptions,
@@ -101,6 +133,7 @@ from cat.decoding.searcher import (
     plan_batches,
     write_hyp,
 )
+from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
@@ -126,15 +159,22 @@ def _utterances(features: dict, keys: list[str]) -> list[Utterance]:
 
 
 def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
-                    options: DecodeOptions, device: str) -> list[tuple[str, str]]:
-    """Decode `batches` in this process; returns (utt, hypothesis) pairs."""
-    searcher = Searcher(exp_dir, checkpoint, kind, options, device)
+                    options: DecodeOptions, device: str, output: str = "text",
+                    spec: FusionSpec | None = None) -> list[Result]:
+    """Decode `batches` in this process; returns a `Result` per utterance, with times,
+    pieces and N-best unless `output` (a format of `cat.decoding.results`) is text."""
+    searcher = Searcher(exp_dir, checkpoint, kind, options, device,
+                        [spec] if spec is not None else [])
     features = kaldiio.load_scp(scp)
-    pairs = []
+    results: list[Result] = []
     for keys in batches:
-        pairs += searcher.best(_utterances(features, keys))
+        utterances = _utterances(features, keys)
+        if output == "text" and spec is None:
+            results += [Result(key, text) for key, text in searcher.best(utterances)]
+        else:
+            results += searcher.results(utterances, timestamps=output != "text")
         advance(len(keys))
-    return pairs
+    return results
 
 
 def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
@@ -156,11 +196,13 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
 
 
 def _decode_task(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
-                 options: DecodeOptions) -> tuple[list[tuple[str, str]], str]:
+                 options: DecodeOptions, output: str = "text",
+                 spec: FusionSpec | None = None) -> tuple[list[Result], str]:
     """A task of `decode_set`'s array: `_decode_batches` on the device of the node it runs
-    on; returns the pairs and that device."""
+    on; returns the results and that device."""
     device = options.resolved_device()
-    return _decode_batches(exp_dir, checkpoint, kind, scp, batches, options, device), device
+    return _decode_batches(exp_dir, checkpoint, kind, scp, batches, options, device, output,
+                           spec), device
 
 
 def _search_task(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
@@ -276,42 +318,51 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
 
 def _decode_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path,
                    shares: list[list[list[str]]], options: DecodeOptions, device: str,
-                   launcher: Launcher | None, log_dir: Path, title: str, total: int
-                   ) -> tuple[list[tuple[str, str]], str]:
+                   launcher: Launcher | None, log_dir: Path, title: str, total: int,
+                   output: str = "text", spec: FusionSpec | None = None
+                   ) -> tuple[list[Result], str]:
     """`_decode_batches` of every share (here, in a process pool, or as array tasks): the
-    (utt, hypothesis) pairs in share order and the device(s) they were decoded on."""
+    results in share order and the device(s) they were decoded on."""
     args = (str(exp_dir), str(checkpoint), kind, str(scp))
     if launcher is not None:
         results, device = _run_array(launcher, _decode_task,
-                                     [(*args, share, options) for share in shares], log_dir)
-        return [pair for pairs in results for pair in pairs], device
+                                     [(*args, share, options, output, spec)
+                                      for share in shares], log_dir)
+        return [result for share in results for result in share], device
     with WorkerProgress(total, title) as progress:
         if len(shares) == 1:
-            return _decode_batches(*args, shares[0], options, device), device
+            return _decode_batches(*args, shares[0], options, device, output, spec), device
         with process_pool(len(shares), *progress.pool_initializer()) as pool:
-            futures = [pool.submit(_decode_batches, *args, share, options, device)
-                       for share in shares]
-            return [pair for future in futures for pair in future.result()], device
+            futures = [pool.submit(_decode_batches, *args, share, options, device, output,
+                                   spec) for share in shares]
+            return [result for future in futures for result in future.result()], device
 
 
 def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_dir: PathLike,
                kind: str, options: DecodeOptions,
-               launcher: Launcher | None = None) -> DecodeSummary:
-    """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`.
-    With a `launcher` the `nj` shares are the tasks of an array, logs in `out_dir/log`."""
+               launcher: Launcher | None = None, output: str = "text",
+               spec: FusionSpec | None = None) -> DecodeSummary:
+    """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`
+    and, for an `output` format other than text, its file (`cat.decoding.results`); with
+    `spec`, beam search with that shallow fusion. With a `launcher` the `nj` shares are
+    the tasks of an array, logs in `out_dir/log`."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
+    check_format(output)
     scp, lengths, device, shares = _plan_workers(data_dir, options, launcher)
     workers = len(shares)
     start = time.perf_counter()
-    pairs, device = _decode_shares(exp_dir, checkpoint, kind, scp, shares, options, device,
-                                   launcher, out_dir / "log", f"decoding {data_dir.name}",
-                                   len(lengths))
+    results, device = _decode_shares(exp_dir, checkpoint, kind, scp, shares, options, device,
+                                     launcher, out_dir / "log", f"decoding {data_dir.name}",
+                                     len(lengths), output, spec)
     seconds = time.perf_counter() - start
-    summary = DecodeSummary(len(pairs), sum(lengths.values()) * FRAME_SHIFT_SECONDS, seconds)
-    write_hyp(out_dir / "hyp", pairs)
+    summary = DecodeSummary(len(results), sum(lengths.values()) * FRAME_SHIFT_SECONDS, seconds)
+    write_hyp(out_dir / "hyp", ((result.key, result.text) for result in results))
+    write_results(out_dir, results, output)
     report = {"data": str(data_dir), "checkpoint": str(checkpoint),
               **dataclasses.asdict(options), "device": device, "workers": workers,
-              **_backend(launcher), "num_utts": summary.num_utts,
+              **_backend(launcher), "format": output,
+              "fusion": dataclasses.asdict(spec) if spec is not None else None,
+              "num_utts": summary.num_utts,
               "audio_seconds": round(summary.audio_seconds, 2),
               "decode_seconds": round(summary.decode_seconds, 2), "rtf": round(summary.rtf, 4)}
     with atomic_write(out_dir / "decode.log") as f:
@@ -343,6 +394,19 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                         help="checkpoint or averaged model (default: what stage 4 decodes with)")
     parser.add_argument("--out", help="output directory (hyp, decode.log; required with "
                                       "--data; audio: else key/text lines on stdout)")
+    parser.add_argument("--format", default="text",
+                        help=f"what the results hold and how they are written, one of "
+                             f"{', '.join(FORMATS)}: text lines (default), JSON lines with "
+                             "tokens, times and N-best, Kaldi CTM, SRT subtitles (with --out: "
+                             "hyp.jsonl, hyp.ctm or srt/<key>.srt besides hyp)")
+    long = parser.add_argument_group("long recordings (audio)")
+    long.add_argument("--max-segment", type=float,
+                      help="seconds: an utterance longer than this is decoded in windows of "
+                           "this length and the results joined (default: decoded whole, up to "
+                           "the transcription window)")
+    long.add_argument("--segment-overlap", type=float, default=2.0,
+                      help="seconds each window overlaps the next (less than half of "
+                           "--max-segment); words are joined at the middle of the overlap")
     options = parser.add_argument_group("options (default: hyper-p.json inference.infer.option)")
     # Help and choices come from the option schema, the one definition of these options.
     defaults = DecodeOptions()
@@ -373,21 +437,32 @@ def _audio_list(args: argparse.Namespace) -> AudioList:
 
 def _decode_features(args: argparse.Namespace, kind: str, checkpoint: Path,
                      options: DecodeOptions, spec: FusionSpec | None) -> DecodeSummary:
-    if spec is not None:
+    if spec is not None and args.format == "text":
         return decode_passes(args.exp_dir, args.data, checkpoint, kind, options,
                              [(spec, args.out)])[0]
-    return decode_set(args.exp_dir, args.data, checkpoint, args.out, kind, options)
+    return decode_set(args.exp_dir, args.data, checkpoint, args.out, kind, options,
+                      output=args.format, spec=spec)
 
 
 def _transcribe(args: argparse.Namespace, kind: str, checkpoint: Path, options: DecodeOptions,
                 spec: FusionSpec | None) -> DecodeSummary:
-    transcript = transcribe(args.exp_dir, _audio_list(args), checkpoint, kind, options, spec)
+    audio = _audio_list(args)
+    segmenting = Segmenting(args.max_segment, args.segment_overlap) \
+        if args.max_segment is not None else None
+    transcript = transcribe(args.exp_dir, audio, checkpoint, kind, options, spec,
+                            output=args.format, segmenting=segmenting)
     if args.out:
         write_outputs(transcript, args.out)
+    elif args.format == "srt":
+        if len(transcript.results) != 1:
+            raise ResultFormatError(f"--format srt without --out writes the subtitles of one "
+                                    f"utterance, {audio.name} has {len(transcript.results)}: "
+                                    "give --out (srt/<key>.srt each)")
+        sys.stdout.write(srt_document(transcript.results[0]))
     else:
-        for key, text in transcript.hypotheses:
-            print(f"{key} {text}" if text else key)
-        sys.stdout.flush()
+        for line in format_lines(transcript.results, args.format):
+            print(line)
+    sys.stdout.flush()
     return transcript.summary
 
 
@@ -400,6 +475,17 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         parser.error("--data needs --out")
     if args.segments and not args.wav_scp:
         parser.error("--segments goes with --wav-scp")
+    if args.max_segment is not None:
+        if args.data:
+            parser.error("--max-segment is for audio: --data decodes stage 1's features of "
+                         "each utterance whole")
+        try:
+            Segmenting(args.max_segment, args.segment_overlap)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.format not in FORMATS:
+        parser.error(f"--format {args.format!r}: unknown output format; allowed: "
+                     f"{', '.join(FORMATS)}")
     setup_logging()
     try:
         kind = experiment_kind(args.exp_dir)
@@ -426,7 +512,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         else:
             summary = _transcribe(args, kind, checkpoint, options, spec)
     except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
-            CheckpointMismatchError, HotwordsError) as error:
+            CheckpointMismatchError, HotwordsError, ResultFormatError) as error:
         logger.error("%s", error)
         return 1
     skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""

@@ -52,13 +52,14 @@ from cat.core.io import PathLike, atomic_write
 from cat.core.threads import configure_threads
 from cat.decoding.checkpoint import check_model_config
 from cat.decoding.context_graph import ContextGraph, read_hotwords
+from cat.decoding.results import Result
+from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_times
 from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import DECODES_AS, build_model
 from cat.text.tokenizer import load as load_tokenizer
 from cat.training.checkpoint import load_model_state, read_model_checkpoint
 
-FRAME_SHIFT_SECONDS = 0.01
 NO_LABEL = np.zeros(0, np.int32)
 OPTIONS_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -332,6 +333,44 @@ class Searcher:
                                      self.options.method, **self.search)
         return [(u.key, self.tokenizer.decode(hyps[0][0] if hyps else []))
                 for u, hyps in zip(utterances, nbest, strict=True)]
+
+    def results(self, utterances: Sequence[Utterance], timestamps: bool = True) -> list[Result]:
+        """A `Result` of each utterance: the hypothesis `best` gives (with the first fusion
+        spec, when there is one), its pieces, with `timestamps` their times
+        (`cat.decoding.timestamps`; a ValueError for a model that is no `TokenAligner`),
+        and for beam searches the N-best list with scores. One network forward per batch,
+        two with method greedy (its search reads the features)."""
+        if timestamps and not isinstance(self.model.first_head, TokenAligner):
+            raise ValueError(f"{type(self.model.first_head).__name__} heads give no token "
+                             "times")
+        batch = collate(utterances)
+        feats, feat_lens = batch.feats.to(self.device), batch.feat_lens.to(self.device)
+        fusion = self._with_hotwords(self.fusions[0] if self.fusions else None)
+        with torch.inference_mode():
+            inputs = self.model.search_inputs(feats, feat_lens)
+            if self.options.method == "greedy":
+                hyps = self.model.decode(feats, feat_lens, method="greedy",
+                                         beam_size=self.options.beam_size, **self.search)
+                nbests: list[Any] = [None] * len(hyps)
+            else:
+                nbests = self.model.nbest(inputs, self.options.beam_size, fusion,
+                                          self.options.method, **self.search)
+                hyps = [hyps[0][0] if hyps else [] for hyps in nbests]
+            spans = (self.model.first_head.token_frames(*inputs, hyps) if timestamps
+                     else None)
+        factor = int(self.model.encoder.frame_rate_factor)
+        results = []
+        for index, (utterance, tokens) in enumerate(zip(utterances, hyps, strict=True)):
+            pieces = tuple(self.tokenizer.id_to_piece(int(token)) for token in tokens)
+            times = None if spans is None else tuple(token_times(
+                spans[index], factor, pieces,
+                int(batch.feat_lens[index]) * FRAME_SHIFT_SECONDS))
+            nbest = None if nbests[index] is None else tuple(
+                (self.tokenizer.decode(candidate), float(score))
+                for candidate, score in nbests[index])
+            results.append(Result(utterance.key, self.tokenizer.decode(list(tokens)), pieces,
+                                  times, nbest, tuple(int(token) for token in tokens)))
+        return results
 
     def nbest(self, utterances: Sequence[Utterance]) -> list[list[tuple[str, NBest]]]:
         """Per fusion spec, (key, N-best list) of each utterance (beam search with the

@@ -15,14 +15,26 @@ whatever the size of the list. With one process and a list shorter than a window
 batches are exactly stage 4's. With a GPU, `nj` processes compute features and the GPU
 decodes.
 
-An utterance is decoded whole, and its words cannot be joined across a cut without
-their times, which the searches do not give; so an utterance longer than the window (a
-3-hour recording given as one file) is not cut but refused before its audio is read,
+Without `segmenting`, an utterance is decoded whole; so an utterance longer than the
+window (a 3-hour recording given as one file) is refused before its audio is read,
 skipped with a reason naming the list line, the file, its duration and
 `$CAT_TRANSCRIBE_WINDOW_SECONDS`, which raises the window (seconds, default 1800; a
 larger window holds that much audio in memory). Cut a long recording with a `segments`
-file instead: each segment's samples alone are read (`cat.decoding.audio`), so a
-recording of hours with segments is transcribed in the memory of its longest segment.
+file, and each segment's samples alone are read (`cat.decoding.audio`), so a recording
+of hours with segments is transcribed in the memory of its longest segment.
+
+Long recordings in windows (`segmenting`, `cat.decoding.audio.Segmenting`: `--max-segment`
+and `--segment-overlap`): an utterance of a file or command longer than `max_segment` is
+read a window at a time (`max_segment` seconds, each overlapping the next by `overlap`),
+each window decoded as an utterance of its own with token times, and the windows' results
+joined into the utterance's (`cat.decoding.results.join_windows`: each seam cut at a
+token both windows hold near the middle of their overlap, so no word is repeated or
+lost); the N-best lists of windows are not joined. Memory holds the features of one
+transcription window and the tokens found so far, whatever the length: on the CPU, an
+hour of audio in windows of 10 s, features gathered a minute at a time, peaks 12 MB above
+five minutes of it (`test_windows_keep_memory_flat_on_an_hour_long_recording`). With a
+GPU, a feature process hands over a recording's windows together, so memory grows with
+the recording there. Utterances of tar shards are decoded whole.
 
 Audio that cannot be used (missing, unreadable, truncated, too short or longer than the
 window, a segment outside its recording, a shard member without audio, a `wav.scp` command
@@ -35,7 +47,8 @@ builds their context graph and searches with it.
 Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
 key, as stage 4 writes them), `skipped.txt` (`<key> <reason>`), `decode.log` (inputs,
 checkpoint, options, counts, audio and wall seconds, real-time factor) and, with an LM,
-`nbest.jsonl`.
+`nbest.jsonl`; for an `output` format other than text, its file (`hyp.jsonl`, `hyp.ctm`,
+`srt/<key>.srt`: `cat.decoding.results`), whose results hold pieces, times and N-best.
 
 Usage:
     audio = from_data_list("data.list")
@@ -64,9 +77,16 @@ from cat.core.config import CONFIG_NAME, load_config
 from cat.core.io import PathLike, atomic_write
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
-from cat.decoding.audio import WINDOW_VARIABLE, AudioList, Recording, recording_features
+from cat.decoding.audio import (
+    WINDOW_VARIABLE,
+    AudioList,
+    Recording,
+    Segmenting,
+    Window,
+    recording_features,
+)
+from cat.decoding.results import Result, check_format, join_windows, write_results
 from cat.decoding.searcher import (
-    FRAME_SHIFT_SECONDS,
     NO_LABEL,
     DecodeOptions,
     DecodeSummary,
@@ -76,6 +96,7 @@ from cat.decoding.searcher import (
     plan_batches,
     write_hyp,
 )
+from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.features.fbank import FbankOptions
 from cat.features.plan import balance_jobs
 from cat.lm.rescore import NBEST_NAME, write_nbest
@@ -104,18 +125,29 @@ class Transcript:
     workers: int
     options: DecodeOptions
     fusion: FusionSpec | None
-    hypotheses: list[tuple[str, str]]
-    nbest: list[tuple[str, NBest]] | None
+    results: list[Result]
     skipped: list[tuple[str, str]]
     summary: DecodeSummary
+    output: str = "text"
+
+    @property
+    def hypotheses(self) -> list[tuple[str, str]]:
+        """(key, text) of each utterance."""
+        return [(result.key, result.text) for result in self.results]
+
+    @property
+    def nbest(self) -> list[tuple[str, NBest]] | None:
+        """(key, N-best list) of each utterance with an LM, else None."""
+        if self.fusion is None:
+            return None
+        return [(result.key, list(result.nbest or ())) for result in self.results]
 
 
 @dataclasses.dataclass
 class _Decoded:
     """One process's results."""
 
-    hypotheses: list[tuple[Order, str, str, NBest | None]] = dataclasses.field(
-        default_factory=list)
+    hypotheses: list[tuple[Order, Result]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[Order, str, str]] = dataclasses.field(default_factory=list)
     frames: int = 0
 
@@ -148,29 +180,41 @@ def window_frames_setting() -> int:
     return frames
 
 
+Features = np.ndarray | Window | str
+
+
 def _features(recordings: Iterable[tuple[int, Recording]], fbank: FbankOptions,
-              window_frames: int = WINDOW_FRAMES
-              ) -> Iterator[tuple[Order, str, np.ndarray | str]]:
+              window_frames: int = WINDOW_FRAMES, segmenting: Segmenting | None = None
+              ) -> Iterator[tuple[Order, str, Features]]:
     for index, recording in recordings:
-        results = recording_features(recording, fbank, window_frames)
-        for position, (key, result) in enumerate(results):
+        position, in_windows = -1, None  # the key whose windows are being read
+        for key, result in recording_features(recording, fbank, window_frames, segmenting):
+            # The windows of an utterance, and why it ends early, share its place.
+            continuing = (isinstance(result, Window) and result.index > 0) or (
+                isinstance(result, str) and key == in_windows)
+            if not continuing:
+                position += 1
+            in_windows = key if isinstance(result, Window) else None
             yield (index, position), key, result
 
 
 def _recording_features(index: int, recording: Recording, fbank: FbankOptions,
-                        window_frames: int) -> list[tuple[Order, str, np.ndarray | str]]:
+                        window_frames: int, segmenting: Segmenting | None = None
+                        ) -> list[tuple[Order, str, Features]]:
     """All utterances of one recording (a feature process's task when a GPU decodes)."""
-    return list(_features([(index, recording)], fbank, window_frames))
+    return list(_features([(index, recording)], fbank, window_frames, segmenting))
 
 
 def _pooled_features(pool: Executor, recordings: list[Recording], fbank: FbankOptions,
-                     ahead: int, window_frames: int = WINDOW_FRAMES
-                     ) -> Iterator[tuple[Order, str, np.ndarray | str]]:
+                     ahead: int, window_frames: int = WINDOW_FRAMES,
+                     segmenting: Segmenting | None = None
+                     ) -> Iterator[tuple[Order, str, Features]]:
     """Features computed by the pool, in list order, at most `ahead` recordings ahead."""
     tasks = iter(enumerate(recordings))
 
     def submit(index: int, recording: Recording) -> Future:
-        return pool.submit(_recording_features, index, recording, fbank, window_frames)
+        return pool.submit(_recording_features, index, recording, fbank, window_frames,
+                           segmenting)
 
     pending = collections.deque(submit(*task) for task in itertools.islice(tasks, ahead))
     while pending:
@@ -180,26 +224,72 @@ def _pooled_features(pool: Executor, recordings: list[Recording], fbank: FbankOp
         yield from items
 
 
-def _decode_window(searcher: Searcher, window: dict[str, tuple[Order, np.ndarray]],
-                   options: DecodeOptions, out: _Decoded) -> None:
-    lengths = {key: len(features) for key, (_, features) in window.items()}
-    for keys in plan_batches(lengths, options.max_frames, options.batch_size):
-        utterances = [Utterance(key, window[key][1], NO_LABEL) for key in keys]
-        if searcher.fusions:
-            for key, hyps in searcher.nbest(utterances)[0]:
-                out.hypotheses.append((window[key][0], key, hyps[0][0] if hyps else "", hyps))
-        else:
-            for key, text in searcher.best(utterances):
-                out.hypotheses.append((window[key][0], key, text, None))
-        out.frames += sum(lengths[key] for key in keys)
-        advance(len(keys))
+def _window_results(searcher: Searcher, utterances: list[Utterance],
+                    output: str, timed: bool = False) -> list[Result]:
+    """The results of a batch: with times unless `output` is text and not `timed`."""
+    if output != "text" or timed:
+        return searcher.results(utterances)
+    if searcher.fusions:
+        return [Result(key, hyps[0][0] if hyps else "", nbest=tuple(hyps))
+                for key, hyps in searcher.nbest(utterances)[0]]
+    return [Result(key, text) for key, text in searcher.best(utterances)]
 
 
-def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | str]],
-            options: DecodeOptions, window_frames: int) -> _Decoded:
+@dataclasses.dataclass
+class _Pending:
+    """Features waiting in a process's window: an utterance's, or one window's of a long
+    utterance (`part`)."""
+
+    order: Order
+    key: str
+    features: np.ndarray
+    part: Window | None = None
+
+
+def _decode_window(searcher: Searcher, window: dict[str, _Pending], options: DecodeOptions,
+                   out: _Decoded, output: str, parts: dict[Order, list]) -> None:
+    """Decode the utterances of `window` (keyed by a name of their own); the results of
+    windows of long utterances go to `parts` (by the utterance's place)."""
+    lengths = {name: len(pending.features) for name, pending in window.items()}
+    for names in plan_batches(lengths, options.max_frames, options.batch_size):
+        utterances = [Utterance(name, window[name].features, NO_LABEL) for name in names]
+        timed = any(window[name].part is not None for name in names)
+        for result in _window_results(searcher, utterances, output, timed):
+            pending = window[result.key]
+            result = dataclasses.replace(result, key=pending.key)
+            if pending.part is None:
+                out.hypotheses.append((pending.order, result))
+            else:
+                parts.setdefault(pending.order, []).append(
+                    (pending.part.index, pending.part.start, result))
+        out.frames += sum(lengths[name] for name in names)
+        advance(len(names))
+
+
+def _join_parts(searcher: Searcher, parts: dict[Order, list], out: _Decoded,
+                segmenting: Segmenting | None) -> None:
+    """The results of the long utterances decoded in windows, each joined into one (those
+    whose reading failed part of the way are skipped: `out.skipped` has them)."""
+    failed = {order for order, _, _ in out.skipped}
+    for order, windows in parts.items():
+        if order in failed:
+            continue
+        windows.sort(key=lambda part: part[0])
+        key = windows[0][2].key
+        out.hypotheses.append((order, join_windows(
+            key, [(start, result) for _, start, result in windows], segmenting.overlap,
+            searcher.tokenizer.decode)))
+        # The overlaps were decoded twice: count the audio once.
+        out.frames -= round(segmenting.overlap / FRAME_SHIFT_SECONDS) * (len(windows) - 1)
+
+
+def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, Features]],
+            options: DecodeOptions, window_frames: int, output: str = "text",
+            segmenting: Segmenting | None = None) -> _Decoded:
     """Decode utterances as their features arrive, a window of frames at a time."""
     out = _Decoded()
-    window: dict[str, tuple[Order, np.ndarray]] = {}
+    window: dict[str, _Pending] = {}
+    parts: dict[Order, list] = {}
     seen: set[str] = set()
     frames = 0
     for order, key, result in items:
@@ -207,29 +297,36 @@ def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, np.ndarray | s
             out.skipped.append((order, key, result))
             advance(1)
             continue
-        if key in seen:
+        part = result if isinstance(result, Window) else None
+        if key in seen and not (part is not None and part.index):
             out.skipped.append((order, key, f"key {key!r} again: only its first utterance "
                                             "is decoded"))
             advance(1)
             continue
         seen.add(key)
-        window[key] = (order, result)
-        frames += len(result)
+        features = part.features if part is not None else result
+        # A name of its own: the key is shared by the windows of an utterance.
+        name = key if part is None else f"{key} {part.index}"
+        window[name] = _Pending(order, key, features, part)
+        frames += len(features)
         if frames >= window_frames:
-            _decode_window(searcher, window, options, out)
+            _decode_window(searcher, window, options, out, output, parts)
             window, frames = {}, 0
     if window:
-        _decode_window(searcher, window, options, out)
+        _decode_window(searcher, window, options, out, output, parts)
+    _join_parts(searcher, parts, out, segmenting)
     return out
 
 
 def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptions,
                   device: str, fusion: FusionSpec | None, share: list[tuple[int, Recording]],
-                  fbank: FbankOptions, window_frames: int) -> _Decoded:
+                  fbank: FbankOptions, window_frames: int, output: str = "text",
+                  segmenting: Segmenting | None = None) -> _Decoded:
     """Read, featurize and decode `share` in this process."""
     searcher = Searcher(exp_dir, checkpoint, kind, options, device,
                         [fusion] if fusion is not None else [])
-    return _decode(searcher, _features(share, fbank, window_frames), options, window_frames)
+    return _decode(searcher, _features(share, fbank, window_frames, segmenting), options,
+                   window_frames, output, segmenting)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -245,7 +342,8 @@ def _shares(audio: AudioList, num_workers: int) -> list[list[tuple[int, Recordin
 
 def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: DecodeOptions,
          device: str, fusion: FusionSpec | None, fbank: FbankOptions,
-         window_frames: int, initializer: tuple) -> tuple[list[_Decoded], int]:
+         window_frames: int, initializer: tuple, output: str = "text",
+         segmenting: Segmenting | None = None) -> tuple[list[_Decoded], int]:
     """Results per process, and the number of processes; `initializer`: of the worker
     processes, that report their progress."""
     workers = max(1, min(options.nj, len(audio.recordings)))
@@ -253,30 +351,40 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
         searcher = Searcher(exp_dir, checkpoint, kind, options, device,
                             [fusion] if fusion is not None else [])
         if workers == 1:
-            items = _features(enumerate(audio.recordings), fbank, window_frames)
-            return [_decode(searcher, items, options, window_frames)], 1
+            items = _features(enumerate(audio.recordings), fbank, window_frames, segmenting)
+            return [_decode(searcher, items, options, window_frames, output, segmenting)], 1
         with process_pool(workers) as pool:  # feature workers; decoding reports here
             items = _pooled_features(pool, audio.recordings, fbank, 2 * workers,
-                                     window_frames)
-            return [_decode(searcher, items, options, window_frames)], workers
+                                     window_frames, segmenting)
+            return [_decode(searcher, items, options, window_frames, output, segmenting)], \
+                workers
     shares = _shares(audio, workers)
     arguments = (exp_dir, checkpoint, kind, options, device, fusion)
     if len(shares) == 1:
-        return [_decode_share(*arguments, shares[0], fbank, window_frames)], 1
+        return [_decode_share(*arguments, shares[0], fbank, window_frames, output,
+                              segmenting)], 1
     with process_pool(len(shares), *initializer) as pool:
-        futures = [pool.submit(_decode_share, *arguments, share, fbank, window_frames)
-                   for share in shares]
+        futures = [pool.submit(_decode_share, *arguments, share, fbank, window_frames,
+                               output, segmenting) for share in shares]
         return [future.result() for future in futures], len(shares)
 
 
 def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: str,
                options: DecodeOptions, fusion: FusionSpec | None = None,
                fbank: FbankOptions | None = None,
-               window_frames: int | None = None) -> Transcript:
+               window_frames: int | None = None, output: str = "text",
+               segmenting: Segmenting | None = None) -> Transcript:
     """Decode every utterance of `audio` (see the module docstring); `window_frames`
-    default: `window_frames_setting()`."""
+    default: `window_frames_setting()`; `output`: the format the results are for
+    (`cat.decoding.results`; other than text, they hold pieces, times and N-best);
+    `segmenting`: long utterances in windows (see the module docstring)."""
+    check_format(output)
     fbank = fbank or FbankOptions()
     window_frames = window_frames or window_frames_setting()
+    if segmenting is not None and segmenting.max_segment / FRAME_SHIFT_SECONDS > window_frames:
+        raise TranscribeError(f"--max-segment {segmenting.max_segment:g} s is longer than the "
+                              f"transcription window of {window_frames * FRAME_SHIFT_SECONDS:g}"
+                              f" s (${WINDOW_VARIABLE})")
     check_feature_dim(exp_dir, fbank)
     if fusion is not None and options.method != "beam":
         raise ValueError(f"decoding with language models needs method 'beam', got "
@@ -288,20 +396,22 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
         sum(len(r.pieces) or 1 for r in audio.recordings)
     with WorkerProgress(total, f"transcribing {audio.name}") as progress:
         results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
-                                fusion, fbank, window_frames, progress.pool_initializer())
+                                fusion, fbank, window_frames, progress.pool_initializer(),
+                                output, segmenting)
     seconds = time.perf_counter() - start
-    decoded = sorted(item for out in results for item in out.hypotheses)
+    decoded = sorted((item for out in results for item in out.hypotheses),
+                     key=lambda item: item[0])
     skipped = sorted(item for out in results for item in out.skipped)
     # Processes catch a key repeated in their own share; this, one repeated across shares.
     first: dict[str, Order] = {}
     kept = []
-    for item in decoded:
-        if item[1] in first:
-            skipped.append((item[0], item[1], f"key {item[1]!r} again: only its first "
-                                              "utterance is decoded"))
+    for order, result in decoded:
+        if result.key in first:
+            skipped.append((order, result.key, f"key {result.key!r} again: only its first "
+                                               "utterance is decoded"))
         else:
-            first[item[1]] = item[0]
-            kept.append(item)
+            first[result.key] = order
+            kept.append(result)
     skipped.sort()
     frames = sum(out.frames for out in results)  # all that was decoded
     for _, key, reason in skipped:
@@ -316,10 +426,8 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
                 audio.name, seconds, summary.rtf, device, workers, "s" * (workers > 1),
                 len(skipped))
     return Transcript(
-        audio.name, str(checkpoint), device, workers, options, fusion,
-        [(key, text) for _, key, text, _ in kept],
-        [(key, hyps) for _, key, _, hyps in kept] if fusion is not None else None,
-        [(key, reason) for _, key, reason in skipped], summary)
+        audio.name, str(checkpoint), device, workers, options, fusion, kept,
+        [(key, reason) for _, key, reason in skipped], summary, output)
 
 
 def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
@@ -331,11 +439,13 @@ def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
             f.write(f"{key} {' '.join(reason.split())}\n")
     if transcript.nbest is not None:
         write_nbest(out_dir / NBEST_NAME, transcript.nbest)
+    write_results(out_dir, transcript.results, transcript.output)
     summary = transcript.summary
     report: dict[str, Any] = {
         "data": transcript.name, "checkpoint": transcript.checkpoint,
         **dataclasses.asdict(transcript.options),
         "device": transcript.device, "workers": transcript.workers,
+        "format": transcript.output,
         "fusion": dataclasses.asdict(transcript.fusion) if transcript.fusion else None,
         "num_utts": summary.num_utts, "num_skipped": summary.num_skipped,
         "audio_seconds": round(summary.audio_seconds, 2),

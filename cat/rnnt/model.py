@@ -39,9 +39,11 @@ import torch
 import torchaudio
 from torch import nn
 
+from cat.decoding.timestamps import Span
 from cat.lm.scorer import ShallowFusion
 from cat.models.heads import init_blank_bias, pad_hyps
 from cat.models.registry import build_component
+from cat.rnnt.align import rnnt_token_frames
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 
 BLANK = 0
@@ -302,6 +304,12 @@ class TransducerHead(nn.Module):
         """Modified beam search's N-best lists, with shallow fusion (and LODR) when given."""
         return rnnt_modified_beam_search(self.predictor, self.joiner, hidden, lengths,
                                          beam_size, fusion=fusion, blank_penalty=blank_penalty)
+
+    def token_frames(self, hidden: torch.Tensor, lengths: torch.Tensor,
+                     hyps: list[list[int]]) -> list[list[Span]]:
+        """The frame each token of `hyps` is emitted on, on the Viterbi path through the
+        lattice of the encoder output (`cat.rnnt.align`; `cat.decoding.timestamps`)."""
+        return rnnt_token_frames(self.predictor, self.joiner, hidden, lengths, hyps)
 
     @torch.no_grad()
     def sequence_log_likelihoods(self, hidden: torch.Tensor,

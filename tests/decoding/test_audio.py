@@ -13,6 +13,7 @@ from cat.core.io import write_table
 from cat.decoding import audio as decoding_audio
 from cat.decoding.audio import (
     AudioListError,
+    Segmenting,
     from_data_list,
     from_files,
     from_wav_scp,
@@ -202,8 +203,8 @@ def test_an_utterance_longer_than_the_window_is_refused_unread(tmp_path, recordi
     assert got["a"] == (
         f"{wav_scp}:1: {recordings['a']}: the recording lasts 1.1 s (0:00:01), longer than "
         "the transcription window of 0.95 s: an utterance is decoded whole, so it is not "
-        "read; split it into shorter utterances (a segments file), or raise "
-        "$CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+        "read; decode it in windows (--max-segment), split it into shorter utterances (a "
+        "segments file), or raise $CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
     assert got["c"].startswith(f"{wav_scp}:3: {recordings['c']}: the recording lasts 1.0 s")
     assert got["p"].startswith(f"{wav_scp}:5: command '{recordings['p'][:-1].strip()}': the "
                                "recording lasts 1.1 s (0:00:01), longer than the "
@@ -230,7 +231,52 @@ def test_segments_of_a_long_recording_read_only_their_samples(tmp_path, monkeypa
     assert got["L-3"] == (
         f"{data_dir / 'segments'}:3: {long}: the segment 2 s to 5.9 s of it lasts 3.9 s "
         "(0:00:04), longer than the transcription window of 2 s: an utterance is decoded "
-        "whole, so it is not read; split it into shorter utterances (a segments file), or "
-        "raise $CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+        "whole, so it is not read; decode it in windows (--max-segment), split it into "
+        "shorter utterances (a segments file), or raise $CAT_TRANSCRIBE_WINDOW_SECONDS "
+        "(seconds)")
     assert reads == [(str(long), 8000, 19200), (str(long), 64000, 73600),
                      (str(long), 88000, 96000)]
+
+
+def test_a_long_utterance_is_read_a_window_at_a_time(tmp_path, monkeypatch):
+    """Windows of 2 s overlapping by 0.5 s: each window's samples alone are read, and its
+    features are stage 1's of that stretch; at another rate too (then resampled)."""
+    long = make_audio_file(tmp_path / "audio/long.flac", 6.2, seed=6)
+    spans = [(0.0, 2.0), (1.5, 3.5), (3.0, 5.0), (4.5, 6.2)]
+    segments = {f"w{index}": ("long", start, end) for index, (start, end) in enumerate(spans)}
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"long": str(long)},
+                                    segments=segments)
+    expected = stage1(data_dir, tmp_path / "fbank")
+    reads = _recording_reads(monkeypatch)
+    (recording,) = from_wav_scp(data_dir / "wav.scp").recordings
+    got = list(recording_features(recording, FbankOptions(), max_frames=300,
+                                  segmenting=Segmenting(2.0, 0.5)))
+    assert [key for key, _ in got] == ["long"] * 4
+    assert [(window.index, window.start) for _, window in got] == [
+        (index, start) for index, (start, _) in enumerate(spans)]
+    for (_, window), key in zip(got, segments, strict=True):
+        np.testing.assert_array_equal(window.features, expected[key], err_msg=key)
+    assert reads == [(str(long), round(start * 16000), round(end * 16000))
+                     for start, end in spans]
+    # Shorter than a window: decoded whole, as without windows.
+    short = list(recording_features(recording, FbankOptions(), segmenting=Segmenting(7.0, 1)))
+    assert len(short) == 1 and isinstance(short[0][1], np.ndarray)
+
+    # 8 kHz audio: each window read at 8 kHz and resampled to 16 kHz.
+    low = make_audio_file(tmp_path / "audio/low.wav", 6.2, sample_rate=8000, seed=6)
+    (recording,) = from_files([low]).recordings
+    reads.clear()
+    got = list(recording_features(recording, FbankOptions(), segmenting=Segmenting(2.0, 0.5)))
+    assert [window.start for _, window in got] == [start for start, _ in spans]
+    assert [len(window.features) for _, window in got] == [198, 198, 198, 168]
+    assert reads == [(str(low), round(start * 8000), round(end * 8000)) for start, end in spans]
+
+
+def test_window_settings_are_checked():
+    assert Segmenting(20, 4).starts(16000 * 50, 16000) == [
+        (0, 320000), (256000, 576000), (512000, 800000)]
+    with pytest.raises(ValueError, match="--segment-overlap 10: expected at least 0 and less "
+                                         "than half of --max-segment 20 seconds"):
+        Segmenting(20, 10)
+    with pytest.raises(ValueError, match="--max-segment 0: expected a positive number"):
+        Segmenting(0, 0)

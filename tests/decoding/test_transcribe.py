@@ -4,6 +4,7 @@ are the fbank of real audio files."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -30,6 +31,7 @@ from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import UioUtterance, write_raw_list, write_shard_list, write_uio_shard
 from cat.training.cli import train
 from cat.utils import stage_driver
+from tests.decoding.test_results import parse_srt
 
 EXP = "exp/tiny"
 CHECKPOINT = "exp/tiny/check/avg-best-2.pt"
@@ -119,6 +121,78 @@ def test_wav_scp_and_data_lists_give_stage_4_hypotheses(recipe, tmp_path):
         assert main(f"cat.{kind}.decode", [EXP, "--data-list", str(tmp_path / name),
                            "--out", str(out_dir)]) == 0
         assert read_table(out_dir / "hyp", allow_empty_value=True) == expected, name
+
+
+def check_times(record: dict, seconds: float) -> None:
+    """Token times of a JSON record: one per token, none ending before it starts (tokens a
+    transducer emits on one frame share its 80 ms, to the millisecond), monotonic, inside
+    the utterance."""
+    times = record["timestamps"]
+    assert len(times) == len(record["tokens"]), record
+    assert all(0 <= start <= end <= seconds + 0.08 for start, end in times), (record, seconds)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(times)), record
+
+
+def test_results_as_json_ctm_and_srt(recipe, tmp_path, capsys, caplog):
+    """Every format holds the text format's hypotheses; the text output is unchanged."""
+    _kind, experiment, hyps = recipe
+    audio = experiment.test_audio()
+    wavs = [str(audio[utt]) for utt in sorted(audio)]
+    durations = {utt: soundfile.info(path).duration for utt, path in audio.items()}
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--format", "json", "--out",
+                               str(tmp_path / "json")]) == 0
+    assert (tmp_path / "json/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
+    records = [json.loads(line) for line in
+               (tmp_path / "json/hyp.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert {record["key"]: record["text"] for record in records} == hyps
+    for record in records:
+        check_times(record, durations[record["key"]])
+        assert record["nbest"][0]["text"] == record["text"]
+        scores = [entry["score"] for entry in record["nbest"]]
+        assert scores == sorted(scores, reverse=True) and len(scores) <= 4
+
+    capsys.readouterr()
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--format", "ctm"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == sum(len(text) for text in hyps.values())  # a word per character
+    for line in lines:
+        key, channel, start, duration, word, confidence = line.split(" ")
+        assert key in hyps and word in hyps[key] and channel == "1"
+        assert float(start) >= 0 and float(start) + float(duration) <= durations[key] + 0.08
+        assert 0 < float(confidence) <= 1
+
+    utt = sorted(audio)[3]
+    assert main("cat.decode", [EXP, "--audio", str(audio[utt]), "--format", "srt"]) == 0
+    cues = parse_srt(capsys.readouterr().out)
+    assert "".join(text for *_, text in cues) == "".join(hyps[utt].split())
+    assert all(0 <= start < end <= durations[utt] + 0.08 for _, start, end, _ in cues)
+
+    # Greedy search: its own hypotheses, timed, without N-best.
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--method", "greedy"]) == 0
+    greedy = dict(line.partition(" ")[::2] for line in capsys.readouterr().out.splitlines())
+    assert main("cat.decode", [EXP, "--audio", *wavs, "--method", "greedy", "--format",
+                               "json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {record["key"]: record["text"] for record in records} == greedy
+    assert all("nbest" not in record for record in records)
+    for record in records:
+        check_times(record, durations[record["key"]])
+
+    # Stage 4's decoding of the features: the same hyp, and the records beside it.
+    assert main("cat.decode", [EXP, "--data", str(experiment.test_features), "--format",
+                               "json", "--out", str(tmp_path / "data")]) == 0
+    assert (tmp_path / "data/hyp").read_text(encoding="utf-8") == stage4_hyp(experiment)
+    assert [json.loads(line)["key"] for line in (tmp_path / "data/hyp.jsonl").read_text(
+        encoding="utf-8").splitlines()] == sorted(hyps)
+
+    caplog.clear()
+    assert main("cat.decode", [EXP, "--audio", *wavs[:2], "--format", "srt"]) == 1
+    assert "--format srt without --out writes the subtitles of one utterance, command line " \
+           "audio files has 2" in caplog.text
+    with pytest.raises(SystemExit):
+        main("cat.decode", [EXP, "--audio", *wavs, "--format", "xml"])
+    assert "--format 'xml': unknown output format; allowed: text, json, ctm, srt" in \
+        capsys.readouterr().err
 
 
 def test_unreadable_audio_is_reported_and_skipped(recipe, tmp_path, caplog):
@@ -235,8 +309,9 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
     assert skipped[long[1]] == (
         f"{tmp_path / 'wav.scp'}:{line}: {audio[long[1]]}: the recording lasts 1.6 s "
         "(0:00:02), longer than the transcription window of 1.2 s: an utterance is decoded "
-        "whole, so it is not read; split it into shorter utterances (a segments file), or "
-        "raise $CAT_TRANSCRIBE_WINDOW_SECONDS (seconds)")
+        "whole, so it is not read; decode it in windows (--max-segment), split it into "
+        "shorter utterances (a segments file), or raise $CAT_TRANSCRIBE_WINDOW_SECONDS "
+        "(seconds)")
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == {
         utt: text for utt, text in hyps.items() if utt not in long}
     assert json.loads((tmp_path / "out/decode.log").read_text())["num_skipped"] == 2
@@ -252,6 +327,74 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
     assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[long[0]])]) == 1
     assert "CAT_TRANSCRIBE_WINDOW_SECONDS='-1': expected a positive number of seconds" \
         in caplog.text
+
+
+def test_a_long_recording_in_windows(recipe, tmp_path, capsys, caplog):
+    """The test utterances end to end, in windows of 3 s overlapping by 1 s: one timed
+    result over the whole recording; a window longer than the recording changes nothing."""
+    _kind, experiment, _ = recipe
+    audio = experiment.test_audio()
+    pieces = []
+    for utt in sorted(audio):
+        samples, rate = soundfile.read(audio[utt], dtype="int16")
+        pieces += [samples, np.zeros(rate // 4, np.int16)]
+    long = tmp_path / "long.wav"
+    soundfile.write(long, np.concatenate(pieces), 16000)
+    seconds = soundfile.info(long).duration
+    assert main("cat.decode", [EXP, "--audio", str(long)]) == 0
+    whole = capsys.readouterr().out
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "60"]) == 0
+    assert capsys.readouterr().out == whole
+
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "3",
+                               "--segment-overlap", "1", "--format", "json", "--out",
+                               str(tmp_path / "out")]) == 0
+    (record,) = [json.loads(line) for line in (tmp_path / "out/hyp.jsonl").read_text(
+        encoding="utf-8").splitlines()]
+    assert record["key"] == "long" and "nbest" not in record
+    check_times(record, seconds)
+    assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == {"long": record["text"]}
+    log = json.loads((tmp_path / "out/decode.log").read_text())
+    # The overlaps are decoded twice but counted once (each window's fbank has 2 frames
+    # fewer than its 10 ms steps: 25 ms frames).
+    assert log["audio_seconds"] == pytest.approx(seconds, abs=0.1)
+
+    with pytest.raises(SystemExit):
+        main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "2",
+                            "--segment-overlap", "1"])
+    assert "--segment-overlap 1: expected at least 0 and less than half of --max-segment 2 " \
+           "seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main("cat.decode", [EXP, "--data", str(experiment.test_features), "--out",
+                            str(tmp_path / "x"), "--max-segment", "10"])
+    assert "--max-segment is for audio" in capsys.readouterr().err
+    caplog.clear()
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "3000"]) == 1
+    assert "--max-segment 3000 s is longer than the transcription window of 1800 s" \
+        in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trained", ["ctc"], indirect=True)  # reading audio is measured
+def test_windows_keep_memory_flat_on_an_hour_long_recording(recipe, tmp_path, monkeypatch):
+    """An hour in windows of 10 s, features gathered a minute at a time, takes no more
+    memory than 5 minutes: 50 MB at most beyond it (the features of the whole hour alone
+    are 115 MB)."""
+    kind, experiment, _hyps = recipe
+    monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "60")
+    audio = experiment.test_audio()
+    inserts = {start: soundfile.read(audio[utt], dtype="int16")[0]
+               for start, utt in zip((1.0, 100.0, 250.0), sorted(audio), strict=False)}
+    decode = [sys.executable, "-m", f"cat.{kind}.decode", EXP, "--max-segment", "10",
+              "--segment-overlap", "2", "--format", "ctm"]
+    peaks = []
+    for seconds in (300, 3600):
+        long = tmp_path / f"long-{seconds}.wav"
+        write_long_wav(long, seconds, inserts)
+        status, peak, errors = peak_rss_mb([*decode, "--audio", str(long)])
+        assert status == 0, errors[-2000:]
+        peaks.append(peak)
+    assert peaks[1] - peaks[0] < 50, peaks
 
 
 #: A recording of 3 hours and where the test utterances are in it (seconds).
