@@ -4,13 +4,17 @@
     python ../../bench/hotwords.py EXP CKPT --data data/fbank/test --text data/test/text \
         --train-text data/train/text --lexicon data/local/lexicon.txt \
         [--num-words 30] [--scores 0 1.5 3] [--method beam] [--beam-size 4]
+    python ../../bench/hotwords.py EXP CKPT ... --tlg exp/synth-lm-word-3gram/lm.arpa \
+        --lm-weight 0.5      # WFST decoding (CTC, CTC-CRF): the list boosted in the graph
 
 The list: the `--num-words` words of the lexicon (two characters or more) that occur in
 the test transcripts and least often in the training transcripts (rare words, as names and
 terms are). The false-alarm list: as many lexicon words that no test transcript holds
 (the first in the lexicon's order).
 For each score per token (`--hotwords-score`; 0: no list), `python -m cat.decode` decodes
-the set with the list, and once more with the false-alarm list; printed per run:
+the set with the list, and once more with the false-alarm list (with `--tlg`: the model's
+log-posteriors, computed once, decoded with the TLG of the word LM, built for each list and
+score with the list boosted, `cat.decoding.wfst`); printed per run:
 
 * recall: occurrences of listed words in the references that the hypothesis of the same
   utterance holds too (counted with multiplicity, each capped by the reference's count);
@@ -89,6 +93,30 @@ def decode(exp: str, checkpoint: str, data: str, out: Path, method: str, beam_si
     return read_table(out / "hyp", allow_empty_value=True)
 
 
+def tlg_decoder(exp: str, checkpoint: str, data: str, arpa: str, lm_weight: float,
+                beam: float):
+    """`decode`'s counterpart for WFST decoding: a function of (hotwords file or None,
+    score) -> hypotheses, the log-posteriors computed once."""
+    from cat.core.config import load_hyper
+    from cat.decoding.searcher import DecodeOptions
+    from cat.decoding.wfst import decode_all, hotword_boosts, log_posteriors, pronouncer
+    from cat.graph.tlg import build_tlg
+    from cat.text.tokenizer import load as load_tokenizer
+
+    hyper_path = Path(exp) / "hyper-p.json"
+    hyper = load_hyper(hyper_path)
+    options = DecodeOptions.of_experiment(hyper, str(hyper_path), {"device": "cpu"})
+    posteriors = log_posteriors(exp, checkpoint, data, options)
+    tokenizer = load_tokenizer(hyper["tokenizer"]["file"])
+
+    def run(hotwords: Path | None, score: float) -> dict[str, str]:
+        boosts = hotword_boosts(hotwords, tokenizer, score) if hotwords else None
+        graph = build_tlg(pronouncer(tokenizer), tokenizer.vocab_size, arpa, boosts)
+        return decode_all(graph, posteriors, 1.0, lm_weight, beam)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exp")
@@ -101,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scores", type=float, nargs="+", default=[0.0, 1.5, 3.0])
     parser.add_argument("--method", default="beam")
     parser.add_argument("--beam-size", type=int, default=4)
+    parser.add_argument("--tlg", metavar="ARPA", help="WFST decoding with this word LM")
+    parser.add_argument("--lm-weight", type=float, default=1.0, help="--tlg: the LM weight")
+    parser.add_argument("--beam", type=float, default=16.0, help="--tlg: the decoder's beam")
     args = parser.parse_args(argv)
+    tlg = (tlg_decoder(args.exp, args.checkpoint, args.data, args.tlg, args.lm_weight,
+                       args.beam) if args.tlg else None)
     refs = read_table(args.text, allow_empty_value=True)
     train = list(read_table(args.train_text, allow_empty_value=True).values())
     listed, false_alarm = choose_lists(lexicon_words(Path(args.lexicon)), refs, train,
@@ -122,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             for value in args.scores:
                 if value == 0 and name != "rare test words":
                     continue
-                hyps = decode(args.exp, args.checkpoint, args.data,
-                              Path(scratch) / f"{name}-{value}".replace(" ", "-"),
-                              args.method, args.beam_size, path if value else None, value)
+                if tlg is not None:
+                    hyps = tlg(path if value else None, value)
+                else:
+                    hyps = decode(args.exp, args.checkpoint, args.data,
+                                  Path(scratch) / f"{name}-{value}".replace(" ", "-"),
+                                  args.method, args.beam_size, path if value else None, value)
                 row = measure(refs, hyps, listed, false_alarm)
                 print(f"| {name if value else 'none'} | {value} | {row['recall']:.1f} "
                       f"({row['found']} / {row['total']}) | {row['cer']:.2f} | "

@@ -47,8 +47,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # The two experiments as they are: the gap to explain.
     "full": ("exp/synth-ctc", {}, {}),
     "stream": ("exp/synth-ctc-stream", {}, {}),
-    # Causal convolution alone (full context in every batch).
+    # Causal convolution alone (full context in every batch), and with layer norm in the
+    # convolution module instead of batch norm (WeNet's U2++ streaming Conformers).
     "causal": ("exp/synth-ctc", {f"{CHUNK}.causal_conv": True}, {}),
+    "causal_ln": ("exp/synth-ctc", {f"{CHUNK}.causal_conv": True,
+                                    f"{CHUNK}.conv_norm": "layernorm"}, {}),
+    "full_ln": ("exp/synth-ctc", {f"{CHUNK}.conv_norm": "layernorm"}, {}),
+    "stream_ln": ("exp/synth-ctc-stream", {f"{CHUNK}.conv_norm": "layernorm"}, {}),
     # The chunk-size distribution: more full-context batches, no tiny chunks' share.
     "fcp75": ("exp/synth-ctc-stream", {f"{CHUNK}.full_context_prob": 0.75}, {}),
     "fcp25": ("exp/synth-ctc-stream", {f"{CHUNK}.full_context_prob": 0.25}, {}),

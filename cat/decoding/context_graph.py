@@ -192,13 +192,21 @@ def parse_hotword_line(line: str, default_score: float, where: str) -> tuple[str
 def read_hotwords(path: PathLike, tokenizer: Tokenizer, default_score: float
                   ) -> tuple[ContextGraph, HotwordsReport]:
     """The context graph of a hotwords file and what was used of it (see the module doc)."""
+    phrases, report = read_hotword_phrases(path, tokenizer, default_score)
+    return ContextGraph([(tokens, score) for _, tokens, score in phrases]), report
+
+
+def read_hotword_phrases(path: PathLike, tokenizer: Tokenizer, default_score: float
+                         ) -> tuple[list[tuple[str, list[int], float]], HotwordsReport]:
+    """The phrases of a hotwords file as (text, token ids, score per token), and what was
+    used of it (see the module doc; the warnings are logged here)."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
         raise HotwordsError(f"{path}: not UTF-8 text ({error.reason} at byte "
                             f"{error.start})") from None
-    phrases: list[tuple[list[int], float]] = []
+    phrases: list[tuple[str, list[int], float]] = []
     skipped: list[tuple[int, str]] = []
     for number, line in enumerate(lines, start=1):
         parsed = parse_hotword_line(line, default_score, f"{path}:{number}")
@@ -209,11 +217,10 @@ def read_hotwords(path: PathLike, tokenizer: Tokenizer, default_score: float
         if not tokens or UNK_ID in tokens:
             skipped.append((number, text))
         else:
-            phrases.append((tokens, score))
-    graph = ContextGraph(phrases)
+            phrases.append((text, tokens, score))
     report = HotwordsReport(str(path), len(phrases), tuple(skipped))
     _log_report(report)
-    return graph, report
+    return phrases, report
 
 
 def _log_report(report: HotwordsReport) -> None:

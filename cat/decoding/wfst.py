@@ -9,6 +9,12 @@ is left out of L and counted. The model's log-posteriors (the network's log-soft
 CTC-CRF as for CTC) are decoded by kaldi-decoder's FasterDecoder with
 `acoustic_scale / lm_weight`.
 Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
+
+Hotwords (`inference.infer.option.hotwords`, the file the beam searches read) bias the
+graph itself: each phrase is a word of G whose n-grams gain its bonus (its score per token
+times its tokens), a new unigram when the LM lacks it (`hotword_boosts`,
+`cat.graph.tlg.build_tlg`). Its bonus counts only when the whole phrase is decoded, as
+the context graph's does in the beam searches.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,7 @@ import torch
 
 from cat.core.config import CONFIG_NAME, experiment_kind
 from cat.core.io import PathLike, atomic_write
+from cat.decoding.context_graph import read_hotword_phrases
 from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batches
 from cat.formats.tables import read_feature_index
 from cat.graph.tlg import ChunkDecoder, DecodingGraph, build_tlg, decode
@@ -49,13 +57,33 @@ def pronouncer(tokenizer: Tokenizer) -> Callable[[str], list[list[int]] | None]:
     return spell
 
 
-def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike) -> DecodingGraph:
-    """TLG of `arpa` for `tokenizer`, cached in `out_dir` (TLG.fst, words.json)."""
+def hotword_boosts(path: PathLike, tokenizer: Tokenizer, default_score: float
+                   ) -> dict[str, float]:
+    """{word: bonus} of a hotwords file for TLG (`cat.graph.tlg.build_tlg`): each phrase,
+    written without spaces as the graph's (Chinese) words are, gains its score per token
+    times its tokens, as in the beam searches (`cat.decoding.context_graph`)."""
+    phrases, _ = read_hotword_phrases(path, tokenizer, default_score)
+    boosts: dict[str, float] = {}
+    for text, tokens, score in phrases:
+        word = "".join(text.split())
+        boosts[word] = max(boosts.get(word, -math.inf), score * len(tokens))
+    return boosts
+
+
+def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike,
+                   hotwords: dict[str, float] | None = None) -> DecodingGraph:
+    """TLG of `arpa` for `tokenizer` (with `hotwords`, {word: bonus}, boosted:
+    `hotword_boosts`), cached in `out_dir` (TLG.fst, words.json; a cache built for other
+    hotwords is built again)."""
     out_dir = Path(out_dir)
     fst_path, words_path = out_dir / "TLG.fst", out_dir / "words.json"
     if fst_path.is_file() and words_path.is_file():
-        return read_graph(out_dir)
-    graph = build_tlg(pronouncer(tokenizer), tokenizer.vocab_size, arpa)
+        graph = read_graph(out_dir)
+        if graph.info.get("hotword_boosts", {}) == (hotwords or {}):
+            return graph
+    graph = build_tlg(pronouncer(tokenizer), tokenizer.vocab_size, arpa, hotwords)
+    if hotwords:
+        graph.info["hotword_boosts"] = dict(hotwords)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / ".TLG.fst.tmp"
     graph.fst.write(str(tmp))
@@ -116,11 +144,8 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
     `plan_batches`'s batches. An utterance's posteriors depend on its batch (padding), so
     a share is cut from those batches to give the figures of the whole set."""
     kind = experiment_kind(exp_dir)
-    if options.hotwords is not None:
-        # Posteriors do not depend on hotwords; the TLG search does not apply them yet.
-        logger.warning("%s: hotwords (%s) are not applied in WFST (TLG) decoding yet, only in "
-                       "the beam searches", Path(exp_dir) / "hyper-p.json", options.hotwords)
-        options = dataclasses.replace(options, hotwords=None)
+    # Posteriors do not depend on hotwords: WFST decoding boosts them in the graph.
+    options = dataclasses.replace(options, hotwords=None)
     searcher = Searcher(exp_dir, checkpoint, kind, options, "cpu")
     if not searcher.model.frame_posteriors:
         raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame "

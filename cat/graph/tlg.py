@@ -35,13 +35,14 @@ import dataclasses
 import os
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cat.core.io import PathLike
-from cat.lm.ngram import BOS, EOS, ArpaError, iter_arpa
+from cat.core.io import PathLike, atomic_write
+from cat.lm.ngram import BOS, EOS, ArpaError, iter_arpa, read_arpa
 
 
 @dataclasses.dataclass
@@ -141,12 +142,67 @@ def _spellings(pronounce: Callable[[str], Sequence[Sequence[int]] | None],
     return prons, unpronounced
 
 
+def add_unigrams(arpa: PathLike, words: Sequence[str], out: PathLike) -> list[str]:
+    """Write `arpa` to `out` with those of `words` it lacks added as unigrams at the
+    probability of its least likely unigram; returns the words added."""
+    tables = read_arpa(arpa)
+    known = {gram[0] for gram in tables[0]}
+    floor = min(prob for gram, (prob, _) in tables[0].items() if gram[0] != BOS)
+    added = [word for word in dict.fromkeys(words) if word not in known]
+    for word in added:
+        if word in RESERVED_WORDS or not word or any(c.isspace() for c in word):
+            raise ValueError(f"hotword {word!r} cannot be a word of the decoding graph")
+        tables[0][(word,)] = (floor, 0.0)
+    with atomic_write(out) as f:
+        f.write("\\data\\\n" + "".join(f"ngram {n}={len(table)}\n"
+                                       for n, table in enumerate(tables, 1)))
+        for n, table in enumerate(tables, 1):
+            f.write(f"\n\\{n}-grams:\n")
+            for gram, (prob, backoff) in table.items():
+                tail = f"\t{backoff:.7g}" if n < len(tables) and backoff else ""
+                f.write(f"{prob:.7g}\t{' '.join(gram)}{tail}\n")
+        f.write("\n\\end\\\n")
+    return added
+
+
+def _boost_g(g_text: str, bonus_of_symbol: Mapping[int, float]) -> str:
+    """G (OpenFST text, costs) with each arc that outputs a boosted word `bonus` cheaper:
+    every n-gram ending with the word."""
+    lines = []
+    for line in g_text.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and int(fields[3]) in bonus_of_symbol:
+            cost = float(fields[4]) if len(fields) > 4 else 0.0
+            fields = [*fields[:4], f"{cost - bonus_of_symbol[int(fields[3])]:.7g}"]
+        lines.append(" ".join(fields))
+    return "\n".join(lines) + "\n"
+
+
 def build_tlg(pronounce: Callable[[str], Sequence[Sequence[int]] | None], vocab_size: int,
-              arpa: PathLike) -> DecodingGraph:
+              arpa: PathLike, hotwords: Mapping[str, float] | None = None) -> DecodingGraph:
     """TLG of the ARPA word LM `arpa` (checked first: an ArpaError names the file and
     line), each word spelt in units by `pronounce`: every spelling it returns is a path of
     L (a lexicon word's alternative pronunciations); None or none: the word is left out
-    of L, counted in `info["unpronounced"]`."""
+    of L, counted in `info["unpronounced"]`.
+
+    `hotwords` ({word: bonus}, natural log): contextual biasing in the graph. A hotword
+    the LM lacks becomes a unigram at its least likely unigram's probability
+    (`add_unigrams`), then every arc of G that outputs a hotword (every n-gram ending with
+    it) costs its bonus less. In TLG a hotword is a word, so its bonus counts only when the
+    whole phrase is decoded: a partial match earns nothing. `info["hotwords"]`: how many
+    the LM had (`boosted`) and how many were added (`added`)."""
+    if hotwords:
+        with tempfile.TemporaryDirectory() as tmp:
+            extended = Path(tmp) / "lm.arpa"
+            added = add_unigrams(arpa, list(hotwords), extended)
+            graph = _build_tlg(pronounce, vocab_size, extended, hotwords)
+        graph.info["hotwords"] = {"boosted": len(hotwords) - len(added), "added": len(added)}
+        return graph
+    return _build_tlg(pronounce, vocab_size, arpa, {})
+
+
+def _build_tlg(pronounce: Callable[[str], Sequence[Sequence[int]] | None], vocab_size: int,
+               arpa: PathLike, hotwords: Mapping[str, float]) -> DecodingGraph:
     words = arpa_words(arpa)
     prons, unpronounced = _spellings(pronounce, words)
     import kaldifst
@@ -162,6 +218,9 @@ def build_tlg(pronounce: Callable[[str], Sequence[Sequence[int]] | None], vocab_
             f.write(f"#0 {hash0}\n<s> {bos}\n</s> {eos}\n")
         g_text = kaldilm.arpa2fst(str(arpa), "", disambig_symbol="#0",
                                   read_symbol_table=table, max_arpa_warnings=0)
+    if hotwords:
+        symbol = {word: index for index, word in enumerate(words, 1)}
+        g_text = _boost_g(g_text, {symbol[word]: bonus for word, bonus in hotwords.items()})
     g = kaldifst.compile(g_text, acceptor=False)
     lexicon = lexicon_fst(prons_d, vocab_size, hash0)
     kaldifst.arcsort(lexicon, sort_type="olabel")

@@ -379,14 +379,35 @@ def decode_lm(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) 
 # --------------------------------------------------------------- WFST (TLG) decoding
 
 
-def _graph_job(run: LMRun, name: str, wfst: dict[str, Any]) -> tuple[str, Path, Path, str]:
-    """A wfst setting's TLG: (tokenizer file, word ARPA, graph dir, signature)."""
+#: A wfst setting's TLG: (tokenizer file, word ARPA, graph dir, hotwords: (file, default
+#: score) or None).
+GraphJob = tuple[str, Path, Path, "tuple[str, float] | None"]
+
+
+def _graph_job(run: LMRun, name: str, wfst: dict[str, Any]) -> tuple[GraphJob, str]:
+    """A wfst setting's TLG and its signature (the hotwords of `inference.infer.option`
+    included: they are boosted in the graph)."""
     arpa = run.lm(wfst["lm"], f"settings.{name}.wfst.lm", token_level=False)
     if arpa.suffix != ".arpa":
         arpa = arpa.with_name("lm.arpa")
     tokenizer = run.plan.options.tokenizer
-    sig = signature("tlg", files=[arpa, Path(tokenizer)])
-    return tokenizer, arpa, run.root / name / "graph", sig
+    options = run.options
+    hotwords = ((str(options.hotwords), float(options.hotwords_score))
+                if options.hotwords is not None else None)
+    files = [arpa, Path(tokenizer)] + ([Path(hotwords[0])] if hotwords else [])
+    sig = signature("tlg", *([hotwords[1]] if hotwords else []), files=files)
+    return (tokenizer, arpa, run.root / name / "graph", hotwords), sig
+
+
+def _load_graph(job: GraphJob) -> Any:
+    """The graph of `job`, built unless its directory holds it."""
+    from cat.decoding.wfst import decoding_graph, hotword_boosts
+    from cat.text.tokenizer import load as load_tokenizer
+
+    tokenizer_file, arpa, out, hotwords = job
+    tokenizer = load_tokenizer(tokenizer_file)
+    boosts = hotword_boosts(hotwords[0], tokenizer, hotwords[1]) if hotwords else None
+    return decoding_graph(tokenizer, arpa, out, boosts)
 
 
 def _clear_graph(out: Path) -> None:
@@ -394,13 +415,10 @@ def _clear_graph(out: Path) -> None:
         (out / stale).unlink(missing_ok=True)
 
 
-def build_graph(tokenizer_file: str, arpa: Path, out: Path) -> None:
-    """Build the TLG of `arpa` into `out` afresh (a task of the TLG array)."""
-    from cat.decoding.wfst import decoding_graph
-    from cat.text.tokenizer import load as load_tokenizer
-
-    _clear_graph(out)
-    decoding_graph(load_tokenizer(tokenizer_file), arpa, out)
+def build_graph(job: GraphJob) -> None:
+    """Build the TLG of `job` into its directory afresh (a task of the TLG array)."""
+    _clear_graph(job[2])
+    _load_graph(job)
 
 
 def build_graphs(run: LMRun, settings: dict[str, Any]) -> None:
@@ -408,23 +426,20 @@ def build_graphs(run: LMRun, settings: dict[str, Any]) -> None:
     one array of `run.launcher` (logs in `decode-lm/log/`)."""
     jobs = [_graph_job(run, name, setting["wfst"]) for name, setting in settings.items()
             if "wfst" in setting]
-    stale = [job for job in jobs if not is_done(job[2], job[3])]
+    stale = [(job, sig) for job, sig in jobs if not is_done(job[2], sig)]
     if stale:
-        map_calls(run.launcher, "tlg", build_graph, [job[:3] for job in stale],
+        map_calls(run.launcher, "tlg", build_graph, [(job,) for job, _ in stale],
                   run.root / "log", parallel=len(stale))
-        for _, _, out, sig in stale:
-            mark_done(out, sig)
+        for job, sig in stale:
+            mark_done(job[2], sig)
 
 
 def _wfst_graph(run: LMRun, name: str, wfst: dict[str, Any]) -> Any:
-    from cat.decoding.wfst import decoding_graph
-    from cat.text.tokenizer import load as load_tokenizer
-
-    tokenizer, arpa, out, sig = _graph_job(run, name, wfst)
-    if not is_done(out, sig):
-        _clear_graph(out)
-    graph = decoding_graph(load_tokenizer(tokenizer), arpa, out)
-    mark_done(out, sig)
+    job, sig = _graph_job(run, name, wfst)
+    if not is_done(job[2], sig):
+        _clear_graph(job[2])
+    graph = _load_graph(job)
+    mark_done(job[2], sig)
     return graph
 
 
@@ -454,16 +469,14 @@ def _wfst_hyps(run: LMRun, name: str, wfst: dict[str, Any], lm_weight: float,
 
 
 def wfst_share(exp_dir: str, checkpoint: str, data_dir: str, options: Any,
-               batches: list[list[str]], graph_job: tuple[str, Path, Path],
+               batches: list[list[str]], graph_job: GraphJob,
                wfst: dict[str, Any], weights: list[float]
                ) -> dict[float, tuple[dict[str, str], float]]:
     """A task of a set's WFST array: the log-posteriors of `batches` decoded with the TLG
     at each of `weights`: {weight: (hypotheses, seconds of the forward and the search)}."""
-    from cat.decoding.wfst import decoding_graph, log_posteriors
-    from cat.text.tokenizer import load as load_tokenizer
+    from cat.decoding.wfst import log_posteriors
 
-    tokenizer, arpa, out = graph_job
-    graph = decoding_graph(load_tokenizer(tokenizer), arpa, out)
+    graph = _load_graph(graph_job)
     start = time.perf_counter()
     posteriors = log_posteriors(exp_dir, checkpoint, data_dir, options, batches)
     forward = time.perf_counter() - start
@@ -480,16 +493,16 @@ def _wfst_array(run: LMRun, name: str, wfst: dict[str, Any], weights: list[float
     """`_wfst_decodes` as `nj` tasks of an array, each a share of the set's batches."""
     from cat.decoding.inference import plan_batches, read_lengths
 
-    tokenizer, arpa, out, sig = _graph_job(run, name, wfst)
-    if not is_done(out, sig):
-        build_graph(tokenizer, arpa, out)
-        mark_done(out, sig)
+    job, sig = _graph_job(run, name, wfst)
+    if not is_done(job[2], sig):
+        build_graph(job)
+        mark_done(job[2], sig)
     options = run.options
     batches = plan_batches(read_lengths(Path(data_dir)), options.max_frames,
                            options.batch_size)
     shares = max(1, min(options.nj, len(batches)))
     calls = [(str(run.plan.exp_dir), str(run.checkpoint), data_dir, options,
-              batches[i::shares], (tokenizer, arpa, out), wfst, weights)
+              batches[i::shares], job, wfst, weights)
              for i in range(shares)]
     results = map_calls(run.launcher, f"wfst-{set_name(data_dir)}", wfst_share, calls,
                         run.root / name / "log", parallel=shares)

@@ -65,3 +65,28 @@ def test_phone_model_decodes_a_words_alternative_pronunciation(tmp_path):
     hyps = decode_all(graph, {"u": _frames(ids, tokenizer.vocab_size)}, 1.0, 1.0, 16.0)
     assert hyps == {"u": "天气很好"}
     assert tokenizer.encode("很好") == [tokenizer.unit_to_id[p] for p in lexicon["很好"]]
+
+
+def test_hotwords_file_biases_the_graph_and_a_new_list_rebuilds_the_cache(tmp_path, caplog):
+    """A hotwords file (the beam searches' format) for TLG: each phrase a word whose bonus
+    is its score per token times its tokens; a phrase the tokenizer cannot spell is named
+    and left out; the cached graph is rebuilt when the boosts change."""
+    from cat.decoding.wfst import hotword_boosts
+
+    write_table(tmp_path / "text", [(f"u{i}", "".join(w)) for i, w in enumerate(WORDS)])
+    tokenizer = train_sentencepiece([tmp_path / "text"])
+    hotwords = tmp_path / "hotwords.txt"
+    hotwords.write_text("天气很好\n今天 :2.5\n火星\n", encoding="utf-8")
+    boosts = hotword_boosts(hotwords, tokenizer, 1.5)
+    assert boosts == {"天气很好": 6.0, "今天": 5.0}
+    assert "line 3 '火星'" in caplog.text  # the tokenizer has no 火 or 星
+    # The phrase decodes as one word of the biased graph, two of the plain one.
+    ids = tokenizer.encode("天气很好")
+    frames = _frames(ids, tokenizer.vocab_size)
+    plain = decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph")
+    assert "天气很好" not in plain.words
+    assert decode_all(plain, {"u": frames}, 1.0, 1.0, 16.0) == {"u": "天气很好"}
+    biased = decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph", boosts)
+    assert "天气很好" in biased.words and biased.info["hotwords"] == {"boosted": 1, "added": 1}
+    assert decode_all(biased, {"u": frames}, 1.0, 1.0, 16.0) == {"u": "天气很好"}
+    assert decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph").words == plain.words

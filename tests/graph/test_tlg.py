@@ -124,3 +124,32 @@ def test_chunk_by_chunk_decoding_ends_with_the_whole_utterance_result(graph):
         assert decoder.words(final=True) == whole
         assert partials[0] != partials[-1] and len(partials[len(partials) // 2]) >= 2
     assert ChunkDecoder(graph).words(final=True) == []  # no frame, no words
+
+
+def test_hotwords_boost_their_words_and_add_the_ones_the_lm_lacks(graph, tmp_path):
+    """WFST contextual biasing (`build_tlg(hotwords=...)`): a boosted
+    word wins where the LM preferred another segmentation, a phrase the LM lacks becomes a
+    word decoded whole, a partial match earns nothing, an empty list changes nothing."""
+    from cat.graph.tlg import build_tlg
+    from cat.lm.ngram import read_arpa
+
+    arpa = write_lm(tmp_path / "lm.arpa")
+    spelling = {**SPELLING, "ABC": [[2, 3, 4]]}
+    assert decode(graph, posteriors([2, 3, 4])) == ["AB", "C"]
+    boosted = build_tlg(spelling.get, 5, arpa, {"BC": 3.0})
+    assert boosted.info["hotwords"] == {"boosted": 1, "added": 0}
+    assert decode(boosted, posteriors([2, 3, 4])) == ["A", "BC"]
+    added = build_tlg(spelling.get, 5, arpa, {"ABC": 4.0})
+    assert added.info["hotwords"] == {"boosted": 0, "added": 1} and "ABC" in added.words
+    assert decode(added, posteriors([2, 3, 4])) == ["ABC"]
+    assert decode(added, posteriors([2, 3, 0, 2])) == decode(graph, posteriors([2, 3, 0, 2]))
+    empty = build_tlg(spelling.get, 5, arpa, {})
+    assert empty.words == graph.words and decode(empty, posteriors([2, 3, 4])) == ["AB", "C"]
+    # The LM as a file with the unigrams it lacked: counts, and the n-grams it had.
+    from cat.graph.tlg import add_unigrams
+
+    out = tmp_path / "extended.arpa"
+    assert add_unigrams(arpa, ["BC", "ABC", "ABC"], out) == ["ABC"]
+    before, after = read_arpa(arpa), read_arpa(out)
+    assert len(after[0]) == len(before[0]) + 1 and after[1] == before[1]
+    assert after[0][("ABC",)][0] == min(p for g, (p, _) in before[0].items() if g != ("<s>",))
