@@ -20,7 +20,8 @@ checkpoint was trained is an error naming the keys, unless `--allow-config-chang
 
 With `--tlg`, the chunks' frame posteriors (CTC and CTC-CRF models) are decoded with a TLG
 graph as they come (`cat.decoding.wfst.TlgChunkSearch`): partial words after each chunk,
-the same final words as WFST decoding of the whole utterance.
+the same final words as WFST decoding of the whole utterance; `--hotwords` are boosted in
+that graph (built from `--lm-arpa` into the `--tlg` directory).
 
 Usage:
     python -m cat.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
@@ -203,7 +204,16 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--tlg", metavar="DIR",
                         help="streaming WFST decoding: the frame posteriors of a CTC or CTC-CRF "
                              "model through the TLG graph in DIR (TLG.fst, words.json: stage "
-                             "5's exp/<name>/decode-lm/<setting>/graph) instead of greedy search")
+                             "5's exp/<name>/decode-lm/<setting>/graph, or built there from "
+                             "--lm-arpa) instead of greedy search")
+    parser.add_argument("--lm-arpa", metavar="ARPA",
+                        help="--tlg: the word LM to build the graph from when DIR does not "
+                             "hold it for these hotwords")
+    parser.add_argument("--hotwords", metavar="FILE",
+                        help="--tlg: phrases boosted in the graph (one per line, optional "
+                             "' :score'; cat.decoding.wfst.hotword_boosts)")
+    parser.add_argument("--hotwords-score", type=float, default=1.5,
+                        help="--tlg --hotwords: the bonus per token of a phrase without its own")
     parser.add_argument("--lm-weight", type=float, default=1.0,
                         help="--tlg: the word LM's weight (stage 5's weights.json)")
     parser.add_argument("--beam", type=float, default=16.0, help="--tlg: the decoder's beam")
@@ -224,10 +234,13 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"),
                                       args.allow_config_change)
         encoder = StreamingEncoder(model.encoder, args.chunk_size)
+        if (args.hotwords or args.lm_arpa) and not args.tlg:
+            raise ValueError("--hotwords and --lm-arpa go with --tlg (streaming greedy search "
+                             "has no hypotheses to favour a phrase among)")
         if args.tlg:
-            from cat.decoding.wfst import TlgChunkSearch, read_graph
+            from cat.decoding.wfst import TlgChunkSearch
 
-            graph = read_graph(args.tlg)
+            graph = _tlg_graph(args, tokenizer)
             TlgChunkSearch(model, graph)  # a model without frame posteriors: an error now
 
             def searcher(model: Any, chunk_size: int) -> ChunkSearch:
@@ -245,9 +258,28 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         results[key] = decode_utterance(recognizer, samples, rate, args.piece_seconds)
     info = {"checkpoint": str(checkpoint), "chunk_size": args.chunk_size, "runtime": "pytorch"}
     if args.tlg:
-        info.update(tlg=args.tlg, lm_weight=args.lm_weight, beam=args.beam)
+        info.update(tlg=args.tlg, lm_weight=args.lm_weight, beam=args.beam,
+                    hotwords=args.hotwords)
     write_summary(Path(args.out), results, info)
     return 0
+
+
+def _tlg_graph(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """The TLG of `--tlg` (with `--hotwords` boosted), built from `--lm-arpa` unless the
+    directory holds it."""
+    from cat.decoding.wfst import decoding_graph, hotword_boosts, read_graph
+
+    if args.hotwords is None and args.lm_arpa is None:
+        return read_graph(args.tlg)
+    boosts = (hotword_boosts(args.hotwords, tokenizer, args.hotwords_score)
+              if args.hotwords is not None else None)
+    if args.lm_arpa is None:
+        graph = read_graph(args.tlg)
+        if graph.info.get("hotword_boosts", {}) != (boosts or {}):
+            raise ValueError(f"{args.tlg}: the graph there was built for other hotwords; give "
+                             "--lm-arpa to build it for these")
+        return graph
+    return decoding_graph(tokenizer, args.lm_arpa, args.tlg, boosts)
 
 
 def _chunk_encoder(encoder: StreamingEncoder) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -261,7 +261,29 @@ def test_streaming_tlg_decoding_ends_with_the_whole_utterance_wfst_result(chunk_
         assert hyps[key] == expected, key
         words += len(expected)
     assert words >= 5
-    from cat.decoding.wfst import TlgChunkSearch
+    from cat.decoding.wfst import TlgChunkSearch, hotword_boosts
 
     with pytest.raises(ValueError, match="WFST decoding needs the frame posteriors"):
         TlgChunkSearch(_model("rnnt"), graph)
+    # Hotwords in streaming: the graph built with the phrases boosted; the same final words
+    # as WFST decoding of the whole utterance with that graph, and the phrases more often.
+    keys = sorted(experiment.test_audio())
+    refs = read_table(experiment.test_data / "text")
+    phrases = sorted({refs[key].replace(" ", "")[:2] for key in keys})
+    (tmp_path / "hot.txt").write_text("".join(f"{p}\n" for p in phrases), encoding="utf-8")
+    assert online.main("cat.stream", [
+        "exp/tiny", "--wav-scp", str(experiment.test_data / "wav.scp"), "--chunk-size", "4",
+        "--checkpoint", str(checkpoint), "--tlg", str(tmp_path / "hot-graph"),
+        "--lm-arpa", str(arpa), "--hotwords", str(tmp_path / "hot.txt"),
+        "--hotwords-score", "4", "--lm-weight", "0.5", "--out", str(tmp_path / "hot")]) == 0
+    boosted = decoding_graph(tokenizer, arpa, tmp_path / "hot-graph",
+                             hotword_boosts(tmp_path / "hot.txt", tokenizer, 4.0))
+    hot = read_table(tmp_path / "hot" / "hyp", allow_empty_value=True)
+    for key, path in sorted(experiment.test_audio().items()):
+        samples, rate = soundfile.read(str(path), dtype="float32")
+        feats = torch.from_numpy(compute_fbank(samples, rate))[None]
+        with torch.no_grad():
+            log_probs, _ = model.log_probs(feats, torch.tensor([feats.size(1)]))
+        assert hot[key] == "".join(decode(boosted, log_probs[0].numpy(), lm_weight=0.5)), key
+    found = sum(phrase in hot[key] for key in keys for phrase in phrases)
+    assert found > sum(phrase in hyps[key] for key in keys for phrase in phrases)
