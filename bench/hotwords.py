@@ -6,6 +6,7 @@
         [--num-words 30] [--scores 0 1.5 3] [--method beam] [--beam-size 4]
     python ../../bench/hotwords.py EXP CKPT ... --tlg exp/synth-lm-word-3gram/lm.arpa \
         --lm-weight 0.5      # WFST decoding (CTC, CTC-CRF): the list boosted in the graph
+        [--oov]              # ... with the listed words taken out of the LM first
 
 The list: the `--num-words` words of the lexicon (two characters or more) that occur in
 the test transcripts and least often in the training transcripts (rare words, as names and
@@ -14,7 +15,8 @@ terms are). The false-alarm list: as many lexicon words that no test transcript 
 For each score per token (`--hotwords-score`; 0: no list), `python -m cat.decode` decodes
 the set with the list, and once more with the false-alarm list (with `--tlg`: the model's
 log-posteriors, computed once, decoded with the TLG of the word LM, built for each list and
-score with the list boosted, `cat.decoding.wfst`); printed per run:
+score with the list boosted, `cat.decoding.wfst`; `--oov`: every n-gram holding a listed
+word taken out of the LM first, as for names the LM has never seen); printed per run:
 
 * recall: occurrences of listed words in the references that the hypothesis of the same
   utterance holds too (counted with multiplicity, each capped by the reference's count);
@@ -93,7 +95,18 @@ def decode(exp: str, checkpoint: str, data: str, out: Path, method: str, beam_si
     return read_table(out / "hyp", allow_empty_value=True)
 
 
-def tlg_decoder(exp: str, checkpoint: str, data: str, arpa: str, lm_weight: float,
+def without_words(arpa: str, words: list[str], out: Path) -> Path:
+    """`arpa` without the n-grams that hold any of `words` (an LM that never saw them)."""
+    from cat.lm.ngram import read_arpa, write_arpa_tables
+
+    dropped = set(words)
+    tables = [{gram: value for gram, value in table.items() if not dropped & set(gram)}
+              for table in read_arpa(arpa)]
+    write_arpa_tables(tables, out)
+    return out
+
+
+def tlg_decoder(exp: str, checkpoint: str, data: str, arpa: str | Path, lm_weight: float,
                 beam: float):
     """`decode`'s counterpart for WFST decoding: a function of (hotwords file or None,
     score) -> hypotheses, the log-posteriors computed once."""
@@ -132,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tlg", metavar="ARPA", help="WFST decoding with this word LM")
     parser.add_argument("--lm-weight", type=float, default=1.0, help="--tlg: the LM weight")
     parser.add_argument("--beam", type=float, default=16.0, help="--tlg: the decoder's beam")
+    parser.add_argument("--oov", action="store_true",
+                        help="--tlg: take the listed words out of the LM first")
     args = parser.parse_args(argv)
-    tlg = (tlg_decoder(args.exp, args.checkpoint, args.data, args.tlg, args.lm_weight,
-                       args.beam) if args.tlg else None)
     refs = read_table(args.text, allow_empty_value=True)
     train = list(read_table(args.train_text, allow_empty_value=True).values())
     listed, false_alarm = choose_lists(lexicon_words(Path(args.lexicon)), refs, train,
@@ -145,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"their training occurrences: {sum(train_counts.values())} "
           f"(at most {max(train_counts.values(), default=0)} each)")
     print(f"false-alarm list ({len(false_alarm)}): {' '.join(false_alarm)}")
+    lm_dir = tempfile.TemporaryDirectory()
+    arpa = (without_words(args.tlg, listed, Path(lm_dir.name) / "lm.arpa")
+            if args.tlg and args.oov else args.tlg)
+    tlg = (tlg_decoder(args.exp, args.checkpoint, args.data, arpa, args.lm_weight, args.beam)
+           if args.tlg else None)
     print("| list | score | recall % (found / in refs) | %CER | %CER without listed words "
           "(utts) | false alarms |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from cat.core.io import PathLike, atomic_write
-from cat.lm.ngram import BOS, EOS, ArpaError, iter_arpa, read_arpa
+from cat.core.io import PathLike
+from cat.lm.ngram import BOS, EOS, ArpaError, iter_arpa, read_arpa, write_arpa_tables
 
 
 @dataclasses.dataclass
@@ -153,15 +153,7 @@ def add_unigrams(arpa: PathLike, words: Sequence[str], out: PathLike) -> list[st
         if word in RESERVED_WORDS or not word or any(c.isspace() for c in word):
             raise ValueError(f"hotword {word!r} cannot be a word of the decoding graph")
         tables[0][(word,)] = (floor, 0.0)
-    with atomic_write(out) as f:
-        f.write("\\data\\\n" + "".join(f"ngram {n}={len(table)}\n"
-                                       for n, table in enumerate(tables, 1)))
-        for n, table in enumerate(tables, 1):
-            f.write(f"\n\\{n}-grams:\n")
-            for gram, (prob, backoff) in table.items():
-                tail = f"\t{backoff:.7g}" if n < len(tables) and backoff else ""
-                f.write(f"{prob:.7g}\t{' '.join(gram)}{tail}\n")
-        f.write("\n\\end\\\n")
+    write_arpa_tables(tables, out)
     return added
 
 

@@ -500,6 +500,21 @@ def _scan_lines(scan: _ArpaScan, lines: Iterable[str]) -> Iterator[ArpaEntry]:
     scan.finish(last)
 
 
+def write_arpa_tables(tables: Sequence[dict[tuple[str, ...], tuple[float, float]]],
+                      path: PathLike) -> None:
+    """Write `read_arpa`'s tables (per order, {n-gram: (log10 prob, log10 backoff)}) as an
+    ARPA file (atomically); a back-off of 0 is left out, as on the highest order."""
+    with atomic_write(path) as f:
+        f.write("\\data\\\n" + "".join(f"ngram {n}={len(table)}\n"
+                                       for n, table in enumerate(tables, 1)))
+        for n, table in enumerate(tables, 1):
+            f.write(f"\n\\{n}-grams:\n")
+            for gram, (prob, backoff) in table.items():
+                tail = f"\t{backoff:.7g}" if n < len(tables) and backoff else ""
+                f.write(f"{prob:.7g}\t{' '.join(gram)}{tail}\n")
+        f.write("\n\\end\\\n")
+
+
 def read_arpa(path: PathLike) -> list[dict[tuple[str, ...], tuple[float, float]]]:
     """Per order, {n-gram: (log10 prob, log10 backoff)}, checked by `iter_arpa` and for
     n-grams given twice; errors (ArpaError) name the file and line."""
