@@ -151,7 +151,7 @@ def test_shipped_experiments_are_cats_models(exp, name):
     assert abs(parameters / 1e6 - PUBLISHED[name]) / PUBLISHED[name] < 0.005, parameters
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(PUBLISHED) + sorted(PUBLISHED_CUSIDE))
 def test_migrated_experiment_loads_and_names_every_key(name, tmp_path):
     hyper, cat_config = _load(name)
     new_exp = tmp_path / "exp" / name
