@@ -32,6 +32,16 @@ writes the trained tokenizer's size there), else `tokenizer.option-train.vocab_s
 A char SentencePiece model with `use_all_vocab` keeps every character; here that is
 `vocab_size: 0`.
 
+Converted, with the change in the report: CAT's Conformer pads an even `kernel_size` one
+frame more on the right (`cat/shared/layer.py` ConvModule), the convolution here takes odd
+kernels only, so an even kernel k becomes k + 1, whose window holds CAT's
+(`migrate_config._migrate_kernel`); CAT's `SchedulerNoamEarlyStop` becomes Noam's schedule
+stopping at its `min_step` (no early stopping here); CAT's `JiebaComposeLexiconTokenizer`
+becomes the lexicon tokenizer (`cat.text.lexicon`; the differences are in
+`migrate_hyper.LEXICON_DIFFERENCES`). CUSIDE's keys (`migrate_config.CUSIDE_TRAINER_KEYS`,
+`train_unified`, streaming decoding options) are not mapped: the model is built without
+CAT's simulation network.
+
 Not carried over, by design: CAT's `data.filter` keeps `lo <= frames <= hi` when packing,
 ours is half-open, so `hi` becomes `hi + 1`; CAT's Noam peak `peak_factor /
 sqrt(dim_model * warmup_step)` becomes `peak_lr` (the optimizer's own `lr` is overridden
@@ -58,7 +68,7 @@ from cat.core.config import (
 )
 from cat.core.io import atomic_write
 from cat.utils.migrate_config import config_kind, migrate_config
-from cat.utils.migrate_hyper import find_metainfo, migrate_hyper
+from cat.utils.migrate_hyper import crf_tokenizer, find_metainfo, migrate_hyper
 from cat.utils.migrate_record import STATUS_ORDER, Entry, Recorder
 
 REPORT_NAME = "migration.txt"
@@ -106,6 +116,8 @@ def migrate(hyper: dict[str, Any], config: dict[str, Any], new_exp: str,
         new_config["trainer"]["den_lm"] = f"{new_exp}/den_lm.npz"
     kind = config_kind(config)
     new_hyper, vocab = migrate_hyper(hyper, new_exp, kind, metainfo, record)
+    if new_config.get("trainer", {}).get("use_crf") and "tokenizer" not in new_hyper:
+        new_hyper["tokenizer"] = crf_tokenizer(new_exp, record)
     if classes is not None:
         num_classes, source = classes, "config.json num_classes"
     else:

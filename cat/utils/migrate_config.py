@@ -14,6 +14,13 @@ from cat.utils.migrate_record import Recorder
 # config.json `trainer.<key>` as soon as the config schema defines them there, and
 # reported as pending until then: the one place to look when CTC-CRF lands.
 CTC_CRF_TRAINER_KEYS = ("use_crf", "lamb", "den_lm")
+# Keys of CAT's `trainer` section that CUSIDE reads (`cat/ctc/train_unified.py`,
+# `cat/rnnt/train_unified.py`: chunks with a right context simulated by `simu_net.py`).
+# CUSIDE is not implemented here: the rest of the experiment migrates without them.
+CUSIDE_TRAINER_KEYS = ("simu", "chunk_size", "context_size_left", "context_size_right",
+                       "jitter_range", "simu_loss_weight", "downsampling_ratio", "mel_dim")
+CUSIDE_WHY = ("CUSIDE (CAT's train_unified: chunk training with a simulated right "
+              "context) is not implemented here; the model is built and trained without it")
 
 
 def _migrate_specaug(specaug: dict[str, Any], record: Recorder) -> dict[str, Any]:
@@ -66,18 +73,43 @@ def _component(section: dict[str, Any], name: str, cat_type_here: str, why: str,
     return cat_type, kwargs
 
 
+def _migrate_kernel(kwargs: dict[str, Any], record: Recorder) -> int:
+    """The depthwise kernel here for CAT's `kernel_size` (32 when not given, CAT's default).
+
+    CAT's ConvModule (`cat/shared/layer.py`) pads `(k - 1) // 2` frames on the left and
+    `k - 1 - (k - 1) // 2` on the right, so an even `k` sees one more future frame than past
+    ones (32: frames t-15 .. t+16). The convolution here pads symmetrically and takes odd
+    kernels only: an even `k` becomes `k + 1` (t-16 .. t+16), whose window holds CAT's, so a
+    CAT kernel is this one with a zero first tap; each cell gains `hdim` weights.
+    """
+    given = "kernel_size" in kwargs
+    kernel = kwargs.pop("kernel_size", 32)
+    key = "encoder.kwargs.kernel_size"
+    shown = json.dumps(kernel) + ("" if given else " (CAT's default)")
+    if kernel % 2:
+        record.add("mapped", CONFIG_NAME, key, shown)
+        return kernel
+    left = (kernel - 1) // 2
+    record.add("mapped", CONFIG_NAME, key,
+               f"{shown} -> {kernel + 1}: CAT pads an even kernel {left} frames left and "
+               f"{kernel - 1 - left} right (frames t-{left} .. t+{kernel - 1 - left}); "
+               f"kernels here are odd and centred: {kernel + 1} covers t-{left + 1} .. "
+               f"t+{kernel - 1 - left}, CAT's window and one more past frame (a CAT kernel is "
+               "this one with a zero first tap; hdim more weights per cell)")
+    return kernel + 1
+
+
 def _migrate_encoder(encoder: dict[str, Any], kind: str,
                      record: Recorder) -> tuple[dict[str, Any], int | None]:
     _, kwargs = _component(encoder, "encoder", "ConformerNet",
                            "the encoder here is ConformerNet", record)
     where = "encoder.kwargs."
     out: dict[str, Any] = {}
-    for key in ("num_cells", "idim", "hdim", "num_heads", "kernel_size", "dropout",
-                "dropout_attn"):
+    for key in ("num_cells", "idim", "hdim", "num_heads", "dropout", "dropout_attn"):
         if key in kwargs:
             out[key] = kwargs.pop(key)
             record.add("mapped", CONFIG_NAME, where + key, json.dumps(out[key]))
-    out.setdefault("kernel_size", 32)  # CAT's default
+    out["kernel_size"] = _migrate_kernel(kwargs, record)
     conv = kwargs.pop("conv", "conv2d")
     subsampling = {"conv2d": "conv2d_padded", "vgg2l": "vgg2l"}.get(conv)
     if subsampling is None:
@@ -223,6 +255,10 @@ def _migrate_trainer(trainer: dict[str, Any], source_key: str,
             record.add("pending", CONFIG_NAME, where + key,
                        f"{json.dumps(value)}: CTC-CRF only; mapped once config.json "
                        f"trainer.{key} exists")
+    for key in CUSIDE_TRAINER_KEYS:
+        if key in trainer:
+            record.add("not mapped", CONFIG_NAME, where + key,
+                       f"{json.dumps(trainer.pop(key))}: {CUSIDE_WHY}")
     if "compact" in trainer:
         record.add("dropped", CONFIG_NAME, where + "compact",
                    f"{json.dumps(trainer.pop('compact'))}: a memory layout of CAT's loss")
@@ -234,6 +270,29 @@ def _migrate_trainer(trainer: dict[str, Any], source_key: str,
     return out
 
 
+def _early_stop(kwargs: dict[str, Any], warmup: int | None, record: Recorder) -> int | None:
+    """The stop step for CAT's SchedulerNoamEarlyStop: its `min_step`.
+
+    CAT's schedule (`cat/shared/scheduler.py`) is Noam's until `min_step` (default:
+    `warmup_step`); from then on it multiplies the learning rate by `gamma` after `n_tol`
+    dev checks without improvement and stops below `stop_lr`. There is no early stopping
+    here: training stops at `min_step`, the earliest step CAT could stop at.
+    """
+    stop = kwargs.pop("min_step", warmup)
+    where = "scheduler."
+    record.add("mapped", CONFIG_NAME, where + "type",
+               f"'SchedulerNoamEarlyStop' -> 'SchedulerNoam' stopping at min_step {stop}")
+    for key, default in (("n_tol", 0), ("gamma", 0.1), ("stop_lr", 0.00001)):
+        value = kwargs.pop(key, default)
+        record.add("not mapped", CONFIG_NAME, f"{where}kwargs.{key}",
+                   f"{json.dumps(value)}: no early stopping on the dev loss here; training "
+                   f"stops at CAT's min_step {stop}: set stop_step by hand")
+    if kwargs.pop("reverse", False):
+        record.add("not mapped", CONFIG_NAME, where + "kwargs.reverse",
+                   "true: the dev metric is a loss here (lower is better)")
+    return stop
+
+
 def _migrate_scheduler(scheduler: dict[str, Any], record: Recorder) -> dict[str, Any]:
     scheduler = dict(scheduler)
     where = "scheduler."
@@ -241,14 +300,18 @@ def _migrate_scheduler(scheduler: dict[str, Any], record: Recorder) -> dict[str,
     kwargs = dict(scheduler.pop("kwargs", {}))
     optimizer = dict(scheduler.pop("optimizer", {}))
     out: dict[str, Any] = {"type": "SchedulerNoam"}
-    if cat_type == "SchedulerNoam":
+    if cat_type in ("SchedulerNoam", "SchedulerNoamEarlyStop"):
         dim = kwargs.pop("dim_model", None)
         warmup = kwargs.pop("warmup_step", None)
         factor = kwargs.pop("peak_factor", 1.0)
-        stop = kwargs.pop("stop_step", None)
+        if cat_type == "SchedulerNoamEarlyStop":
+            stop = _early_stop(kwargs, warmup, record)
+        else:
+            stop = kwargs.pop("stop_step", None)
         if dim is None or warmup is None or stop is None:
-            raise ConfigError(f"{CONFIG_NAME}: scheduler.kwargs: SchedulerNoam needs "
-                              "dim_model, warmup_step and stop_step")
+            raise ConfigError(f"{CONFIG_NAME}: scheduler.kwargs: {cat_type} needs "
+                              "dim_model, warmup_step and " + (
+                                  "stop_step" if cat_type == "SchedulerNoam" else "min_step"))
         peak = factor / math.sqrt(dim * warmup)
         out["kwargs"] = {"peak_lr": float(f"{peak:.6g}"), "warmup_steps": warmup,
                          "stop_step": stop}
@@ -256,10 +319,12 @@ def _migrate_scheduler(scheduler: dict[str, Any], record: Recorder) -> dict[str,
                    f"{factor} / sqrt({dim} * {warmup}) -> peak_lr {out['kwargs']['peak_lr']}")
         record.add("mapped", CONFIG_NAME, where + "kwargs.warmup_step",
                    f"-> warmup_steps {warmup}")
-        record.add("mapped", CONFIG_NAME, where + "kwargs.stop_step", str(stop))
+        if cat_type == "SchedulerNoam":
+            record.add("mapped", CONFIG_NAME, where + "kwargs.stop_step", str(stop))
     else:
         raise ConfigError(f"{CONFIG_NAME}: scheduler.type: {cat_type!r} cannot be migrated "
-                          "(only SchedulerNoam has an equivalent here)")
+                          "(only SchedulerNoam and SchedulerNoamEarlyStop have an equivalent "
+                          "here)")
     record.rest(CONFIG_NAME, where + "kwargs.", kwargs, "no such SchedulerNoam option here")
     opt_type = optimizer.pop("type", "Adam")
     if opt_type not in ("Adam", "AdamW", "SGD"):

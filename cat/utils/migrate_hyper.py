@@ -12,7 +12,17 @@ from cat.core.config import HYPER_NAME, ConfigError
 from cat.formats.tables import FrameRange
 from cat.utils.migrate_record import Recorder, option_key
 
-TOKENIZER_TYPES = {"SentencePieceTokenizer": "sentencepiece", "JiebaTokenizer": "jieba"}
+TOKENIZER_TYPES = {"SentencePieceTokenizer": "sentencepiece", "JiebaTokenizer": "jieba",
+                   "JiebaComposeLexiconTokenizer": "lexicon"}
+# How this toolkit's lexicon tokenizer (cat.text.lexicon) differs from CAT's
+# JiebaComposeLexiconTokenizer (cat/shared/tokenizer.py), which has the same units.
+LEXICON_DIFFERENCES = (
+    "same units (<blk> for CAT's <s> 0, <unk> 1, then the phones; here sorted, CAT's in set "
+    "order) and first pronunciations; segmentation here is jieba's default dictionary plus "
+    "the lexicon's words (CAT: its userdict, else jieba's default), and a word missing from "
+    "the lexicon is spelled from its longest lexicon pieces (CAT: <unk> for the whole word)")
+# The recipes' lexicon, what a CAT experiment naming none gets.
+RECIPE_LEXICON = "data/local/lexicon.txt"
 # CAT's hyper-p.json train.option keys (v3.0 and later) with the same meaning here.
 SAME_TRAIN_OPTIONS = ("amp", "batch_size", "grad_norm", "seed", "workers", "tokenizer")
 # train.option keys this toolkit's launcher or pipeline sets (CAT's argparse defaults).
@@ -109,6 +119,12 @@ def _migrate_tokenizer(tokenizer: dict[str, Any], new_exp: str,
     cat_type = tokenizer.pop("type", None)
     if cat_type in TOKENIZER_TYPES:
         out["type"] = TOKENIZER_TYPES[cat_type]
+    if cat_type == "JiebaComposeLexiconTokenizer":
+        record.add("mapped", HYPER_NAME, "tokenizer.type",
+                   f"{cat_type!r} -> 'lexicon': {LEXICON_DIFFERENCES}")
+        out["option-train"] = _lexicon_options(dict(tokenizer.pop("option-init", {})), record)
+    elif cat_type in TOKENIZER_TYPES:
+        out["type"] = TOKENIZER_TYPES[cat_type]
         record.add("mapped", HYPER_NAME, "tokenizer.type", f"{cat_type!r} -> {out['type']!r}")
     elif cat_type is not None:
         record.add("not mapped", HYPER_NAME, "tokenizer.type",
@@ -180,6 +196,48 @@ def _migrate_tokenizer(tokenizer: dict[str, Any], new_exp: str,
                        f"stage 2 trains {out['file']}")
     record.rest(HYPER_NAME, "tokenizer.", tokenizer, "no such tokenizer key here")
     return out, vocab
+
+
+def crf_tokenizer(new_exp: str, record: Recorder) -> dict[str, Any]:
+    """The lexicon tokenizer of a CTC-CRF experiment whose hyper-p.json names no tokenizer
+    (CAT's older experiments took their phones from the data preparation)."""
+    record.add("not mapped", HYPER_NAME, "tokenizer",
+               f"(absent): CAT's CTC-CRF experiment names no tokenizer; its phones came from "
+               f"its data preparation. Set: the lexicon tokenizer of {RECIPE_LEXICON}")
+    return {"type": "lexicon", "option-train": {"lexicon": RECIPE_LEXICON},
+            "file": f"{new_exp}/tokenizer.tknz"}
+
+
+def _lexicon_options(init: dict[str, Any], record: Recorder) -> dict[str, Any]:
+    """option-train of the lexicon tokenizer for CAT's JiebaComposeLexiconTokenizer
+    `option-init` (its constructor's arguments)."""
+    where = "tokenizer.option-init."
+    lexicon = init.pop("lexicon", "")
+    if lexicon:
+        record.add("mapped", HYPER_NAME, where + "lexicon", f"-> option-train.lexicon {lexicon!r}")
+    else:
+        lexicon = RECIPE_LEXICON
+        record.add("not mapped", HYPER_NAME, where + "lexicon",
+                   f"{json.dumps(init.get('lexicon', ''))}: CAT names no lexicon file; "
+                   f"option-train.lexicon is the recipe's {RECIPE_LEXICON}")
+    userdict = init.pop("userdict", None)
+    if userdict:
+        record.add("not mapped", HYPER_NAME, where + "userdict",
+                   f"{userdict!r}: CAT segments with this jieba dictionary instead of jieba's "
+                   "own; here jieba's default dictionary plus the lexicon's words")
+    elif userdict is not None:
+        record.add("dropped", HYPER_NAME, where + "userdict",
+                   f"{json.dumps(userdict)}: no dictionary, jieba's default, as here")
+    for key, default, why in (("add_special_token", True, "<blk> 0 and <unk> 1 are always "
+                               "added here"),
+                              ("bos_interface", "<s>", "the id-0 unit is <blk> here"),
+                              ("unk_interface", "<unk>", "the unknown unit is <unk> here")):
+        if key in init:
+            value = init.pop(key)
+            record.add("dropped" if value == default else "not mapped", HYPER_NAME,
+                       where + key, f"{json.dumps(value)}: {why}")
+    record.rest(HYPER_NAME, where, init, "no such lexicon tokenizer option here")
+    return {"lexicon": lexicon}
 
 
 # --- train.option -----------------------------------------------------------------------
@@ -302,6 +360,11 @@ def _migrate_inference(inference: dict[str, Any], record: Recorder) -> dict[str,
         if infer.get("bin") in ("cat.ctc.decode", "cat.rnnt.decode"):
             new["bin"] = infer.pop("bin")
             record.add("mapped", HYPER_NAME, "inference.infer.bin", repr(new["bin"]))
+        elif infer.get("bin") == "cat.ctc.cal_logit":
+            record.add("not mapped", HYPER_NAME, "inference.infer.bin",
+                       f"{infer.pop('bin')!r}: CAT writes log-posteriors for its Kaldi WFST "
+                       "decoding; here stage 5 decodes with a TLG graph (inference.lm "
+                       "settings with 'wfst')")
         cat_option = dict(infer.pop("option", {}))
         start, spellings = len(record.entries), {option_key(k): k for k in cat_option}
         option = {option_key(k): v for k, v in cat_option.items()}
@@ -322,6 +385,11 @@ def _migrate_inference(inference: dict[str, Any], record: Recorder) -> dict[str,
                 record.add("not mapped", HYPER_NAME, f"inference.infer.option.{key}",
                            f"{json.dumps(option.pop(key))}: language models are set in "
                            "inference.lm (stage 5)")
+        for key in ("streaming", "unified", "built_model_by"):
+            if key in option:
+                record.add("not mapped", HYPER_NAME, f"inference.infer.option.{key}",
+                           f"{json.dumps(option.pop(key))}: CUSIDE decoding (CAT's "
+                           "train_unified models) is not implemented here")
         for key in ("resume", "tokenizer", "input_scp", "output_prefix", "config", "silent"):
             if key in option:
                 record.add("dropped", HYPER_NAME, f"inference.infer.option.{key}",
@@ -359,7 +427,11 @@ def migrate_hyper(hyper: dict[str, Any], new_exp: str, kind: str,
     train = dict(hyper.pop("train", {}))
     cat_bin = train.pop("bin", None)
     out["train"] = {"bin": f"cat.{kind}.train"}
-    if cat_bin != out["train"]["bin"]:
+    if cat_bin == f"cat.{kind}.train_unified":
+        record.add("not mapped", HYPER_NAME, "train.bin",
+                   f"{cat_bin!r} -> {out['train']['bin']!r}: CUSIDE (CAT's unified streaming "
+                   "training with a simulated right context) is not implemented here")
+    elif cat_bin != out["train"]["bin"]:
         record.add("mapped", HYPER_NAME, "train.bin",
                    f"{cat_bin!r} -> {out['train']['bin']!r} (config.json describes a "
                    f"{kind.upper()} model)")

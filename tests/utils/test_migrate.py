@@ -22,11 +22,17 @@ CAT_EXPS = Path(__file__).with_name("cat_v3")
 # Parameter counts CAT published in each experiment's readme.md (millions).
 PUBLISHED = {"aishell-ctc-v1": 79.50, "aishell-rnnt-v1": 84.30,
              "wenetspeech-train_l-rnnt-v1": 91.67, "wenetspeech-train_m-ctc-v1": 86.01,
-             "wenetspeech-train_m-rnnt-v1": 91.27}
+             "wenetspeech-train_m-rnnt-v1": 91.27, "wenetspeech-train_m-crf-v1": 83.45,
+             "wenetspeech-train_l-crf-v1": 83.44}
+# CAT's CUSIDE experiments: their published counts include the simulation network, which
+# is not built here (`cuside_simulation_parameters`).
+PUBLISHED_CUSIDE = {"aishell-ctc-crf-cuside": 117.07, "aishell-rnnt-cuside": 86.00}
 # The vocabulary CAT's trained tokenizer had (config.json num_classes, written by CAT's
 # stage 3; train_l's 5536 characters, not its hyper-p.json's 5147, give the 91.67 M).
 VOCAB = {"aishell-ctc-v1": 4232, "aishell-rnnt-v1": 4232, "wenetspeech-train_l-rnnt-v1": 5536,
-         "wenetspeech-train_m-ctc-v1": 5147, "wenetspeech-train_m-rnnt-v1": 5147}
+         "wenetspeech-train_m-ctc-v1": 5147, "wenetspeech-train_m-rnnt-v1": 5147,
+         "wenetspeech-train_m-crf-v1": 162, "wenetspeech-train_l-crf-v1": 143,
+         "aishell-ctc-crf-cuside": 217, "aishell-rnnt-cuside": 4232}
 RECIPES = Path(__file__).parents[2] / "egs"
 
 
@@ -49,6 +55,91 @@ def test_cat_experiments_build_cats_models(name):
     assert abs(parameters / 1e6 - PUBLISHED[name]) / PUBLISHED[name] < 0.005, parameters
 
 
+def cuside_simulation_parameters(config: dict) -> int:
+    """Parameters of CAT's CUSIDE simulation network for its `config.json` (CAT's
+    `cat/shared/simu_net.py` as `cat/ctc/train_unified.py` builds it: GRUs of 256 over
+    `mel_dim` features, 3 layers, and a linear postnet to `context_size_right` frames)."""
+    import torch
+
+    trainer = config["trainer"]
+    mel_dim, frames = trainer.get("mel_dim", 80), trainer["context_size_right"]
+    layers = [torch.nn.GRU(mel_dim, 256), torch.nn.GRU(256, 256), torch.nn.GRU(256, 256),
+              torch.nn.Linear(256, frames * mel_dim)]
+    return sum(p.numel() for layer in layers for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CUSIDE))
+def test_cuside_experiments_build_cats_models_but_the_simulation_network(name):
+    hyper, cat_config = _load(name)
+    migration = migrate(hyper, cat_config, f"exp/{name}")
+    assert migration.num_classes == VOCAB[name]
+    parameters = count_model_parameters(migration.config, migration.num_classes)
+    simulation = cuside_simulation_parameters(cat_config)
+    published = PUBLISHED_CUSIDE[name] * 1e6
+    assert abs(parameters + simulation - published) / published < 0.005, parameters
+    # Without the simulation network (not built here) the model is short of CAT's by it.
+    assert abs(parameters - published) / published > 0.015
+    unmapped = _entries(migration, "not mapped")
+    for key in ("simu", "chunk_size", "context_size_left", "context_size_right",
+                "jitter_range", "simu_loss_weight"):
+        assert "CUSIDE" in unmapped[f"config.json: trainer.{key}"], key
+    assert "CUSIDE" in unmapped["hyper-p.json: train.bin"]
+
+
+def test_even_kernel_becomes_the_odd_one_holding_cats_window():
+    import torch
+
+    from cat.models.layer import ConvolutionModule
+
+    hyper, cat_config = _load("aishell-ctc-crf-cuside")
+    migration = migrate(hyper, cat_config, "exp/x")
+    assert migration.config["encoder"]["kwargs"]["kernel_size"] == 33
+    assert "-> 33" in _entries(migration, "mapped")["config.json: encoder.kwargs.kernel_size"]
+    # CAT's ConvModule pads 15 frames left and 16 right for a kernel of 32; the kernel of 33
+    # with a zero first tap computes the same.
+    torch.manual_seed(0)
+    dim, frames = 4, 50
+    cat_weight, bias = torch.randn(dim, 1, 32), torch.randn(dim)
+    x = torch.randn(2, dim, frames)
+    cat_out = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (15, 16)), cat_weight,
+                                         bias, groups=dim)
+    depthwise = ConvolutionModule(dim, 33, 0.0).depthwise
+    with torch.no_grad():
+        depthwise.weight.copy_(torch.nn.functional.pad(cat_weight, (1, 0)))
+        depthwise.bias.copy_(bias)
+    assert torch.allclose(depthwise(x), cat_out, atol=1e-5)
+    # Without a kernel_size, CAT's default 32 is meant.
+    del cat_config["encoder"]["kwargs"]["kernel_size"]
+    assert migrate(hyper, cat_config, "exp/x").config["encoder"]["kwargs"]["kernel_size"] == 33
+
+
+def test_jieba_compose_lexicon_tokenizer_is_the_lexicon_tokenizer():
+    hyper, cat_config = _load("aishell-ctc-crf-cuside")
+    migration = migrate(hyper, cat_config, "exp/ctc-crf-cuside")
+    assert migration.hyper["tokenizer"] == {
+        "type": "lexicon", "file": "exp/ctc-crf-cuside/tokenizer.tknz",
+        "option-train": {"lexicon": "exp/ctc-crf-cuside/prepare_lexicon/lexicon.txt"}}
+    mapped = _entries(migration, "mapped")
+    assert "'JiebaComposeLexiconTokenizer' -> 'lexicon'" in mapped["hyper-p.json: tokenizer.type"]
+    assert "userdict" in "".join(_entries(migration, "not mapped"))
+    # CAT's L-subset file names no lexicon: the recipe's; its M-subset file no tokenizer.
+    for name in ("wenetspeech-train_l-crf-v1", "wenetspeech-train_m-crf-v1"):
+        migration = migrate(*_load(name), "exp/crf")
+        assert migration.hyper["tokenizer"]["type"] == "lexicon"
+        assert migration.hyper["tokenizer"]["option-train"] == {
+            "lexicon": "data/local/lexicon.txt"}
+
+
+def test_noam_early_stop_stops_at_its_min_step():
+    hyper, cat_config = _load("wenetspeech-train_l-crf-v1")
+    migration = migrate(hyper, cat_config, "exp/crf")
+    assert migration.config["scheduler"]["kwargs"] == {
+        "peak_lr": pytest.approx(5 / (512 * 25000) ** 0.5, rel=1e-5), "warmup_steps": 25000,
+        "stop_step": 100000}
+    assert "early stopping" in _entries(migration, "not mapped")[
+        "config.json: scheduler.kwargs.n_tol"]
+
+
 @pytest.mark.parametrize(("exp", "name"), [
     ("aishell/exp/ctc-v1", "aishell-ctc-v1"), ("aishell/exp/rnnt-v1", "aishell-rnnt-v1"),
     ("wenetspeech/exp/train_l/rnnt-v1", "wenetspeech-train_l-rnnt-v1"),
@@ -60,7 +151,7 @@ def test_shipped_experiments_are_cats_models(exp, name):
     assert abs(parameters / 1e6 - PUBLISHED[name]) / PUBLISHED[name] < 0.005, parameters
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(PUBLISHED) + sorted(PUBLISHED_CUSIDE))
 def test_migrated_experiment_loads_and_names_every_key(name, tmp_path):
     hyper, cat_config = _load(name)
     new_exp = tmp_path / "exp" / name
