@@ -2,7 +2,9 @@
 `streaming_wenet_ctc.onnx` in sherpa-onnx's `OnlineRecognizer` (model type `wenet_ctc`):
 identical hypotheses and real-time factors of chunk-by-chunk greedy decoding of a test set's
 audio (fed in 0.1 s pieces, one thread). sherpa-onnx decodes whole chunks only, so its
-audio is followed by 1 s of silence (what its examples do); its cache holds
+audio is followed by 1 s of silence (what its examples do), and it is compared with PyTorch
+streaming of the same padded audio, whole chunks only as sherpa-onnx decodes them (row
+`pytorch, padded`: the hypothesis before `finish`); its cache holds
 `--num-left-chunks` chunks. CER of each runtime against the set's `text`.
 
 Usage (from the recipe directory, after stage 3 of a chunk-trained experiment):
@@ -55,7 +57,8 @@ def main() -> None:
     onnx_encoder = OnnxChunkEncoder(export_dir)
     onnx_decoder = family.OnnxRnntDecoder(export_dir) if args.kind == "rnnt" else None
     runs = {}
-    names = ("pytorch", "onnxruntime") + (("sherpa-onnx",) if args.kind == "ctc" else ())
+    names = ("pytorch", "onnxruntime") + (("pytorch, padded", "sherpa-onnx")
+                                          if args.kind == "ctc" else ())
     for name in names:
         hyps, start = {}, time.perf_counter()
         if name == "sherpa-onnx":
@@ -64,7 +67,9 @@ def main() -> None:
             if name == "sherpa-onnx":
                 hyps[key] = _sherpa_decode(sherpa, samples, rate)
                 continue
-            if name == "pytorch":
+            if name == "pytorch, padded":
+                samples = np.concatenate([samples, np.zeros(rate, np.float32)])
+            if name.startswith("pytorch"):
                 recognizer = StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
                                                  stream.__dict__[
                                                      "CtcChunkSearch" if args.kind == "ctc"
@@ -75,15 +80,22 @@ def main() -> None:
                 onnx_encoder.reset()
                 recognizer = StreamingRecognizer(onnx_encoder, encoder.stride, search,
                                                  tokenizer)
+            if name == "pytorch, padded":  # whole chunks only: no finish()
+                for begin in range(0, len(samples), rate // 10):
+                    recognizer.accept_waveform(rate, samples[begin:begin + rate // 10])
+                hyps[key] = recognizer.text()
+                continue
             hyps[key] = decode_utterance(recognizer, samples, rate).text
         runs[name] = (hyps, (time.perf_counter() - start) / seconds)
     refs = {key: text for key, text in read_table(Path(f"data/{args.set}/text")).items()
             if key in audio}
     print(f"{args.exp} ({args.kind}), chunk {args.chunk_size}, {args.set}: {len(audio)} "
           f"utterances, {seconds:.0f} s")
-    print("| runtime | identical to PyTorch (%) | CER | RTF |\n|---|---:|---:|---:|")
+    print("| runtime | identical to PyTorch on the same audio (%) | CER | RTF |\n"
+          "|---|---:|---:|---:|")
     for name, (hyps, rtf) in runs.items():
-        same = sum(_plain(runs["pytorch"][0][k]) == _plain(hyps[k]) for k in audio)
+        reference = runs["pytorch, padded" if name == "sherpa-onnx" else "pytorch"][0]
+        same = sum(_plain(reference[k]) == _plain(hyps[k]) for k in audio)
         cer = score(refs, hyps, "char").error_rate
         print(f"| {name} | {100 * same / len(audio):.1f} | {cer:.2f} | {rtf:.4f} |")
 
