@@ -137,7 +137,7 @@ class AsrModel(nn.Module):
         for name, head in heads.items():
             self.add_module(name, head)
         self.weights = dict(weights)
-        self.num_classes = int(getattr(first, "num_classes", 0) or first.out_features)
+        self.num_classes = int(first.num_classes)
         self.rescorers: dict[str, Rescorer] = {
             head.rescoring_method: head for head in list(heads.values())[1:]
             if isinstance(head, Rescorer)}
