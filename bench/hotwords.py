@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"their training occurrences: {sum(train_counts.values())} "
           f"(at most {max(train_counts.values(), default=0)} each)")
     print(f"false-alarm list ({len(false_alarm)}): {' '.join(false_alarm)}")
-    lm_dir = tempfile.TemporaryDirectory()
+    lm_dir = tempfile.TemporaryDirectory() if args.tlg and args.oov else None
     arpa = (without_words(args.tlg, listed, Path(lm_dir.name) / "lm.arpa")
-            if args.tlg and args.oov else args.tlg)
+            if lm_dir is not None else args.tlg)
     tlg = (tlg_decoder(args.exp, args.checkpoint, args.data, arpa, args.lm_weight, args.beam)
            if args.tlg else None)
     print("| list | score | recall % (found / in refs) | %CER | %CER without listed words "

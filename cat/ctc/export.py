@@ -36,6 +36,7 @@ from cat.decoding.export import (
     load_export_metadata,
     onnx_session,
     sherpa_feature_config,
+    sherpa_wrap,
     streaming_metadata,
     write_export,
     write_tokens,
@@ -181,11 +182,7 @@ def sherpa_online_recognizer(export_dir: PathLike, num_left_chunks: int = 16,
     config = native.OnlineRecognizerConfig(feat_config=sherpa_feature_config(meta),
                                            model_config=model, enable_endpoint=False,
                                            decoding_method="greedy_search")
-    # What the class's own factory methods do, with our feature settings.
-    recognizer = sherpa_onnx.OnlineRecognizer.__new__(sherpa_onnx.OnlineRecognizer)
-    recognizer.recognizer = native.OnlineRecognizer(config)
-    recognizer.config = config
-    return recognizer
+    return sherpa_wrap(sherpa_onnx.OnlineRecognizer, native.OnlineRecognizer, config)
 
 
 class OnnxCtcDecoder:

@@ -216,9 +216,14 @@ def sherpa_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
             model_type="transducer", **common)
     config = sherpa_onnx.OfflineRecognizerConfig(feat_config=features, model_config=models,
                                                  decoding_method="greedy_search")
-    # What the class's own factory methods do, with our feature settings.
-    recognizer = sherpa_onnx.OfflineRecognizer.__new__(sherpa_onnx.OfflineRecognizer)
-    recognizer.recognizer = _Recognizer(config)
+    return sherpa_wrap(sherpa_onnx.OfflineRecognizer, _Recognizer, config)
+
+
+def sherpa_wrap(cls: type, native: type, config: Any) -> Any:
+    """An instance of sherpa-onnx's Python recognizer class `cls` over `native(config)`: what
+    the class's own factory methods do, with a config of our settings (its fbank)."""
+    recognizer = cls.__new__(cls)
+    recognizer.recognizer = native(config)
     recognizer.config = config
     return recognizer
 

@@ -238,10 +238,10 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
             raise ValueError("--hotwords and --lm-arpa go with --tlg (streaming greedy search "
                              "has no hypotheses to favour a phrase among)")
         if args.tlg:
-            from cat.decoding.wfst import TlgChunkSearch
+            from cat.decoding.wfst import TlgChunkSearch, check_frame_posteriors
 
+            check_frame_posteriors(model)
             graph = _tlg_graph(args, tokenizer)
-            TlgChunkSearch(model, graph)  # a model without frame posteriors: an error now
 
             def searcher(model: Any, chunk_size: int) -> ChunkSearch:
                 return TlgChunkSearch(model, graph, lm_weight=args.lm_weight, beam=args.beam)

@@ -109,6 +109,13 @@ def read_graph(graph_dir: PathLike) -> DecodingGraph:
     return DecodingGraph(kaldifst.StdVectorFst.read(str(fst_path)), meta["words"], meta["info"])
 
 
+def check_frame_posteriors(model: Any) -> None:
+    """ValueError unless `model`'s first head gives frame posteriors (what TLG decodes)."""
+    if not model.frame_posteriors:
+        raise ValueError("WFST decoding needs the frame posteriors of a CTC or CTC-CRF "
+                         "head; this model's first head gives none")
+
+
 class TlgChunkSearch:
     """Streaming WFST decoding: each chunk's log-posteriors of the model's first head (CTC
     or CTC-CRF) through TLG (`cat.graph.tlg.ChunkDecoder`). `tokens` are the words of the
@@ -117,9 +124,7 @@ class TlgChunkSearch:
 
     def __init__(self, model: Any, graph: DecodingGraph, acoustic_scale: float = 1.0,
                  lm_weight: float = 1.0, beam: float = 16.0) -> None:
-        if not model.frame_posteriors:
-            raise ValueError("WFST decoding needs the frame posteriors of a CTC or CTC-CRF "
-                             "head; this model's first head gives none")
+        check_frame_posteriors(model)
         self.head = model.first_head
         self.decoder = ChunkDecoder(graph, acoustic_scale, lm_weight, beam)
         self.tokens: list[str] = []
