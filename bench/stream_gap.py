@@ -10,6 +10,8 @@ was chunk-trained, streamed in chunks of 16 and 8 encoder frames from the test a
 (`python -m cat.stream`, which also gives first-token and final latencies). Trainings run
 `--jobs` at a time, in the order given; a training still running at `--deadline` seconds
 is stopped (it saves; its row says so) so that what finished is decoded and reported.
+CUSIDE variants (`trainer.chunk_size`) are streamed with their simulated right context and
+with the real one.
 
 One JSON object per variant is appended to `--out` (JSON lines) as soon as it is scored:
 name, changes, updates reached, training seconds, dev/test CER of stage 4, greedy CER and
@@ -63,6 +65,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # Too few updates for a harder task.
     "stream2x": ("exp/synth-ctc-stream", {}, {"train.option.max_steps": 3600}),
     "full2x": ("exp/synth-ctc", {}, {"train.option.max_steps": 3600}),
+    # CUSIDE: a full-context encoder on chunks with simulated right context.
+    "cuside": ("exp/synth-ctc-cuside", {}, {}),
 }
 CHUNK_SIZES = (16, 8)
 
@@ -162,12 +166,17 @@ def evaluate(exp: Path, python: str) -> dict[str, Any]:
                               "--out", str(out), "--method", "greedy", "--nj", "1"],
          lambda: cer(refs, out / "hyp"))
     config = json.loads((exp / "config.json").read_text())
-    if config["encoder"]["kwargs"].get("max_chunk_size", 0):
-        for chunk in CHUNK_SIZES:
-            stream_out = exp / "gap" / f"stream-c{chunk}"
-            step(f"stream_c{chunk}_test",
+    cuside = "chunk_size" in config.get("trainer", {})
+    if config["encoder"]["kwargs"].get("max_chunk_size", 0) or cuside:
+        # CUSIDE models also with the real right context (which waits for its frames).
+        for chunk, right in [(chunk, None) for chunk in CHUNK_SIZES] + (
+                [(chunk, "real") for chunk in CHUNK_SIZES] if cuside else []):
+            name = f"stream_c{chunk}" + (f"_{right}" if right else "")
+            stream_out = exp / "gap" / name.replace("_", "-")
+            step(f"{name}_test",
                  [python, "-m", "cat.stream", str(exp), "--wav-scp", "data/test/wav.scp",
-                  "--chunk-size", str(chunk), "--out", str(stream_out)],
+                  "--chunk-size", str(chunk), "--out", str(stream_out),
+                  *(["--right-context", right] if right else [])],
                  lambda out=stream_out: {**cer(refs, out / "hyp"),
                                          "stream": json.loads((out / "stream.json").read_text())})
     return row

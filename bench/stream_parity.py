@@ -1,14 +1,18 @@
-"""Streaming in PyTorch vs the exported `streaming.onnx` in onnxruntime, and for CTC
-`streaming_wenet_ctc.onnx` in sherpa-onnx's `OnlineRecognizer` (model type `wenet_ctc`):
-identical hypotheses and real-time factors of chunk-by-chunk greedy decoding of a test set's
-audio (fed in 0.1 s pieces, one thread). sherpa-onnx decodes whole chunks only, so its
-audio is followed by 1 s of silence (what its examples do), and it is compared with PyTorch
-streaming of the same padded audio, whole chunks only as sherpa-onnx decodes them (row
-`pytorch, padded`: the hypothesis before `finish`); its cache holds
-`--num-left-chunks` chunks. CER of each runtime against the set's `text`.
+"""Streaming in PyTorch vs the exported `streaming.onnx` in onnxruntime, and in sherpa-onnx's
+`OnlineRecognizer` (CTC: `streaming_wenet_ctc.onnx`, model type `wenet_ctc`; RNN-T with a
+stateless predictor: `streaming_encoder_lstm.onnx`, model type `lstm`): identical
+hypotheses and real-time factors of chunk-by-chunk greedy decoding of a test set's audio
+(fed in 0.1 s pieces, one thread), of U2 and CUSIDE models alike. sherpa-onnx decodes whole
+chunks only (a chunk once a frame after it has come), so its audio is followed by 1 s of
+silence (what its examples do), and it is compared with PyTorch streaming of the same
+padded audio, whole chunks only as sherpa-onnx decodes them (row `pytorch, padded`: the
+hypothesis before `finish`, of all but the last frame); for CTC its cache holds
+`--num-left-chunks` chunks. sherpa-onnx's transducer search emits one token per frame at
+most, so the transducer rows all do. CER of each runtime against the set's `text`.
 
 Usage (from the recipe directory, after stage 3 of a chunk-trained experiment):
     python ../../bench/stream_parity.py exp/synth-ctc-stream ctc --chunk-size 16 --limit 100
+    python ../../bench/stream_parity.py exp/gap-cuside ctc --chunk-size 16
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ import torch
 from cat.core.config import load_hyper
 from cat.core.io import read_table
 from cat.decoding.checkpoint import select_checkpoint
-from cat.decoding.export import OnnxChunkEncoder
-from cat.decoding.online import StreamingRecognizer, _chunk_encoder, decode_utterance
+from cat.decoding.export import onnx_chunk_encoder
+from cat.decoding.online import StreamingRecognizer, decode_utterance, streaming_encoder
 from cat.decoding.searcher import load_model
 from cat.features.fbank import read_audio
-from cat.models.chunked import StreamingEncoder
 from cat.utils.wer import score
 
 
@@ -48,29 +51,31 @@ def main() -> None:
                                args.chunk_size)
     checkpoint = select_checkpoint(args.exp, load_hyper(Path(args.exp) / "hyper-p.json"))
     model, tokenizer = load_model(args.exp, checkpoint, args.kind, torch.device("cpu"))
-    encoder = StreamingEncoder(model.encoder, args.chunk_size)
     wavs = sorted(read_table(Path(f"data/{args.set}/wav.scp")).items())
     if args.limit:
         wavs = wavs[:args.limit]
     audio = {key: read_audio(spec) for key, spec in wavs}
     seconds = sum(len(s) / r for s, r in audio.values())
-    onnx_encoder = OnnxChunkEncoder(export_dir)
+    onnx_encoder = onnx_chunk_encoder(export_dir)
     onnx_decoder = family.OnnxRnntDecoder(export_dir) if args.kind == "rnnt" else None
     runs = {}
-    names = ("pytorch", "onnxruntime") + (("pytorch, padded", "sherpa-onnx")
-                                          if args.kind == "ctc" else ())
+    names = ("pytorch", "onnxruntime", "pytorch, padded", "sherpa-onnx")
+    if args.kind == "rnnt":
+        stream.MAX_SYMBOLS_PER_FRAME = 1  # as sherpa-onnx's greedy search
+        family.MAX_SYMBOLS_PER_FRAME = 1
     for name in names:
         hyps, start = {}, time.perf_counter()
         if name == "sherpa-onnx":
-            sherpa = family.sherpa_online_recognizer(export_dir, args.num_left_chunks)
+            sherpa = (family.sherpa_online_recognizer(export_dir, args.num_left_chunks)
+                      if args.kind == "ctc" else family.sherpa_online_recognizer(export_dir))
         for key, (samples, rate) in audio.items():
             if name == "sherpa-onnx":
                 hyps[key] = _sherpa_decode(sherpa, samples, rate)
                 continue
-            if name == "pytorch, padded":
-                samples = np.concatenate([samples, np.zeros(rate, np.float32)])
+            if name == "pytorch, padded":  # sherpa-onnx's audio but its last frame
+                samples = np.concatenate([samples, np.zeros(rate, np.float32)])[:-(rate // 100)]
             if name.startswith("pytorch"):
-                recognizer = StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
+                recognizer = StreamingRecognizer(streaming_encoder(model, args.chunk_size),
                                                  stream.__dict__[
                                                      "CtcChunkSearch" if args.kind == "ctc"
                                                      else "RnntChunkSearch"](model), tokenizer)
@@ -78,8 +83,7 @@ def main() -> None:
                 search = (family.OnnxCtcChunkSearch() if args.kind == "ctc" else
                           family.OnnxRnntChunkSearch(onnx_decoder))
                 onnx_encoder.reset()
-                recognizer = StreamingRecognizer(onnx_encoder, encoder.stride, search,
-                                                 tokenizer)
+                recognizer = StreamingRecognizer(onnx_encoder, search, tokenizer)
             if name == "pytorch, padded":  # whole chunks only: no finish()
                 for begin in range(0, len(samples), rate // 10):
                     recognizer.accept_waveform(rate, samples[begin:begin + rate // 10])

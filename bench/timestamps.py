@@ -3,11 +3,14 @@
     cd egs/aishell
     python ../../bench/timestamps.py exp/synth-ctc [--checkpoint CKPT] \
         --corpus corpus/synthetic --set test --num-utts 60 --methods greedy beam
+    python ../../bench/timestamps.py exp/synth-ctc --methods tlg \
+        --tlg exp/synth-ctc/decode-lm/word-3gram-tlg/graph --lm-weight 0.5
 
 Makes (once) the alignment set of `--num-utts` utterances of the corpus's `--set`
 (`cat.data.alignment`: the words spoken one at a time with pauses, their boundaries known
 to the sample) under `bench/out/alignment/<set>`, transcribes it with `python -m
-cat.decode EXP --wav-scp ... --format ctm` for each method, and prints per method:
+cat.decode EXP --wav-scp ... --format ctm` for each method (`tlg`: WFST decoding with the
+graph of `--tlg` at `--lm-weight`, whose words are the word LM's), and prints per method:
 
 * %CER of the set (the words are spoken alone, so this is not the corpus's CER);
 * the mean absolute error of word starts, of word ends, and of both (ms), over the
@@ -55,8 +58,13 @@ def main() -> None:
     parser.add_argument("--corpus", default="corpus/synthetic")
     parser.add_argument("--set", default="test")
     parser.add_argument("--num-utts", type=int, default=60)
-    parser.add_argument("--methods", nargs="+", default=["greedy", "beam"])
+    parser.add_argument("--methods", nargs="+", default=["greedy", "beam"],
+                        help="greedy, beam, ... or tlg (with --tlg)")
+    parser.add_argument("--tlg", help="method tlg: the TLG graph directory")
+    parser.add_argument("--lm-weight", type=float, default=1.0, help="method tlg: LM weight")
     args = parser.parse_args()
+    if "tlg" in args.methods and not args.tlg:
+        parser.error("method tlg needs --tlg")
     aligned = make_alignment_set(args.corpus, OUT / "alignment" / args.set, args.set,
                                  args.num_utts)
     reference = read_ctm(aligned / "words.ctm")
@@ -68,8 +76,9 @@ def main() -> None:
     for method in args.methods:
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, "-m", "cat.decode", args.exp_dir, "--wav-scp",
-                       str(aligned / "wav.scp"), "--format", "ctm", "--out", out,
-                       "--method", method, "--nj", "1"]
+                       str(aligned / "wav.scp"), "--format", "ctm", "--out", out, "--nj", "1"]
+            command += (["--tlg", args.tlg, "--lm-weight", str(args.lm_weight)]
+                        if method == "tlg" else ["--method", method])
             if args.checkpoint:
                 command += ["--checkpoint", args.checkpoint]
             subprocess.run(command, check=True, stderr=subprocess.DEVNULL)

@@ -7,7 +7,8 @@
 #   1  features: 80-dim fbank -> data/fbank/<set> (the training set speed-perturbed into
 #      data/fbank/<train_set>_sp when --speed_perturb is given), for the feature dirs the
 #      experiment's hyper-p.json data names (none for a training set packed as audio
-#      shards, data.shards.audio, which the loader turns into features)
+#      shards, data.shards.audio, which the loader turns into features); with another
+#      front end than Kaldi's (data.front_end: sherpa-onnx) into data/fbank-<front end>/
 #   2  tokenizer and map-style packs (cat.utils.stage_driver prepare); the tar shards the
 #      experiment streams, in the length groups of its hyper-p.json data.shards, of
 #      features or (data.shards.audio) of audio (local/prep_wds.py pack-exp; nothing for a
@@ -81,12 +82,18 @@ if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   log "Stage 1: fbank features"
   # Only the feature dirs the experiment reads: none for a training set packed as audio.
   needed=$(python -m cat.utils.stage_driver feature-dirs "$exp")
+  # The experiment's front end (hyper-p.json data.front_end): Kaldi's in data/fbank, another
+  # in data/fbank-<front end>.
+  front_end=$(python -m cat.utils.stage_driver front-end "$exp")
+  fbank=data/fbank
+  [ "$front_end" = kaldi ] || fbank=data/fbank-$front_end
   for part in "$train_set" $test_sets; do
-    out=data/fbank/$part
+    out=$fbank/$part
     opts=()
+    [ "$front_end" = kaldi ] || opts=(--front-end "$front_end")
     if [ "$part" = "$train_set" ] && [ -n "$speed_perturb" ]; then
-      out=data/fbank/${part}_sp
-      opts=(--speed-perturb "$speed_perturb")
+      out=$fbank/${part}_sp
+      opts+=(--speed-perturb "$speed_perturb")
     fi
     if ! grep -qxF "$out" <<<"$needed"; then
       log "  $out: not read by $exp (hyper-p.json data), not extracted"

@@ -138,6 +138,11 @@ def check_against_schema(instance: Any, schema: dict[str, Any], source: str) -> 
     raise ConfigError("\n".join(dict.fromkeys(lines)))
 
 
+#: `trainer` keys of CUSIDE other than `chunk_size`, which turns it on (`cat.models.cuside`).
+CUSIDE_KEYS = ("context_size_left", "context_size_right", "jitter_range", "simu",
+               "simu_loss_weight", "simu_hdim", "simu_layers", "downsampling_ratio", "mel_dim")
+
+
 def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
     """The model kind of a config.json, the one place it is worked out: 'rnnt' when it has
     `decoder` and `joiner` (a `ctc` section is then an auxiliary CTC head with its
@@ -165,6 +170,10 @@ def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
     if not transducer and "simple_loss_scale" in trainer:
         raise ConfigError(f"{source}: trainer.simple_loss_scale: only used by RNN-T models "
                           f"('decoder' and 'joiner')")
+    cuside = [key for key in CUSIDE_KEYS if key in trainer]
+    if cuside and "chunk_size" not in trainer:
+        raise ConfigError(f"{source}: trainer.{cuside[0]}: a CUSIDE setting, used only with "
+                          f"trainer.chunk_size (which turns CUSIDE on)")
     if trainer.get("use_crf") is True:
         if not has_ctc or transducer:
             raise ConfigError(f"{source}: trainer.use_crf: CTC-CRF needs a 'ctc' section and "
@@ -382,6 +391,13 @@ def validate_hyper(hyper: Any, source: str = HYPER_NAME) -> None:
     if not isinstance(hyper, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
     check_against_schema(hyper, load_hyper_schema(), source)
+    data = hyper.get("data", {})
+    audio = (data.get("shards") or {}).get("audio") or hyper.get("train", {}).get(
+        "option", {}).get("audio")
+    if data.get("front_end", "kaldi") != "kaldi" and audio:
+        raise ConfigError(f"{source}: data.front_end: {data['front_end']!r} with audio "
+                          "shards: the loader computes their features with Kaldi's front "
+                          "end only; use feature dirs of stage 1 (run.sh --stage 1)")
 
 
 def load_hyper(path: PathLike) -> dict[str, Any]:

@@ -28,8 +28,9 @@ from cat.crf.loss import CtcCrfLoss
 from cat.ctc.head import CTCHead
 from cat.graph.denominator import load_den_graph
 
-#: `trainer` keys of CTC-CRF that stage 2 reads, not the head.
-STAGE_KEYS = ("use_crf", "den_lm_order", "den_lm_extra_states", "den_lm_estimator")
+#: `trainer` keys the head reads (the others: the loss normalisation, CUSIDE's, and those
+#: of stage 2's denominator graph).
+HEAD_KEYS = ("den_lm", "lamb")
 
 
 class CRFHead(CTCHead):
@@ -72,6 +73,5 @@ def build_head(config: dict[str, Any], encoder_dim: int, num_classes: int,
     if "attention" in config:
         raise ConfigError(f"{source}: attention: an attention decoder is trained with CTC "
                           f"(U2), not with the CTC-CRF loss; remove it or trainer.use_crf")
-    trainer = {k: v for k, v in config.get("trainer", {}).items()
-               if k not in STAGE_KEYS and k != "loss_normalization"}
+    trainer = {k: v for k, v in config.get("trainer", {}).items() if k in HEAD_KEYS}
     return CRFHead(encoder_dim, num_classes, **config["ctc"], **trainer), None

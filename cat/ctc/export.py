@@ -28,21 +28,23 @@ from cat.decoding.export import (
     STREAMING_NAME,
     TOKENS_NAME,
     ExportError,
+    experiment_feature_metadata,
     export_main,
     export_onnx,
     export_streaming,
-    feature_metadata,
     load_experiment_model,
     load_export_metadata,
     onnx_session,
     sherpa_feature_config,
     sherpa_wrap,
     streaming_metadata,
+    streaming_step,
     write_export,
     write_tokens,
 )
-from cat.models.chunked import KeyValueStreamingEncoder, StreamingEncoder
+from cat.models.chunked import KeyValueStreamingEncoder
 from cat.models.ctc_search import ctc_greedy_search
+from cat.models.cuside import CusideStep
 
 MODEL_NAME = "model.onnx"
 #: The streaming model in sherpa-onnx's online `wenet_ctc` layout.
@@ -89,6 +91,65 @@ class _WenetCtcStep(nn.Module):
         return self.head(out), attn_cache, conv_cache
 
 
+class _CusideWenetCtcStep(nn.Module):
+    """A CUSIDE model's chunk (`CusideStep`) in sherpa-onnx's online `wenet_ctc` layout: the
+    runtime's two caches hold its state, which it hands back unread. `attn_cache` [1, 1, R,
+    D] holds the last R >= left feature frames (its `attn_mask` says how many exist: while
+    fewer than `num_left_chunks` chunks have been decoded, `chunks x chunk_size` rows);
+    `conv_cache` [1, 1, D / 2, K - 1] the simulation network's GRU states, flattened."""
+
+    def __init__(self, step: CusideStep, head: nn.Module) -> None:
+        super().__init__()
+        self.step, self.head = step, _LogSoftmaxHead(head)
+        simulation = step.chunking.simulation
+        self.state_shape = ((len(simulation.rnns), 1, simulation.hidden)
+                            if step.right_context == "simulated" else None)
+
+    def forward(self, x: torch.Tensor, offset: torch.Tensor, required_cache_size: torch.Tensor,
+                attn_cache: torch.Tensor, conv_cache: torch.Tensor, attn_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        step = self.step
+        unused = (offset.sum() + required_cache_size.sum()).to(x.dtype) * 0.0
+        rows = attn_cache[0, 0]  # [R, D]
+        cached = rows.size(0)
+        valid_rows = attn_mask[0, 0, :cached].to(torch.int64).sum()
+        history_valid = torch.clamp(valid_rows * step.chunking.frame_rate, max=step.left)
+        state = None
+        if self.state_shape is not None:
+            size = self.state_shape[0] * self.state_shape[2]
+            state = conv_cache.flatten()[:size].reshape(self.state_shape)
+        chunk = x[:, :step.stride] + unused
+        right = x[:, step.stride:]
+        out, _, state = step(chunk, torch.full((1,), step.stride, dtype=torch.int64),
+                             rows[cached - step.left:][None], history_valid.reshape(1), state,
+                             right, torch.full((1,), right.size(1), dtype=torch.int64))
+        next_rows = torch.cat([rows, chunk[0]], dim=0)[chunk.size(1):]
+        next_conv = conv_cache
+        if state is not None:
+            flat = state.flatten()
+            next_conv = torch.cat([flat, conv_cache.flatten()[flat.numel():]]).reshape(
+                conv_cache.shape)
+        return self.head(out), next_rows[None, None], next_conv
+
+
+def cuside_wenet_layout(step: CusideStep) -> dict[str, int]:
+    """The `wenet_ctc` metadata of a CUSIDE step's state layout (`_CusideWenetCtcStep`):
+    one block of one head whose rows are feature frames, a convolution cache large enough
+    for the GRU states, and the frames a chunk reads beyond its stride as right context."""
+    dim = step.chunking.feature_dim
+    if dim % 2:
+        raise ExportError(f"{dim}-dim features do not fit sherpa-onnx's wenet_ctc cache rows "
+                          "(2 x output_size)")
+    simulation = step.chunking.simulation
+    state = (len(simulation.rnns) * simulation.hidden
+             if step.right_context == "simulated" else 0)
+    rate = step.chunking.frame_rate
+    lookahead = step.chunking.context_size_right if step.right_context == "real" else 0
+    return {"head": 1, "num_blocks": 1, "output_size": dim // 2,
+            "cnn_module_kernel": 1 + max(1, -(-state // (dim // 2))),
+            "subsampling_factor": rate, "right_context": rate - 1 + lookahead}
+
+
 def export_wenet_ctc(model: nn.Module, chunk_size: int, path: Path,
                      metadata: dict[str, Any]) -> None:
     """`streaming_wenet_ctc.onnx`: the chunk step in sherpa-onnx's online `wenet_ctc` layout
@@ -96,6 +157,9 @@ def export_wenet_ctc(model: nn.Module, chunk_size: int, path: Path,
     `log_probs`, `next_att_cache`, `next_conv_cache`; `KeyValueStreamingEncoder`) with the
     metadata it reads (`head`, `num_blocks`, `output_size`, `cnn_module_kernel`,
     `right_context`, `subsampling_factor`, `vocab_size`)."""
+    if model.chunking is not None:
+        _export_cuside_wenet_ctc(model, chunk_size, path, metadata)
+        return
     streaming = KeyValueStreamingEncoder(model.encoder, chunk_size)
     encoder = model.encoder
     cell = encoder.cells[0]
@@ -122,6 +186,25 @@ def export_wenet_ctc(model: nn.Module, chunk_size: int, path: Path,
                 {**metadata, **wenet}, torchscript=False)
 
 
+def _export_cuside_wenet_ctc(model: nn.Module, chunk_size: int, path: Path,
+                             metadata: dict[str, Any]) -> None:
+    step = CusideStep(model.encoder, model.chunking, chunk_size)
+    layout = cuside_wenet_layout(step)
+    dim = int(metadata["feature_dim"])
+    cache = -(-step.left // chunk_size) * chunk_size
+    mask = torch.ones(1, 1, cache + chunk_size, dtype=torch.bool)
+    mask[:, :, :cache] = False
+    frames = (chunk_size - 1) * layout["subsampling_factor"] + layout["right_context"] + 1
+    example = (torch.randn(1, frames, dim), torch.tensor([cache], dtype=torch.int64),
+               torch.tensor([cache], dtype=torch.int64), torch.zeros(1, 1, cache, dim),
+               torch.zeros(1, 1, layout["output_size"], layout["cnn_module_kernel"] - 1), mask)
+    export_onnx(_CusideWenetCtcStep(step, model.first_head), example, path,
+                ["x", "offset", "required_cache_size", "attn_cache", "conv_cache", "attn_mask"],
+                ["log_probs", "next_att_cache", "next_conv_cache"],
+                {"attn_cache": {2: "R"}, "attn_mask": {2: "M"}, "next_att_cache": {2: "R_out"}},
+                {**metadata, **layout, "vocab_size": int(model.num_classes)}, torchscript=False)
+
+
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
            checkpoint: PathLike | None = None, chunk_size: int | None = None,
            allow_config_change: bool | None = None) -> Path:
@@ -133,9 +216,9 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
     metadata: dict[str, Any] = {
         "family": "ctc", "model_type": "zipformer2_ctc", "framework": "cat",
         "vocab_size": int(model.num_classes), "blank_id": 0, "checkpoint": path.name,
-        **feature_metadata(model.encoder)}
+        **experiment_feature_metadata(exp_dir, model.encoder)}
     dim = metadata["feature_dim"]
-    streaming = StreamingEncoder(model.encoder, chunk_size) if chunk_size else None
+    streaming = streaming_step(model, chunk_size) if chunk_size else None
     if streaming is not None:
         metadata.update(streaming_metadata(streaming))
 
@@ -170,7 +253,13 @@ def sherpa_online_recognizer(export_dir: PathLike, num_left_chunks: int = 16,
     meta = load_export_metadata(export_dir)
     if not (export_dir / WENET_CTC_NAME).is_file():
         raise ExportError(f"{export_dir}: no {WENET_CTC_NAME} (export with --chunk-size)")
-    if int(meta["left_chunks"]) > 0 and num_left_chunks != int(meta["left_chunks"]):
+    if meta.get("streaming") == "cuside":
+        needed = -(-int(meta["left_frames"]) // int(meta["chunk_size"]))
+        if num_left_chunks < needed:
+            raise ExportError(f"{export_dir}: the CUSIDE model keeps {meta['left_frames']} "
+                              f"frames of left context in the runtime's cache: "
+                              f"num_left_chunks must be at least {needed}")
+    elif int(meta["left_chunks"]) > 0 and num_left_chunks != int(meta["left_chunks"]):
         raise ExportError(f"{export_dir}: the model attends to {meta['left_chunks']} earlier "
                           f"chunks (encoder.kwargs.left_chunks); num_left_chunks must be that, "
                           f"not {num_left_chunks}")

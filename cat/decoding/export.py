@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from cat.core.config import (
@@ -46,7 +47,9 @@ from cat.core.config import (
 from cat.core.io import PathLike
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
-from cat.features.fbank import FbankOptions
+from cat.features.fbank import FbankOptions, experiment_front_end, front_end_name
+from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
+from cat.models.cuside import CusideStep
 from cat.models.encoder import Encoder
 from cat.models.registry import DECODES_AS, check_command, family
 
@@ -55,9 +58,8 @@ TOKENS_NAME = "tokens.txt"
 METADATA_NAME = "export.json"
 OPSET = 17
 BLANK_SYMBOL = "<blk>"
-# Kaldi's mel range defaults, which `compute_fbank` keeps (0 = the Nyquist frequency).
+# Kaldi's low end of the mel banks, which every front end keeps.
 LOW_FREQ = 20.0
-HIGH_FREQ = 0.0
 
 
 class ExportError(RuntimeError):
@@ -87,20 +89,29 @@ def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | N
     return model, tokenizer, path
 
 
-def feature_metadata(encoder: Encoder) -> dict[str, Any]:
-    """What a runtime needs to compute the encoder's input: stage 1's fbank settings, the
-    frame-rate reduction, and where CMVN went."""
-    fbank = FbankOptions()
+def feature_metadata(encoder: Encoder, fbank: FbankOptions | None = None) -> dict[str, Any]:
+    """What a runtime needs to compute the encoder's input: the fbank settings of the
+    experiment's front end (`fbank`, default Kaldi's), the frame-rate reduction, and where
+    CMVN went."""
+    fbank = fbank or FbankOptions()
     normalizer = encoder.normalizer
     return {
         "sample_rate": fbank.sample_rate, "feature_dim": fbank.num_mel_bins,
         "frame_length_ms": fbank.frame_length_ms, "frame_shift_ms": fbank.frame_shift_ms,
-        "dither": fbank.dither, "snip_edges": 1, "low_freq": LOW_FREQ, "high_freq": HIGH_FREQ,
-        # Samples in [-1, 1) are scaled to the int16 range before the fbank, as Kaldi does.
-        "normalize_samples": 0,
+        "dither": fbank.dither, "snip_edges": int(fbank.snip_edges), "low_freq": LOW_FREQ,
+        "high_freq": fbank.high_freq,
+        # 0: samples in [-1, 1) scaled to the int16 range before the fbank, as Kaldi does.
+        "normalize_samples": int(fbank.normalize_samples),
+        "front_end": front_end_name(fbank) or "custom",
         "subsampling_factor": int(encoder.frame_rate_factor),
         "cmvn": "folded" if normalizer is not None else "none",
     }
+
+
+def experiment_feature_metadata(exp_dir: PathLike, encoder: Encoder) -> dict[str, Any]:
+    """`feature_metadata` of the experiment's front end (`hyper-p.json: data.front_end`)."""
+    return feature_metadata(encoder, experiment_front_end(load_hyper(Path(exp_dir) /
+                                                                     HYPER_NAME)))
 
 
 def write_tokens(tokenizer: Any, path: PathLike) -> None:
@@ -276,20 +287,44 @@ def export_main(command: str, argv: list[str] | None = None) -> int:
 STREAMING_NAME = "streaming.onnx"
 
 
-def streaming_metadata(streaming: Any) -> dict[str, Any]:
+def streaming_step(model: torch.nn.Module, chunk_size: int,
+                   right_context: str | None = None) -> StreamingEncoder | CusideStep:
+    """What `streaming.onnx` traces for chunks of `chunk_size` encoder frames: a CUSIDE
+    model's `CusideStep` (with `right_context`), else the U2 model's `StreamingEncoder`."""
+    if model.chunking is not None:
+        return CusideStep(model.encoder, model.chunking, chunk_size, right_context)
+    if right_context is not None:
+        raise ExportError(f"right context {right_context!r}: only CUSIDE models "
+                          "(trainer.chunk_size) stream with a right context")
+    return StreamingEncoder(model.encoder, chunk_size)
+
+
+def streaming_metadata(streaming: StreamingEncoder | CusideStep) -> dict[str, Any]:
     """What a runtime needs to cut features into chunks for `streaming.onnx`."""
-    return {"chunk_size": streaming.chunk_size, "stride": streaming.stride,
+    if isinstance(streaming, CusideStep):
+        chunking = streaming.chunking
+        simulation = chunking.simulation
+        return {"streaming": "cuside", "chunk_size": streaming.chunk_size,
+                "stride": streaming.stride, "right_context": streaming.right_context,
+                "left_frames": streaming.left, "right_frames": chunking.context_size_right,
+                "simu_layers": len(simulation.rnns) if simulation is not None else 0,
+                "simu_hdim": simulation.hidden if simulation is not None else 0}
+    return {"streaming": "u2", "chunk_size": streaming.chunk_size, "stride": streaming.stride,
             "frames_per_chunk": streaming.frames_per_chunk,
             "left_chunks": streaming.encoder.left_chunks,
             "num_layers": len(streaming.encoder.cells), "model_dim": streaming.encoder.output_dim,
             "conv_cache_frames": streaming.encoder.cells[0].conv.depthwise.kernel_size[0] - 1}
 
 
-def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
-                     output_name: str, metadata: Mapping[str, Any]) -> None:
+def export_streaming(head: torch.nn.Module, streaming: StreamingEncoder | CusideStep,
+                     path: PathLike, output_name: str, metadata: Mapping[str, Any]) -> None:
     """`streaming.onnx`: one chunk `x` [1, T, 80] with `attn_cache` [layers, 1, L, D] and
     `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
-    `attn_cache_out`, `conv_cache_out` (see `cat.models.chunked`)."""
+    `attn_cache_out`, `conv_cache_out` (see `cat.models.chunked`); for a CUSIDE model
+    `export_cuside_streaming`'s graph."""
+    if isinstance(streaming, CusideStep):
+        export_cuside_streaming(head, streaming, path, output_name, metadata)
+        return
 
     class _Step(torch.nn.Module):
         def __init__(self) -> None:
@@ -313,9 +348,115 @@ def export_streaming(head: torch.nn.Module, streaming: Any, path: PathLike,
                  "attn_cache_out": {2: "L_out"}}, metadata, torchscript=False)
 
 
+#: The inputs of a CUSIDE `streaming.onnx` besides the chunk, by right context.
+CUSIDE_INPUTS = {"simulated": ("simu_state",), "real": ("right", "right_valid"), "none": ()}
+
+
+def export_cuside_streaming(head: torch.nn.Module, step: CusideStep, path: PathLike,
+                            output_name: str, metadata: Mapping[str, Any]) -> None:
+    """A CUSIDE model's `streaming.onnx` (`cat.models.cuside.CusideStep`): `x` [1, stride,
+    80], `valid` int64 [1] (frames of `x` that exist), `history` [1, left, 80] and
+    `history_valid` int64 [1], then by right context (`CUSIDE_INPUTS`) `simu_state`
+    [layers, 1, H] (simulated) or `right` [1, R, 80] and `right_valid` (real) -> `head`'s
+    output of the chunk's encoder frames (`output_name`), `history_out`, and
+    `simu_state_out` (simulated)."""
+    if not step.left:
+        raise ExportError("a CUSIDE model without left context (trainer.context_size_left "
+                          "0) has no history to stream with")
+    mode = step.right_context
+    dim = int(metadata["feature_dim"])
+
+    class _Step(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.step, self.head = step, head
+
+        def forward(self, x: torch.Tensor, valid: torch.Tensor, history: torch.Tensor,
+                    history_valid: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            state = rest[0] if mode == "simulated" else None
+            right, right_valid = rest if mode == "real" else (None, None)
+            out, history, state = self.step(x, valid, history, history_valid, state, right,
+                                            right_valid)
+            return (self.head(out), history) + ((state,) if state is not None else ())
+
+    history, state = step.initial_state()
+    extra = {"simulated": (state,), "none": (),
+             "real": (torch.randn(1, step.chunking.context_size_right, dim),
+                      torch.tensor([step.chunking.context_size_right]))}[mode]
+    example = (torch.randn(1, step.stride, dim), torch.tensor([step.stride]), history,
+               torch.tensor([0]), *extra)
+    outputs = [output_name, "history_out"] + (["simu_state_out"] if mode == "simulated" else [])
+    export_onnx(_Step(), example, path, ["x", "valid", "history", "history_valid",
+                                         *CUSIDE_INPUTS[mode]], outputs, {}, metadata,
+                torchscript=False)
+
+
+class OnnxCusideEncoder:
+    """A CUSIDE export's `streaming.onnx` as the chunk encoder of
+    `cat.decoding.online.StreamingRecognizer` (a `ChunkEncoder`), what
+    `cat.models.cuside.CusideStreamingEncoder` is in PyTorch."""
+
+    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
+        meta = load_export_metadata(export_dir)
+        self.session = onnx_session(Path(export_dir) / STREAMING_NAME, num_threads)
+        self.stride, self.left = int(meta["stride"]), int(meta["left_frames"])
+        self.right_context, self.right = meta["right_context"], int(meta["right_frames"])
+        self.lookahead = self.right if self.right_context == "real" else 0
+        self.frame_rate, self.dim = int(meta["subsampling_factor"]), int(meta["feature_dim"])
+        self.state_shape = (int(meta["simu_layers"]), 1, int(meta["simu_hdim"]))
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new utterance (the session is kept)."""
+        self.history = np.zeros((1, self.left, self.dim), np.float32)
+        self.history_valid = 0
+        self.state = np.zeros(self.state_shape, np.float32)
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        return self._encode(feats[:, :self.stride].numpy(), feats[:, self.stride:].numpy())
+
+    def finish(self, feats: torch.Tensor) -> torch.Tensor:
+        frames = feats.numpy()
+        outputs = [self._encode(frames[:, start:start + self.stride],
+                                frames[:, start + self.stride:])
+                   for start in range(0, frames.shape[1], self.stride)]
+        return torch.cat(outputs, dim=1) if outputs else torch.zeros(1, 0, 0)
+
+    def _encode(self, chunk: np.ndarray, after: np.ndarray) -> torch.Tensor:
+        frames = chunk.shape[1]
+        inputs = {"x": np.pad(chunk, ((0, 0), (0, self.stride - frames), (0, 0))),
+                  "valid": np.array([frames]), "history": self.history,
+                  "history_valid": np.array([self.history_valid])}
+        if self.right_context == "simulated":
+            inputs["simu_state"] = self.state
+        elif self.right_context == "real":
+            after = after[:, :self.right]
+            inputs["right"] = np.pad(after, ((0, 0), (0, self.right - after.shape[1]), (0, 0)))
+            inputs["right_valid"] = np.array([after.shape[1]])
+        outputs = self.session.run(None, inputs)
+        self.history = outputs[1]
+        if self.right_context == "simulated":
+            self.state = outputs[2]
+        self.history_valid = min(self.left, self.history_valid + self.stride)
+        return torch.from_numpy(outputs[0][:, :-(-frames // self.frame_rate)])
+
+
+def onnx_chunk_encoder(export_dir: PathLike,
+                       num_threads: int = 1) -> OnnxChunkEncoder | OnnxCusideEncoder:
+    """The chunk encoder of an export's `streaming.onnx`: U2's caches or CUSIDE's windows."""
+    meta = load_export_metadata(export_dir)
+    if "chunk_size" not in meta:
+        raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
+    if meta.get("streaming") == "cuside":
+        return OnnxCusideEncoder(export_dir, num_threads)
+    return OnnxChunkEncoder(export_dir, num_threads)
+
+
 class OnnxChunkEncoder:
-    """`streaming.onnx` as the chunk encoder of `cat.decoding.online.StreamingRecognizer`:
-    keeps the caches between calls."""
+    """`streaming.onnx` as the chunk encoder of `cat.decoding.online.StreamingRecognizer`
+    (a `ChunkEncoder`): keeps the caches between calls."""
+
+    lookahead = SUBSAMPLING_OVERLAP
 
     def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
         export_dir = Path(export_dir)
@@ -339,3 +480,9 @@ class OnnxChunkEncoder:
             None, {"x": feats.numpy(), "attn_cache": self.attn_cache,
                    "conv_cache": self.conv_cache})
         return torch.from_numpy(out)
+
+    def finish(self, feats: torch.Tensor) -> torch.Tensor:
+        """The rest of the utterance: encoded when it holds the subsampling's 7 frames."""
+        if feats.size(1) < MIN_INPUT_FRAMES:
+            return torch.zeros(1, 0, 0)
+        return self(feats)

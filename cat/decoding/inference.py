@@ -129,12 +129,12 @@ from cat.decoding.searcher import (
     DecodeOptions,
     DecodeSummary,
     FusionSpec,
-    Searcher,
     plan_batches,
     write_hyp,
 )
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
+from cat.decoding.wfst import searcher_for
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
@@ -163,8 +163,8 @@ def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches:
                     spec: FusionSpec | None = None) -> list[Result]:
     """Decode `batches` in this process; returns a `Result` per utterance, with times,
     pieces and N-best unless `output` (a format of `cat.decoding.results`) is text."""
-    searcher = Searcher(exp_dir, checkpoint, kind, options, device,
-                        [spec] if spec is not None else [])
+    searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
+                            [spec] if spec is not None else [])
     features = kaldiio.load_scp(scp)
     results: list[Result] = []
     for keys in batches:
@@ -185,7 +185,7 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
     Returns, per spec, (utt, [(text, score), ...]) pairs; the forward seconds; and the
     search seconds per spec.
     """
-    searcher = Searcher(exp_dir, checkpoint, kind, options, device, specs)
+    searcher = searcher_for(exp_dir, checkpoint, kind, options, device, specs)
     features = kaldiio.load_scp(scp)
     results: list[list] = [[] for _ in specs]
     for keys in batches:

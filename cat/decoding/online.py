@@ -2,13 +2,18 @@
 partial hypotheses, and its command line (`python -m cat.stream`; CAT-style aliases
 `cat.ctc.stream`, `cat.rnnt.stream`).
 
-`StreamingRecognizer` takes a chunk encoder (`cat.models.chunked.StreamingEncoder`, or
-the exported `encoder-streaming` ONNX model, `OnnxChunkEncoder`) and a family's chunk
-search (`step(encoder_out)`, `tokens`). Stage 1's fbank is computed as the audio comes:
-a frame's window only covers its own samples, so the frames are those of the whole
-recording however the audio is cut. A chunk is encoded as soon as its frames are there;
-`finish()` encodes what is left. Hypotheses equal the full forward of the chunk-masked
-model (`ConformerNet.set_decode_chunk_size`).
+`StreamingRecognizer` takes a `ChunkEncoder` (`streaming_encoder(model, chunk_size)`: a
+U2 model's `cat.models.chunked.StreamingEncoder` with its caches, a CUSIDE model's
+`cat.models.cuside.CusideStreamingEncoder`; or an export's `streaming.onnx` in
+onnxruntime, `cat.decoding.export.onnx_chunk_encoder`) and a family's chunk search
+(`step(encoder_out)`, `tokens`). Stage 1's fbank is computed as the audio comes: a frame's
+window only covers its own samples, so the frames are those of the whole recording however
+the audio is cut. A chunk is encoded as soon as its frames are there (its stride and the
+frames it reads beyond: the subsampling's 3 for U2, a CUSIDE model's real right context);
+`finish()` encodes what is left. Hypotheses equal those of decoding the whole utterance in
+the same chunks (`python -m cat.decode --chunk-size N`, `AsrModel.set_decode_chunk_size`:
+the chunk-masked forward, CUSIDE's chunked forward). `--right-context simulated | real |
+none` chooses a CUSIDE model's (default: simulated with a simulation network).
 
 Latency (`decode_utterance`): the audio is taken as arriving in real time; a chunk can
 start when its last sample has arrived and the previous chunk is done. First-token
@@ -26,9 +31,11 @@ that graph (built from `--lm-arpa` into the `--tlg` directory).
 Usage:
     python -m cat.stream exp/synth-ctc-stream --wav-scp data/test/wav.scp \
         --chunk-size 16 --out exp/synth-ctc-stream/stream-c16/test
-    python -m cat.stream exp/synth-crf-stream --wav-scp data/test/wav.scp --chunk-size 16 \
-        --tlg exp/synth-crf-stream/decode-lm/word-3gram-tlg/graph --lm-weight 0.5 \
-        --out exp/synth-crf-stream/stream-tlg-c16/test
+    python -m cat.stream exp/synth-ctc-cuside --wav-scp data/test/wav.scp \
+        --chunk-size 12 --out exp/synth-ctc-cuside/stream-c12/test
+    python -m cat.stream exp/synth-crf-cuside --wav-scp data/test/wav.scp --chunk-size 16 \
+        --tlg exp/synth-crf-cuside/decode-lm/word-3gram-tlg/graph --lm-weight 0.5 \
+        --out exp/synth-crf-cuside/stream-tlg-c16/test
 """
 
 from __future__ import annotations
@@ -50,8 +57,15 @@ from cat.core.config import CONFIG_NAME, HYPER_NAME, experiment_kind, load_hyper
 from cat.core.io import PathLike, atomic_write, read_table
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model, write_hyp
-from cat.features.fbank import FbankOptions, compute_fbank, read_audio
+from cat.features.fbank import (
+    FbankOptions,
+    compute_fbank,
+    experiment_front_end,
+    num_frames,
+    read_audio,
+)
 from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
+from cat.models.cuside import RIGHT_CONTEXTS, CusideStreamingEncoder
 from cat.models.registry import check_command, family
 
 logger = logging.getLogger(__name__)
@@ -92,44 +106,122 @@ class TokenChunkSearch:
 
 
 class FeatureStream:
-    """Stage 1's fbank of audio given in pieces: `accept` returns the new frames."""
+    """Stage 1's fbank (of the experiment's front end, `options`) of audio given in pieces:
+    `accept` returns the frames whose windows the audio so far holds, `flush` at the end
+    the last ones, whose windows reach past it (without `snip_edges`: reflected, as the
+    whole recording's). The frames are those of `compute_fbank` of the whole audio."""
 
     def __init__(self, options: FbankOptions | None = None) -> None:
         self.options = options or FbankOptions()
-        self.samples = np.zeros(0, np.float32)
+        self.samples = np.zeros(0, np.float32)  # from sample `base` on
+        self.base = self.total = self.done = 0
 
     def accept(self, sample_rate: int, samples: np.ndarray) -> np.ndarray:
         if sample_rate != self.options.sample_rate:
             raise StreamingError(f"audio at {sample_rate} Hz: the model takes "
                                  f"{self.options.sample_rate} Hz audio; resample it first")
         self.samples = np.concatenate([self.samples, np.asarray(samples, np.float32)])
-        window, shift = self.options.window_size, self.options.window_shift
-        if len(self.samples) < window:
-            return np.zeros((0, self.options.num_mel_bins), np.float32)
-        count = 1 + (len(self.samples) - window) // shift
-        frames = compute_fbank(self.samples[:window + shift * (count - 1)],
-                               self.options.sample_rate, self.options)
-        self.samples = self.samples[shift * count:]
+        self.total += len(samples)
+        options = self.options
+        # Frames whose window ends within the samples so far.
+        ready = (self.total - options.window_size - options.first_sample) // \
+            options.window_shift + 1
+        return self._frames(max(ready, self.done), final=False)
+
+    def flush(self) -> np.ndarray:
+        """The frames left at the end of the audio (none with `snip_edges`)."""
+        return self._frames(num_frames(self.total, self.options), final=True)
+
+    def _frames(self, last: int, final: bool) -> np.ndarray:
+        options = self.options
+        first, shift = self.done, options.window_shift
+        if last <= first:
+            return np.zeros((0, options.num_mel_bins), np.float32)
+        index = np.arange(first * shift + options.first_sample,
+                          (last - 1) * shift + options.first_sample + options.window_size)
+        index = np.where(index < 0, -index - 1, index)  # Kaldi's reflection at the ends
+        if final:
+            index = np.where(index >= self.total, 2 * self.total - 1 - index, index)
+        # The frames' windows, one after the other, as whole windows of their own.
+        frames = compute_fbank(self.samples[index - self.base], options.sample_rate,
+                               dataclasses.replace(options, snip_edges=True))
+        self.done = last
+        keep = max(0, last * shift + options.first_sample)
+        self.samples, self.base = self.samples[keep - self.base:], keep
         return frames
 
 
-class StreamingRecognizer:
-    """Audio pieces -> chunks -> `search`; `text()` is the partial hypothesis."""
+class ChunkEncoder(Protocol):
+    """An encoder of chunks as they come, with its state: each call takes `stride` feature
+    frames of a chunk and the `lookahead` frames after it (the next chunk's first ones) and
+    returns the chunk's encoder output [1, T', D]; `finish` takes the rest of the
+    utterance (fewer frames) at its end."""
 
-    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], stride: int,
-                 search: ChunkSearch, tokenizer: Any) -> None:
-        self.encode, self.stride, self.search = encode, stride, search
+    stride: int
+    lookahead: int
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor: ...
+
+    def finish(self, feats: torch.Tensor) -> torch.Tensor: ...
+
+
+class CachedChunkEncoder:
+    """A `StreamingEncoder` (U2 models) with its caches, as a `ChunkEncoder`: a chunk reads
+    the subsampling's 3 frames of overlap beyond its stride; the rest is encoded when it
+    is at least the subsampling's 7 frames."""
+
+    lookahead = SUBSAMPLING_OVERLAP
+
+    def __init__(self, encoder: StreamingEncoder) -> None:
+        self.encoder, self.stride = encoder, encoder.stride
+        self.attn_cache, self.conv_cache = encoder.initial_state()
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        out, self.attn_cache, self.conv_cache = self.encoder(feats, self.attn_cache,
+                                                             self.conv_cache)
+        return out
+
+    def finish(self, feats: torch.Tensor) -> torch.Tensor:
+        if feats.size(1) < MIN_INPUT_FRAMES:
+            return feats.new_zeros(1, 0, self.encoder.encoder.output_dim)
+        return self(feats)
+
+
+def streaming_encoder(model: Any, chunk_size: int,
+                      right_context: str | None = None) -> ChunkEncoder:
+    """The `ChunkEncoder` of `model` in chunks of `chunk_size` encoder frames: a CUSIDE
+    model's (`cat.models.cuside.CusideStreamingEncoder`, with `right_context`), else the
+    chunk-masked U2 encoder's with caches. ValueError for chunks or a right context the
+    model cannot stream with."""
+    if model.chunking is not None:
+        return CusideStreamingEncoder(model.encoder, model.chunking, chunk_size, right_context)
+    if right_context is not None:
+        raise StreamingError(f"right context {right_context!r}: only CUSIDE models "
+                             "(trainer.chunk_size) stream with a right context")
+    return CachedChunkEncoder(StreamingEncoder(model.encoder, chunk_size))
+
+
+class StreamingRecognizer:
+    """Audio pieces -> chunks -> `search`; `text()` is the partial hypothesis. `fbank`: the
+    experiment's front end (`cat.features.fbank.experiment_front_end`; default Kaldi's)."""
+
+    def __init__(self, encoder: ChunkEncoder, search: ChunkSearch, tokenizer: Any,
+                 fbank: FbankOptions | None = None) -> None:
+        self.encoder, self.search = encoder, search
+        self.stride, self.lookahead = encoder.stride, encoder.lookahead
         self.tokenizer = tokenizer
-        self.features = FeatureStream()
+        self.features = FeatureStream(fbank)
         self.pending = np.zeros((0, self.features.options.num_mel_bins), np.float32)
         self.frames_seen = 0
         # (feature frames the chunk needed, seconds it took, tokens after it) per chunk
         self.chunks: list[tuple[int, float, int]] = []
 
-    def _run(self, frames: np.ndarray) -> None:
+    def _run(self, frames: np.ndarray, encode: Callable[[torch.Tensor], torch.Tensor]) -> None:
         start = time.perf_counter()
         with torch.inference_mode():
-            self.search.step(self.encode(torch.from_numpy(frames)[None])[0])
+            out = encode(torch.from_numpy(frames)[None])[0]
+            if out.size(0):
+                self.search.step(out)
         needed = self.frames_seen - len(self.pending) + len(frames)
         self.chunks.append((needed, time.perf_counter() - start, len(self.search.tokens)))
 
@@ -138,15 +230,21 @@ class StreamingRecognizer:
         new = self.features.accept(sample_rate, samples)
         self.frames_seen += len(new)
         self.pending = np.concatenate([self.pending, new])
-        while len(self.pending) >= self.stride + SUBSAMPLING_OVERLAP:
-            self._run(self.pending[:self.stride + SUBSAMPLING_OVERLAP])
+        while len(self.pending) >= self.stride + self.lookahead:
+            self._run(self.pending[:self.stride + self.lookahead], self.encoder)
             self.pending = self.pending[self.stride:]
         return self.text()
 
     def finish(self) -> str:
         """Encode what is left of the audio; return the final hypothesis."""
-        if len(self.pending) >= MIN_INPUT_FRAMES:
-            self._run(self.pending)
+        last = self.features.flush()
+        self.frames_seen += len(last)
+        self.pending = np.concatenate([self.pending, last])
+        while len(self.pending) >= self.stride + self.lookahead:
+            self._run(self.pending[:self.stride + self.lookahead], self.encoder)
+            self.pending = self.pending[self.stride:]
+        if len(self.pending):
+            self._run(self.pending, self.encoder.finish)
         self.pending = self.pending[:0]
         self.search.finish()
         return self.text()
@@ -193,6 +291,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--wav-scp", required=True, help="Kaldi wav.scp of the audio")
     parser.add_argument("--chunk-size", type=int, required=True,
                         help="encoder output frames per chunk (within the trained range)")
+    parser.add_argument("--right-context", choices=RIGHT_CONTEXTS,
+                        help="CUSIDE models: each chunk's right context (default: simulated "
+                             "with trainer.simu, else real, which waits for its frames)")
     parser.add_argument("--checkpoint", help="checkpoint (default: stage 4's)")
     parser.add_argument("--piece-seconds", type=float, default=0.1,
                         help="audio fed per call (the result does not depend on it)")
@@ -226,14 +327,16 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
+    hyper = load_hyper(Path(args.exp_dir) / HYPER_NAME)
     checkpoint = Path(args.checkpoint) if args.checkpoint else \
-        select_checkpoint(args.exp_dir, load_hyper(Path(args.exp_dir) / HYPER_NAME))
+        select_checkpoint(args.exp_dir, hyper)
+    fbank = experiment_front_end(hyper)
     try:
         kind = experiment_kind(args.exp_dir)
         check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
         model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"),
                                       args.allow_config_change)
-        encoder = StreamingEncoder(model.encoder, args.chunk_size)
+        encoder = streaming_encoder(model, args.chunk_size, args.right_context)
         if (args.hotwords or args.lm_arpa) and not args.tlg:
             raise ValueError("--hotwords and --lm-arpa go with --tlg (streaming greedy search "
                              "has no hypotheses to favour a phrase among)")
@@ -253,10 +356,13 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
     results = {}
     for key, spec in sorted(read_table(args.wav_scp).items()):
         samples, rate = read_audio(spec)
-        recognizer = StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
-                                         searcher(model, args.chunk_size), tokenizer)
+        recognizer = StreamingRecognizer(streaming_encoder(model, args.chunk_size,
+                                                           args.right_context),
+                                         searcher(model, args.chunk_size), tokenizer, fbank)
         results[key] = decode_utterance(recognizer, samples, rate, args.piece_seconds)
     info = {"checkpoint": str(checkpoint), "chunk_size": args.chunk_size, "runtime": "pytorch"}
+    if model.chunking is not None:
+        info["right_context"] = encoder.right_context
     if args.tlg:
         info.update(tlg=args.tlg, lm_weight=args.lm_weight, beam=args.beam,
                     hotwords=args.hotwords)
@@ -280,16 +386,6 @@ def _tlg_graph(args: argparse.Namespace, tokenizer: Any) -> Any:
                              "--lm-arpa to build it for these")
         return graph
     return decoding_graph(tokenizer, args.lm_arpa, args.tlg, boosts)
-
-
-def _chunk_encoder(encoder: StreamingEncoder) -> Callable[[torch.Tensor], torch.Tensor]:
-    state = list(encoder.initial_state())
-
-    def encode(feats: torch.Tensor) -> torch.Tensor:
-        out, state[0], state[1] = encoder(feats, state[0], state[1])
-        return out
-
-    return encode
 
 
 def write_summary(out: PathLike, results: dict[str, UtteranceResult],

@@ -99,6 +99,25 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                           "description": "transducer searches: a constant taken from the "
                                          "blank logit at every step (sherpa-onnx's "
                                          "blank_penalty); trades deletions for insertions"},
+        "chunk_size": {"type": "integer", "minimum": 0,
+                       "description": "decode in chunks of this many encoder frames (0: full "
+                                      "context): the forward of a U2 model with its chunk "
+                                      "mask, the chunked forward of a CUSIDE model; what "
+                                      "streaming (python -m cat.stream) gives with that "
+                                      "chunk size"},
+        "right_context": {"enum": ["simulated", "real", "none"],
+                          "description": "CUSIDE models in chunks: each chunk's right context "
+                                         "(default: simulated with trainer.simu, else real)"},
+        "tlg": {"type": "string", "minLength": 1,
+                "description": "WFST decoding of the frame posteriors of a CTC model (CTC "
+                               "and CRF alike) with the TLG graph in this directory (TLG.fst "
+                               "and words.json, which stage 5 builds for each wfst setting) "
+                               "instead of the model's searches; word-level results and "
+                               "times"},
+        "lm_weight": {"type": "number", "exclusiveMinimum": 0,
+                      "description": "tlg: the word LM's weight (stage 5's weights.json)"},
+        "wfst_beam": {"type": "number", "exclusiveMinimum": 0,
+                      "description": "tlg: the WFST decoder's beam"},
         "nj": {"type": "integer", "minimum": 1,
                "description": "CPU decoding processes, each decoding a share of the batches"},
         "max_frames": {"type": "integer", "minimum": 1,
@@ -135,6 +154,11 @@ class DecodeOptions:
     hotwords: str | None = None
     hotwords_score: float = 1.5
     blank_penalty: float = 0.0
+    chunk_size: int = 0
+    right_context: str | None = None
+    tlg: str | None = None
+    lm_weight: float = 1.0
+    wfst_beam: float = 16.0
     nj: int = 1
     max_frames: int = 40000
     batch_size: int = 64
@@ -142,6 +166,10 @@ class DecodeOptions:
     allow_config_change: bool = False
 
     def __post_init__(self) -> None:
+        if self.hotwords is not None and self.tlg is not None:
+            raise ValueError("hotwords with tlg: WFST decoding boosts phrases in the graph "
+                             "itself; build it with them (stage 5's wfst settings, or "
+                             "python -m cat.stream --tlg DIR --lm-arpa ARPA --hotwords FILE)")
         if self.hotwords is not None and self.method == "greedy":
             raise ValueError("hotwords need a beam search (method 'beam' or one of the "
                              "rescoring methods), not greedy")
@@ -289,6 +317,10 @@ class Searcher:
                              f"{', '.join(self.model.decode_methods)}, not {options.method}")
         self.search = options.search_settings(self.model.method_settings(options.method),
                                               str(Path(exp_dir) / CONFIG_NAME))
+        try:
+            self.model.set_decode_chunk_size(options.chunk_size, options.right_context)
+        except ValueError as error:
+            raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: {error}") from None
         pieces = [self.tokenizer.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
         models: dict[str, TokenLM] = {}
         self.fusions = [spec.build(pieces, models) if spec is not None else None

@@ -42,7 +42,8 @@ that fails or outlives `$CAT_WAV_SCP_TIMEOUT`) is skipped, logged and counted wi
 list line it came from; the rest is decoded. Nothing decodable at all is an error.
 
 The options are stage 4's (`DecodeOptions`), hotwords included: each process's `Searcher`
-builds their context graph and searches with it.
+builds their context graph and searches with it. The fbank is the experiment's front end
+(`hyper-p.json: data.front_end`, `cat.features.fbank.FRONT_ENDS`) unless `fbank` is given.
 
 Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
 key, as stage 4 writes them), `skipped.txt` (`<key> <reason>`), `decode.log` (inputs,
@@ -73,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from cat.core.config import CONFIG_NAME, load_config
+from cat.core.config import CONFIG_NAME, HYPER_NAME, load_config, load_hyper
 from cat.core.io import PathLike, atomic_write
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
@@ -97,7 +98,8 @@ from cat.decoding.searcher import (
     write_hyp,
 )
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
-from cat.features.fbank import FbankOptions
+from cat.decoding.wfst import searcher_for
+from cat.features.fbank import FbankOptions, experiment_front_end
 from cat.features.plan import balance_jobs
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
@@ -323,8 +325,8 @@ def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptio
                   fbank: FbankOptions, window_frames: int, output: str = "text",
                   segmenting: Segmenting | None = None) -> _Decoded:
     """Read, featurize and decode `share` in this process."""
-    searcher = Searcher(exp_dir, checkpoint, kind, options, device,
-                        [fusion] if fusion is not None else [])
+    searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
+                            [fusion] if fusion is not None else [])
     return _decode(searcher, _features(share, fbank, window_frames, segmenting), options,
                    window_frames, output, segmenting)
 
@@ -348,8 +350,8 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
     processes, that report their progress."""
     workers = max(1, min(options.nj, len(audio.recordings)))
     if device == "cuda":
-        searcher = Searcher(exp_dir, checkpoint, kind, options, device,
-                            [fusion] if fusion is not None else [])
+        searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
+                                [fusion] if fusion is not None else [])
         if workers == 1:
             items = _features(enumerate(audio.recordings), fbank, window_frames, segmenting)
             return [_decode(searcher, items, options, window_frames, output, segmenting)], 1
@@ -379,7 +381,7 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
     (`cat.decoding.results`; other than text, they hold pieces, times and N-best);
     `segmenting`: long utterances in windows (see the module docstring)."""
     check_format(output)
-    fbank = fbank or FbankOptions()
+    fbank = fbank or experiment_front_end(load_hyper(Path(exp_dir) / HYPER_NAME))
     window_frames = window_frames or window_frames_setting()
     if segmenting is not None and segmenting.max_segment / FRAME_SHIFT_SECONDS > window_frames:
         raise TranscribeError(f"--max-segment {segmenting.max_segment:g} s is longer than the "

@@ -10,6 +10,12 @@ CTC-CRF as for CTC) are decoded by kaldi-decoder's FasterDecoder with
 `acoustic_scale / lm_weight`.
 Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
 
+`inference.infer.option.tlg` (`python -m cat.decode --tlg DIR --lm-weight W`) decodes a
+feature dir or audio with a graph stage 5 built (`TlgSearcher`, what `searcher_for` gives
+with it): the words of the best path, each timed by its units' spikes on the forced
+alignment of the path's units to the log-posteriors (the definition of the other searches'
+times, `cat.decoding.timestamps`), so `--format json | ctm | srt` hold word times.
+
 Hotwords (`inference.infer.option.hotwords`, the file the beam searches read) bias the
 graph itself: each phrase is a word of G whose n-grams gain its bonus (its score per token
 times its tokens), a new unigram when the LM lacks it (`hotword_boosts`,
@@ -34,9 +40,16 @@ import torch
 from cat.core.config import CONFIG_NAME, experiment_kind
 from cat.core.io import PathLike, atomic_write
 from cat.decoding.context_graph import read_hotword_phrases
-from cat.decoding.searcher import NO_LABEL, DecodeOptions, Searcher, plan_batches
+from cat.decoding.results import Result
+from cat.decoding.searcher import NO_LABEL, DecodeOptions, FusionSpec, Searcher, plan_batches
+from cat.decoding.timestamps import (
+    FRAME_SHIFT_SECONDS,
+    TimedUnit,
+    ctc_token_frames,
+    token_times,
+)
 from cat.formats.tables import read_feature_index
-from cat.graph.tlg import ChunkDecoder, DecodingGraph, build_tlg, decode
+from cat.graph.tlg import ChunkDecoder, DecodingGraph, build_tlg, decode, decode_path
 from cat.loading.batch import Utterance, collate
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import UNK_ID, Tokenizer
@@ -175,3 +188,90 @@ def decode_all(graph: DecodingGraph, posteriors: dict[str, np.ndarray], acoustic
     """{utterance: words joined without spaces (Chinese)}."""
     return {key: "".join(decode(graph, lp, acoustic_scale, lm_weight, beam))
             for key, lp in posteriors.items()}
+
+
+def word_spans(words: list[str], units: list[int],
+               spell: Callable[[str], list[list[int]] | None]) -> list[tuple[int, int]]:
+    """Each word's first and last index in `units`, the units a TLG path reads for `words`
+    (its spellings, one after the other); ValueError when they do not spell them."""
+    spans: list[tuple[int, int]] = []
+
+    def place(word_index: int, start: int) -> bool:
+        if word_index == len(words):
+            return start == len(units)
+        for spelling in spell(words[word_index]) or []:
+            end = start + len(spelling)
+            if units[start:end] == spelling:
+                spans.append((start, end - 1))
+                if place(word_index + 1, end):
+                    return True
+                spans.pop()
+        return False
+
+    if not place(0, 0):
+        raise ValueError(f"the units {units} do not spell the words {words}")
+    return spans
+
+
+class TlgSearcher(Searcher):
+    """A `Searcher` decoding with TLG (`DecodeOptions.tlg`, a graph directory of stage 5):
+    `best` gives the words of the best path joined without spaces (Chinese), `results`
+    the words with their times (see the module docstring); no N-best lists."""
+
+    def __init__(self, exp_dir: PathLike, checkpoint: PathLike, kind: str,
+                 options: DecodeOptions, device: str,
+                 specs: list[FusionSpec | None] | tuple = ()) -> None:
+        if any(spec is not None for spec in specs):
+            raise ValueError("tlg: the word LM is in the graph; shallow fusion (--lm) "
+                             "goes with the model's beam search")
+        super().__init__(exp_dir, checkpoint, kind, options, device)
+        check_frame_posteriors(self.model)
+        self.graph = read_graph(options.tlg)
+        self.spell = pronouncer(self.tokenizer)
+
+    def _paths(self, utterances: list[Utterance]
+               ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[str], list[int]]]]:
+        batch = collate(utterances)
+        with torch.inference_mode():
+            log_probs, lengths = self.model.log_probs(batch.feats.to(self.device),
+                                                      batch.feat_lens.to(self.device))
+        log_probs = log_probs.cpu()
+        paths = [decode_path(self.graph, log_probs[i, :int(lengths[i])].numpy(),
+                             lm_weight=self.options.lm_weight, beam=self.options.wfst_beam)
+                 for i in range(len(utterances))]
+        return log_probs, lengths.cpu(), paths
+
+    def best(self, utterances: list[Utterance]) -> list[tuple[str, str]]:
+        _, _, paths = self._paths(utterances)
+        return [(u.key, "".join(words)) for u, (words, _) in zip(utterances, paths,
+                                                                   strict=True)]
+
+    def results(self, utterances: list[Utterance], timestamps: bool = True) -> list[Result]:
+        log_probs, lengths, paths = self._paths(utterances)
+        spans = ctc_token_frames(log_probs, lengths, [units for _, units in paths]) \
+            if timestamps else [None] * len(paths)
+        factor = int(self.model.encoder.frame_rate_factor)
+        results = []
+        for index, (utterance, (words, units)) in enumerate(zip(utterances, paths,
+                                                                 strict=True)):
+            times = None
+            if spans[index] is not None:
+                duration = len(utterance.features) * FRAME_SHIFT_SECONDS
+                tokens = token_times(spans[index], factor, None, duration)
+                times = tuple(TimedUnit(word, tokens[first].start, tokens[last].end,
+                                        min(t.confidence for t in tokens[first:last + 1]))
+                              for word, (first, last) in zip(
+                                  words, word_spans(words, units, self.spell), strict=True))
+            results.append(Result(utterance.key, "".join(words), tuple(words), times, None,
+                                  tuple(units)))
+        return results
+
+    def nbest(self, utterances: list[Utterance]) -> list[list[tuple[str, Any]]]:
+        raise ValueError("tlg: WFST decoding gives the best path only, no N-best lists")
+
+
+def searcher_for(exp_dir: PathLike, checkpoint: PathLike, kind: str, options: DecodeOptions,
+                 device: str, specs: list[FusionSpec | None] | tuple = ()) -> Searcher:
+    """The searcher of `options`: a `TlgSearcher` with `tlg`, else the model's `Searcher`."""
+    cls = TlgSearcher if options.tlg is not None else Searcher
+    return cls(exp_dir, checkpoint, kind, options, device, list(specs))

@@ -15,8 +15,11 @@ pitch together, `floor(n / factor + 0.5)` samples from `n`, nothing leaking into
 top mel bins) and the segments of the copy `sp<factor>-<utt>` are cut from the changed
 recording at times / factor, like Kaldi's `perturb_data_dir_speed.sh`.
 
+With `--front-end sherpa-onnx` the fbank is sherpa-onnx's (`cat.features.fbank.FRONT_ENDS`).
+
 Output layout of <feat-dir> (tables sorted in byte order, written atomically):
     feats.scp, utt2num_frames       features of every utterance that got some
+    fbank.json                      the fbank options they were computed with
     text, utt2spk, spk2utt          copied for exactly those utterances (when present)
     skipped.txt                     `<utt> <reason>` for every utterance without features
     arks/feats.<job>.{ark,scp}      the matrices, written by kaldiio (also the job's
@@ -90,10 +93,13 @@ from cat.core.launch import (
 from cat.core.process import process_pool
 from cat.core.threads import configure_threads
 from cat.features.fbank import (
+    FRONT_ENDS,
     AudioError,
     FbankOptions,
     compute_fbank,
+    front_end,
     read_audio_with_channels,
+    write_front_end,
 )
 from cat.features.plan import (
     DEFAULT_MAX_OVERSHOOT,
@@ -553,6 +559,8 @@ def extract(
         raise FeatureExtractionError(f"{len(failed)} feature job(s) failed: {_job_list(failed)}")
 
     prefixes = [""] + [speed_prefix(f) for f in factors]
+    # Before feats.scp (the last file written): a dir with features says how they came.
+    write_front_end(feat_dir, options)
     num_utterances, num_skipped, frames = _merge(data_dir, feat_dir, plan, prefixes)
     summary = ExtractSummary(num_utterances, num_skipped, frames,
                              tuple(job.index for job in jobs), tuple(reused),
@@ -636,6 +644,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="audio is resampled to this rate (default %(default)s)")
     parser.add_argument("--dither", type=float, default=0.0,
                         help="Kaldi dithering; 0 keeps features reproducible (default 0)")
+    parser.add_argument("--front-end", choices=sorted(FRONT_ENDS), default="kaldi",
+                        help="the fbank front end (cat.features.fbank.FRONT_ENDS; recorded "
+                             "in the feature dir's fbank.json; default %(default)s)")
     parser.add_argument("--speed-perturb", type=_parse_factors, default=(), metavar="F1,F2",
                         help="also write sp<F>-<utt> copies at these speeds, e.g. 0.9,1.1")
     parser.add_argument("--compress", type=_parse_bool, default=False, metavar="true|false",
@@ -657,8 +668,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_job_task(Path(argv[1]))
     args = _parse_args(argv)
     setup_logging(args.verbose)
-    options = FbankOptions(num_mel_bins=args.num_mel_bins, sample_rate=args.sample_rate,
-                           dither=args.dither)
+    options = dataclasses.replace(front_end(args.front_end), num_mel_bins=args.num_mel_bins,
+                                  sample_rate=args.sample_rate, dither=args.dither)
     try:
         extract(args.data_dir, args.feat_dir, nj=args.nj, options=options,
                 speed_factors=args.speed_perturb, compress=args.compress,

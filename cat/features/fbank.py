@@ -17,8 +17,14 @@
   (stage 1, audio shards, transcription) and their worker processes and array tasks;
 * `compute_fbank`: 80-dim log-mel fbank, the computation of
   `torchaudio.compliance.kaldi.fbank` (`FbankOptions`: 25 ms window, 10 ms shift, dither
-  0 unless asked, other options at their Kaldi defaults) on audio scaled to the int16
-  range as Kaldi reads it; `num_frames` the frame count it gives for a number of samples.
+  0 unless asked, other options at their Kaldi defaults; `high_freq`, `snip_edges` and
+  `normalize_samples` as the front end asks) on audio scaled to the int16 range as Kaldi
+  reads it; `num_frames` the frame count it gives for a number of samples;
+* front ends (`FRONT_ENDS`, an experiment's `hyper-p.json: data.front_end`): Kaldi's
+  defaults, and sherpa-onnx's (mel banks to 400 Hz below Nyquist, no snipped edges), so
+  that a model trained on it runs in sherpa-onnx's recognizers as they come; stage 1
+  records a feature dir's in its `fbank.json` (`write_front_end`, `read_front_end`,
+  `check_front_end`);
   It takes the same steps in the same float32 order as torchaudio (DC offset, pre-emphasis,
   Povey window, 512-point real FFT, mel banks, log), but builds the window and mel banks
   once per `FbankOptions` (`fbank_tables`) and takes the power spectrum as re^2 + im^2
@@ -44,7 +50,9 @@ Usage:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -55,7 +63,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import soundfile
@@ -79,13 +87,23 @@ class AudioError(RuntimeError):
 
 @dataclass(frozen=True)
 class FbankOptions:
-    """Options of the Kaldi fbank computation; the rest are Kaldi's defaults."""
+    """Options of the Kaldi fbank computation; the rest are Kaldi's defaults.
+
+    `high_freq`: the top of the mel banks in Hz, <= 0 meaning the Nyquist frequency plus
+    it (Kaldi's rule); `snip_edges`: whole windows only (Kaldi's default), else frame `m`
+    centred on sample `m * shift + shift / 2` with the samples beyond either end
+    reflected, `(n + shift / 2) // shift` frames; `normalize_samples`: the samples as they
+    are read, in [-1, 1), instead of scaled to the int16 range as Kaldi reads audio (it
+    shifts every log-mel bin by about 20.8)."""
 
     num_mel_bins: int = 80
     sample_rate: int = 16000
     dither: float = 0.0
     frame_length_ms: float = 25.0
     frame_shift_ms: float = 10.0
+    high_freq: float = 0.0
+    snip_edges: bool = True
+    normalize_samples: bool = False
 
     @property
     def window_size(self) -> int:
@@ -96,6 +114,75 @@ class FbankOptions:
     def window_shift(self) -> int:
         """Samples between frame starts."""
         return int(self.sample_rate * self.frame_shift_ms / 1000)
+
+    @property
+    def first_sample(self) -> int:
+        """Where frame 0 starts (before sample 0 without `snip_edges`)."""
+        return 0 if self.snip_edges else (self.window_shift - self.window_size) // 2
+
+
+#: The front ends features are computed with (`hyper-p.json: data.front_end`): Kaldi's
+#: defaults (stage 1's features until now), and sherpa-onnx's, what its recognizers compute
+#: unless told otherwise: mel banks up to 400 Hz below the Nyquist frequency and no snipped
+#: edges (`FeatureExtractorConfig`'s defaults, which its factory methods, command-line
+#: tools and apps keep), on int16-range samples, which it feeds `wenet_ctc` models
+#: whatever its `normalize_samples` says (`online-recognizer-ctc-impl.h`); its transducer
+#: factory takes `normalize_samples=False` for them.
+FRONT_ENDS: dict[str, FbankOptions] = {
+    "kaldi": FbankOptions(),
+    "sherpa-onnx": FbankOptions(high_freq=-400.0, snip_edges=False),
+}
+FRONT_END_FILE = "fbank.json"
+
+
+def front_end(name: str) -> FbankOptions:
+    """The `FbankOptions` of a front end's name (`FRONT_ENDS`); ValueError naming them."""
+    if name not in FRONT_ENDS:
+        raise ValueError(f"front end {name!r}: unknown; known: {', '.join(FRONT_ENDS)}")
+    return FRONT_ENDS[name]
+
+
+def front_end_name(options: FbankOptions) -> str | None:
+    """The name of `options` among `FRONT_ENDS` (None: options of their own)."""
+    return next((name for name, known in FRONT_ENDS.items() if known == options), None)
+
+
+def experiment_front_end(hyper: dict[str, Any]) -> FbankOptions:
+    """The front end of an experiment's `hyper-p.json` (`data.front_end`, default kaldi)."""
+    return front_end(hyper.get("data", {}).get("front_end", "kaldi"))
+
+
+def write_front_end(feat_dir: str | os.PathLike, options: FbankOptions) -> None:
+    """Record in a feature dir the options its features were computed with (`fbank.json`)."""
+    path = os.path.join(feat_dir, FRONT_END_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(options), f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def read_front_end(feat_dir: str | os.PathLike) -> FbankOptions:
+    """The options a feature dir's features were computed with (`fbank.json`; a dir
+    without it holds Kaldi's defaults, as stage 1 wrote before it recorded them)."""
+    path = os.path.join(feat_dir, FRONT_END_FILE)
+    if not os.path.isfile(path):
+        return FbankOptions()
+    with open(path, encoding="utf-8") as f:
+        try:
+            return FbankOptions(**json.load(f))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path}: not fbank options: {error}") from None
+
+
+def check_front_end(feat_dir: str | os.PathLike, options: FbankOptions, source: str) -> None:
+    """ValueError when the features of `feat_dir` were not computed with `options` (the
+    front end `source`, an experiment's hyper-p.json, declares)."""
+    found = read_front_end(feat_dir)
+    if found != options:
+        have, want = front_end_name(found) or str(found), front_end_name(options) or str(options)
+        raise ValueError(f"{feat_dir}: its features were computed with the {have} front end "
+                         f"({FRONT_END_FILE}), but {source} declares data.front_end {want}; "
+                         f"extract them with that one (run.sh --front_end {want})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,10 +392,13 @@ def _check_not_truncated(audio: soundfile.SoundFile, name: str) -> None:
 
 
 def num_frames(num_samples: int, options: FbankOptions | None = None) -> int:
-    """Kaldi's frame count with `snip_edges=true`: whole windows only."""
+    """Kaldi's frame count: whole windows only with `snip_edges`, else
+    `(num_samples + shift / 2) // shift` (none for fewer samples than a window)."""
     options = options or FbankOptions()
     if num_samples < options.window_size:
         return 0
+    if not options.snip_edges:
+        return (num_samples + options.window_shift // 2) // options.window_shift
     return 1 + (num_samples - options.window_size) // options.window_shift
 
 
@@ -370,14 +460,23 @@ class _Samples:
 
     def window(self, first: int, last: int) -> torch.Tensor:
         """The samples of frames `first` to `last` (exclusive): consecutive windows
-        overlap by the frame length less one shift."""
-        shift = self.options.window_shift
-        piece = torch.from_numpy(self.data[first * shift:(last - 1) * shift
-                                           + self.options.window_size])
+        overlap by the frame length less one shift; without `snip_edges` samples before
+        the start and past the end are reflected (Kaldi's rule)."""
+        options = self.options
+        start = first * options.window_shift + options.first_sample
+        end = (last - 1) * options.window_shift + options.first_sample + options.window_size
+        if start >= 0 and end <= len(self.data):
+            piece = torch.from_numpy(self.data[start:end])
+        else:
+            index = np.arange(start, end)
+            index = np.where(index < 0, -index - 1, index)
+            index = np.where(index >= len(self.data), 2 * len(self.data) - 1 - index, index)
+            piece = torch.from_numpy(self.data[index])
         if self.data.dtype == np.int16:
             # int16 / 32768 * 32768 is the int16 value exactly: skip both passes.
-            return piece.to(torch.float32)
-        return piece * INT16_SCALE
+            piece = piece.to(torch.float32)
+            return piece / INT16_SCALE if options.normalize_samples else piece
+        return piece.to(torch.float32) if options.normalize_samples else piece * INT16_SCALE
 
 
 def _int16_range(waveform: np.ndarray, sample_rate: int, options: FbankOptions) -> _Samples:
@@ -388,7 +487,7 @@ def _int16_range(waveform: np.ndarray, sample_rate: int, options: FbankOptions) 
 
 # Kaldi's defaults, as torchaudio.compliance.kaldi.fbank has them.
 _PREEMPHASIS = 0.97
-_LOW_FREQ, _HIGH_FREQ = 20.0, 0.0
+_LOW_FREQ = 20.0
 _VTLN_LOW, _VTLN_HIGH, _VTLN_WARP = 100.0, -500.0, 1.0
 _EPSILON = torch.finfo(torch.float32).eps
 
@@ -401,7 +500,8 @@ def fbank_tables(options: FbankOptions) -> tuple[torch.Tensor, torch.Tensor, int
                                dtype=torch.float32).pow(0.85)
     fft_size = 1 << (options.window_size - 1).bit_length()
     banks, _ = get_mel_banks(options.num_mel_bins, fft_size, float(options.sample_rate),
-                             _LOW_FREQ, _HIGH_FREQ, _VTLN_LOW, _VTLN_HIGH, _VTLN_WARP)
+                             _LOW_FREQ, float(options.high_freq), _VTLN_LOW, _VTLN_HIGH,
+                             _VTLN_WARP)
     banks = torch.nn.functional.pad(banks.to(torch.float32), (0, 1))
     return window, banks.T.contiguous(), fft_size
 

@@ -276,21 +276,42 @@ class ChunkDecoder:
     def words(self, final: bool = False) -> list[str]:
         """Words of the best path so far; `final`: of the best path ending in a final state
         (empty when none does, or before any frame)."""
+        return self.best(final)[0]
+
+    def best(self, final: bool = False) -> tuple[list[str], list[int]]:
+        """(words, units) of the best path so far (`final` as in `words`): the units are
+        the tokenizer's ids the path reads, its frames' CTC labels with repeats and blanks
+        removed (the CTC topology puts a blank between two equal units)."""
         import kaldifst
 
         if self.frames == 0 or (final and not self.decoder.reached_final()):
-            return []
+            return [], []
         ok, best = self.decoder.get_best_path(final)
         if not ok:
-            return []
-        ok, _, olabels, _ = kaldifst.get_linear_symbol_sequence(best)
+            return [], []
+        ok, ilabels, olabels, _ = kaldifst.get_linear_symbol_sequence(best)
+        if not ok:
+            return [], []
         num = len(self.graph.words)
-        return [self.graph.words[o - 1] for o in olabels if 0 < o <= num] if ok else []
+        units, previous = [], 0
+        for label in ilabels:  # T's input: unit + 1, blank 1
+            unit = label - 1
+            if unit > 0 and unit != previous:
+                units.append(unit)
+            previous = unit
+        return [self.graph.words[o - 1] for o in olabels if 0 < o <= num], units
 
 
 def decode(graph: DecodingGraph, log_probs: np.ndarray, acoustic_scale: float = 1.0,
            lm_weight: float = 1.0, beam: float = 16.0, max_active: int = 7000) -> list[str]:
     """Best word sequence of one utterance's log-posteriors [T, V] (empty when no path)."""
+    return decode_path(graph, log_probs, acoustic_scale, lm_weight, beam, max_active)[0]
+
+
+def decode_path(graph: DecodingGraph, log_probs: np.ndarray, acoustic_scale: float = 1.0,
+                lm_weight: float = 1.0, beam: float = 16.0, max_active: int = 7000
+                ) -> tuple[list[str], list[int]]:
+    """(words, units) of the best path of one utterance's log-posteriors (`ChunkDecoder.best`)."""
     decoder = ChunkDecoder(graph, acoustic_scale, lm_weight, beam, max_active)
     decoder.accept(log_probs)
-    return decoder.words(final=True)
+    return decoder.best(final=True)

@@ -8,7 +8,10 @@ transducer's (`cat.rnnt.model`), else the CTC or CTC-CRF head. Every head trains
     loss of an utterance = sum over heads of weight x the head's loss
 
 with the weights of the config (`ctc.weight` beside a transducer, `attention.ctc_weight`
-beside a CTC head; 1 for a head alone). The other heads may rank the first head's N-best
+beside a CTC head; 1 for a head alone). A CUSIDE model (`chunking`, config.json's
+`trainer.chunk_size`: `cat.models.cuside`) adds, per utterance, the same heads' losses on
+its chunked forward and the simulation network's weighted L1 loss (stats
+`chunk_loss_sum`, `simu_loss_sum`). The other heads may rank the first head's N-best
 again, a decoding method each (`Rescorer`): the attention decoder's `attention_rescoring`,
 an auxiliary CTC head's `joint_rescoring`.
 
@@ -29,6 +32,9 @@ What the trainer and decoding use:
     rescoring method's weights); `search_inputs(feats,
     feat_lens)`: one network forward, and `nbest(inputs, beam_size, fusion, method,
     **search)`: N-best lists (token ids, score) of it, once per shallow-fusion setting.
+  * `encode(feats, feat_lens)`: the encoder output the searches read, full context or in
+    the chunks `set_decode_chunk_size(chunk_size, right_context)` asks for (U2's chunk
+    mask; CUSIDE's windows with a right context).
   * `log_probs(feats, feat_lens) -> (log-probabilities [B, T', V] float32, lengths [B])`
     when the first head gives frame posteriors (`frame_posteriors`: CTC and CTC-CRF),
     what WFST decoding, streaming CTC search and the CTC export read.
@@ -58,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cat.models.cuside import ContextChunking
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     FramePosteriors,
@@ -111,11 +118,14 @@ class AsrModel(nn.Module):
         weights: name -> the head's weight in the loss (all of `heads`).
         specaug: optional SpecAugment applied to the features in training mode.
         loss_normalization: "utterance" or "token" (see the module docstring).
+        chunking: CUSIDE's chunked forward (`cat.models.cuside.ContextChunking`), which
+            trains the heads on chunks too and decodes in chunks when set to.
     """
 
     def __init__(self, encoder: nn.Module, heads: Mapping[str, nn.Module],
                  weights: Mapping[str, float], specaug: SpecAugment | None = None,
-                 loss_normalization: str = "utterance") -> None:
+                 loss_normalization: str = "utterance",
+                 chunking: ContextChunking | None = None) -> None:
         super().__init__()
         if loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, "
@@ -132,6 +142,7 @@ class AsrModel(nn.Module):
                 raise TypeError(f"head {name!r} ({type(head).__name__}) is not a Head")
         self.encoder = encoder
         self.specaug = specaug
+        self.chunking = chunking
         self.loss_normalization = loss_normalization
         self.head_names = tuple(heads)
         for name, head in heads.items():
@@ -176,9 +187,34 @@ class AsrModel(nn.Module):
         """Return (normalised loss, stats); see the module docstring."""
         feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
         check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
+        clean = feats
         if self.training and self.specaug is not None:
             feats = self.specaug(feats, feat_lens)
         hidden, lengths = self.encoder(feats, feat_lens)
+        combined, infeasible, extra = self._head_losses(hidden, lengths, labels, label_lens)
+        if self.chunking is not None:
+            # CUSIDE's unified training: the heads on the chunked forward too, plus the
+            # simulation's loss (`cat.models.cuside`).
+            hidden, chunk_lengths, simulation = self.chunking.training_pass(
+                self.encoder, feats, clean, feat_lens)
+            chunked, chunk_infeasible, _ = self._head_losses(hidden, chunk_lengths, labels,
+                                                             label_lens)
+            extra["chunk_loss_sum"] = float(chunked.detach().masked_fill(infeasible, 0).sum())
+            combined, infeasible = combined + chunked, infeasible | chunk_infeasible
+            if simulation is not None:
+                extra["simu_loss_sum"] = float(simulation.detach().sum())
+                combined = combined + simulation
+        combined = combined.masked_fill(infeasible, 0.0)
+        loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
+                                 self.loss_normalization)
+        stats.update(extra)
+        return loss, stats
+
+    def _head_losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+                     label_lens: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """The heads' weighted per-utterance losses summed, the first head's infeasible
+        utterances, and with several heads each head's stats and loss sum."""
         combined = infeasible = None
         extra: dict[str, float] = {}
         for name, head in self.heads.items():
@@ -192,11 +228,30 @@ class AsrModel(nn.Module):
             if len(self.head_names) > 1:
                 extra.update(stats)
                 extra[f"{head.stat_name}_loss_sum"] = float(losses.detach().sum())
-        combined = combined.masked_fill(infeasible, 0.0)
-        loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
-                                 self.loss_normalization)
-        stats.update(extra)
-        return loss, stats
+        return combined, infeasible, extra
+
+    def encode(self, feats: torch.Tensor,
+               feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder output decoding searches: full context, or in the chunks
+        `set_decode_chunk_size` set (the chunk-masked forward of a U2 model, CUSIDE's
+        chunked forward)."""
+        feat_lens = feat_lens.to(feats.device)
+        if self.chunking is not None and self.chunking.decode_chunk_size:
+            hidden, lengths, _ = self.chunking.encode_chunks(self.encoder, feats, feat_lens)
+            return hidden, lengths
+        return self.encoder(feats, feat_lens)
+
+    def set_decode_chunk_size(self, chunk_size: int, right_context: str | None = None) -> None:
+        """Decode in chunks of `chunk_size` encoder frames (0: full context); a CUSIDE
+        model with `right_context` (`cat.models.cuside.RIGHT_CONTEXTS`; None: its
+        default). ValueError for chunks the model was not trained for."""
+        if self.chunking is not None:
+            self.chunking.set_decode(chunk_size, right_context)
+            return
+        if right_context is not None:
+            raise ValueError(f"right context {right_context!r}: only CUSIDE models "
+                             "(trainer.chunk_size) decode chunks with a right context")
+        self.encoder.set_decode_chunk_size(chunk_size)
 
     @property
     def decode_methods(self) -> tuple[str, ...]:
@@ -232,7 +287,7 @@ class AsrModel(nn.Module):
         if not self.frame_posteriors:
             raise TypeError(f"this model's first head ({self.head_names[0]}) gives no "
                             "log-probabilities per frame")
-        hidden, lengths = self.encoder(feats, feat_lens.to(feats.device))
+        hidden, lengths = self.encode(feats, feat_lens)
         return self.first_head.log_probs(hidden), lengths
 
     @torch.no_grad()
@@ -240,7 +295,7 @@ class AsrModel(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """What `nbest` searches: the encoder output and its lengths (one network forward
         for any number of searches)."""
-        return self.encoder(feats, feat_lens.to(feats.device))
+        return self.encode(feats, feat_lens)
 
     def nbest(self, inputs: tuple[torch.Tensor, torch.Tensor], beam_size: int,
               fusion: Any = None, method: str = "beam", **search: Any) -> list[NBest]:
@@ -267,7 +322,7 @@ class AsrModel(nn.Module):
         """
         self.check_method(method)
         if method in self.first_head.search_methods:
-            hidden, lengths = self.encoder(feats, feat_lens.to(feats.device))
+            hidden, lengths = self.encode(feats, feat_lens)
             return self.first_head.search(hidden, lengths, method, beam_size, **search)
         nbest = self.nbest(self.search_inputs(feats, feat_lens), beam_size, None, method,
                            **search)

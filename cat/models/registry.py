@@ -9,7 +9,8 @@
       "ctc":       {"dropout": 0.0},                             # CTC model, or:
       "decoder":   {"type": "LSTMPredictor" | "StatelessPredictor", "kwargs": {...}},
       "joiner":    {"type": "JointNet", "kwargs": {"hdim": 320}},  # ... RNN-T model
-      "trainer":   {"loss_normalization": "utterance" | "token"},  # optional
+      "trainer":   {"loss_normalization": "utterance" | "token",   # optional
+                    "chunk_size": 40, "simu": true, ...},  # CUSIDE (cat.models.cuside)
       "scheduler": {"type": "SchedulerNoam", "kwargs": {...},
                     "optimizer": {"type": "AdamW", "kwargs": {...}}}
     }
@@ -48,6 +49,7 @@ from typing import Any
 from torch import nn
 
 from cat.core.config import ConfigError, model_kind, validate_config
+from cat.models.cuside import build_chunking
 from cat.models.encoder import ConformerNet, Encoder
 from cat.models.heads import Head
 from cat.models.model import AsrModel
@@ -147,10 +149,11 @@ def build_model(config: dict[str, Any], num_classes: int,
     rest = 1 - sum(given)
     trainer = config.get("trainer", {})
     try:
+        chunking = build_chunking(trainer, encoder, config["encoder"]["kwargs"]["idim"])
         return AsrModel(encoder, heads, {name: rest if weight is None else weight
                                          for name, weight in weights.items()}, specaug,
                         **({"loss_normalization": trainer["loss_normalization"]}
-                           if "loss_normalization" in trainer else {}))
+                           if "loss_normalization" in trainer else {}), chunking=chunking)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"{source}: {error}") from None
 

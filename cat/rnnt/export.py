@@ -36,19 +36,24 @@ from cat.decoding.export import (
     EXPORT_NAME,
     STREAMING_NAME,
     TOKENS_NAME,
+    ExportError,
+    experiment_feature_metadata,
     export_main,
     export_onnx,
     export_streaming,
-    feature_metadata,
     load_experiment_model,
     load_export_metadata,
     onnx_session,
+    sherpa_feature_config,
+    sherpa_wrap,
     streaming_metadata,
+    streaming_step,
     write_export,
     write_tokens,
 )
 from cat.decoding.online import TokenChunkSearch
-from cat.models.chunked import StreamingEncoder
+from cat.models.chunked import SUBSAMPLING_OVERLAP, KeyValueStreamingEncoder
+from cat.models.cuside import CusideStep
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -112,6 +117,98 @@ def _export_decoder(model: nn.Module, path: Path, metadata: dict[str, Any]) -> N
                 ["y", "h", "c"], ["decoder_out", "h_out", "c_out"], axes, metadata)
 
 
+#: The streaming encoder in the layout of sherpa-onnx's online `lstm` transducer type.
+LSTM_LAYOUT_NAME = "streaming_encoder_lstm.onnx"
+#: Left context, in chunks, that the `lstm`-layout export of a U2 model with all left
+#: context (`left_chunks` -1) caches: its hypotheses are `cat.rnnt.stream`'s while an
+#: utterance's earlier chunks fit (16 chunks of 16 frames: 20 s at 8x).
+LSTM_LAYOUT_LEFT_CHUNKS = 16
+
+
+def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([part.reshape(-1) for part in parts])[None, None]
+
+
+class _LstmLayoutStep(nn.Module):
+    """A streaming encoder's chunk in the layout of sherpa-onnx's online `lstm` transducer
+    type: `x` [1, T, 80], `h` [1, 1, 1] and `c` [1, 1, S] -> `encoder_out` [1, T', J] (through
+    the joiner's encoder projection), `next_h`, `next_c`. The runtime hands the two states
+    back unread, zeros at the start; `c` holds the step's own state flattened: a CUSIDE
+    model's left context, how many of its frames exist and the simulation's GRU states
+    (`CusideStep`), or a U2 model's cache of projected keys and values, its convolution
+    frames and how many cached frames exist (`KeyValueStreamingEncoder`)."""
+
+    def __init__(self, model: nn.Module, streaming: Any) -> None:
+        super().__init__()
+        self.joiner = model.transducer.joiner
+        self.cuside = isinstance(streaming, CusideStep)
+        if self.cuside:
+            self.step = streaming
+            history, state = streaming.initial_state()
+            self.shapes = [tuple(history.shape), (1,)] + (
+                [tuple(state.shape)] if state is not None else [])
+            self.keep = streaming.left
+        else:
+            self.step = KeyValueStreamingEncoder(model.encoder, streaming.chunk_size)
+            left = model.encoder.left_chunks
+            self.keep = streaming.chunk_size * (left if left > 0 else LSTM_LAYOUT_LEFT_CHUNKS)
+            attn, conv = self.step.initial_state(self.keep)
+            self.shapes = [tuple(attn.shape), tuple(conv.shape), (1,)]
+        self.chunk = streaming.chunk_size
+        self.stride = streaming.stride
+        self.size = sum(int(np.prod(shape)) for shape in self.shapes)
+
+    def _unpack(self, c: torch.Tensor) -> list[torch.Tensor]:
+        flat, parts, start = c.reshape(-1), [], 0
+        for shape in self.shapes:
+            count = int(np.prod(shape))
+            parts.append(flat[start:start + count].reshape(shape))
+            start += count
+        return parts
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor,
+                c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        parts = self._unpack(c)
+        if self.cuside:
+            history, valid = parts[0], parts[1]
+            state = parts[2] if len(parts) > 2 else None
+            right = x[:, self.stride:]
+            out, history, state = self.step(
+                x[:, :self.stride], torch.full((1,), self.stride, dtype=torch.int64), history,
+                valid.to(torch.int64), state, right,
+                torch.full((1,), right.size(1), dtype=torch.int64))
+            valid = torch.clamp(valid + self.stride, max=self.keep)
+            packed = [history, valid] + ([state] if state is not None else [])
+        else:
+            attn, conv, valid = parts
+            cached = attn.size(2)
+            positions = torch.arange(cached + self.chunk)
+            mask = (positions >= cached - valid.to(torch.int64))[None, None]
+            out, attn, conv = self.step(x, attn, conv, mask)
+            packed = [attn, conv, torch.clamp(valid + self.chunk, max=self.keep)]
+        return self.joiner.project_encoder(out), h, _packed(packed)
+
+
+def export_lstm_layout(model: nn.Module, streaming: Any, path: Path,
+                       metadata: dict[str, Any]) -> None:
+    """`streaming_encoder_lstm.onnx`: the streaming encoder in sherpa-onnx's online `lstm`
+    transducer layout (`_LstmLayoutStep`) with the metadata it reads (`model_type` lstm,
+    `num_encoder_layers`, `d_model`, `rnn_hidden_size`: the states' shapes; `T`, the frames
+    a chunk reads; `decode_chunk_len`, its stride); the export's `decoder.onnx` and
+    `joiner.onnx` go with it. Batch 1: streams are decoded one at a time."""
+    step = _LstmLayoutStep(model, streaming)
+    frames = (streaming.stride + streaming.chunking.context_size_right
+              if isinstance(streaming, CusideStep) and streaming.right_context == "real"
+              else streaming.stride + (0 if isinstance(streaming, CusideStep)
+                                       else SUBSAMPLING_OVERLAP))
+    layout = {"model_type": "lstm", "num_encoder_layers": 1, "d_model": 1,
+              "rnn_hidden_size": step.size, "T": frames, "decode_chunk_len": streaming.stride}
+    example = (torch.randn(1, frames, int(metadata["feature_dim"])), torch.zeros(1, 1, 1),
+               torch.zeros(1, 1, step.size))
+    export_onnx(step, example, path, ["x", "h", "c"], ["encoder_out", "next_h", "next_c"], {},
+                {**metadata, **layout}, torchscript=False)
+
+
 def export(exp_dir: PathLike, out_dir: PathLike | None = None,
            checkpoint: PathLike | None = None, chunk_size: int | None = None,
            allow_config_change: bool | None = None) -> Path:
@@ -128,12 +225,12 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
         "predictor": "stateless" if stateless else "lstm",
         "context_size": predictor.context_size if stateless else 1,
         "joiner_dim": int(model.transducer.joiner.enc_proj.out_features),
-        **feature_metadata(model.encoder)}
+        **experiment_feature_metadata(exp_dir, model.encoder)}
     if not stateless:
         metadata.update(lstm_layers=predictor.lstm.num_layers,
                         lstm_hidden=predictor.lstm.hidden_size)
     dim, joiner_dim = metadata["feature_dim"], metadata["joiner_dim"]
-    streaming = StreamingEncoder(model.encoder, chunk_size) if chunk_size else None
+    streaming = streaming_step(model, chunk_size) if chunk_size else None
     if streaming is not None:
         metadata.update(streaming_metadata(streaming))
 
@@ -152,10 +249,36 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
         if streaming is not None:
             export_streaming(model.transducer.joiner.enc_proj, streaming,
                              directory / STREAMING_NAME, "encoder_out", metadata)
+            if stateless:
+                export_lstm_layout(model, streaming, directory / LSTM_LAYOUT_NAME, metadata)
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 
     return write_export(out_dir or Path(exp_dir) / EXPORT_NAME, write)
+
+
+def sherpa_online_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
+    """A `sherpa_onnx.OnlineRecognizer` (transducer, model type `lstm`, greedy search)
+    running `streaming_encoder_lstm.onnx` with the export's `decoder.onnx` and
+    `joiner.onnx` and the fbank settings of `export.json`; decode one stream at a time."""
+    import sherpa_onnx
+    from sherpa_onnx.lib import _sherpa_onnx as native
+
+    export_dir = Path(export_dir)
+    meta = load_export_metadata(export_dir)
+    if not (export_dir / LSTM_LAYOUT_NAME).is_file():
+        raise ExportError(f"{export_dir}: no {LSTM_LAYOUT_NAME} (export a model with a "
+                          "stateless predictor with --chunk-size)")
+    model = native.OnlineModelConfig(
+        transducer=native.OnlineTransducerModelConfig(
+            encoder=str(export_dir / LSTM_LAYOUT_NAME), decoder=str(export_dir / "decoder.onnx"),
+            joiner=str(export_dir / "joiner.onnx")),
+        tokens=str(export_dir / TOKENS_NAME), num_threads=num_threads, debug=False,
+        model_type="lstm")
+    config = native.OnlineRecognizerConfig(feat_config=sherpa_feature_config(meta),
+                                           model_config=model, enable_endpoint=False,
+                                           decoding_method="greedy_search")
+    return sherpa_wrap(sherpa_onnx.OnlineRecognizer, native.OnlineRecognizer, config)
 
 
 class OnnxRnntDecoder:

@@ -20,15 +20,20 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from cat.core.io import PathLike, read_table, write_table
 from cat.features.extract import extract
+from cat.features.fbank import front_end
 from cat.formats.mappack import write_map_pack
 from cat.testing.audio import make_data_dir
 from cat.testing.features import random_transcript
@@ -75,13 +80,16 @@ def write_audio_experiment(root: PathLike, name: str = "exp/tiny", kind: str = "
                            train_durations: Sequence[float] = (0.8, 1.2, 1.0, 1.5, 0.9, 1.3,
                                                                1.1, 0.7, 1.4, 1.0),
                            test_durations: Sequence[float] = (0.6, 1.3, 0.9, 1.6, 1.1, 0.8),
-                           epochs: int = 2, seed: int = 0) -> AudioExperiment:
-    """Write a complete tiny experiment over synthetic audio (see the module docstring)."""
+                           epochs: int = 2, seed: int = 0,
+                           front_end_name: str = "kaldi") -> AudioExperiment:
+    """Write a complete tiny experiment over synthetic audio (see the module docstring);
+    its features and `data.front_end` are of `front_end_name` (`FRONT_ENDS`)."""
     root = Path(root)
     train_data = _corpus(root / "corpus/train", train_durations, seed)
     test_data = _corpus(root / "corpus/test", test_durations, seed + 100)
     for data_dir, part in ((train_data, "train"), (test_data, "test")):
-        extract(data_dir, root / "data/fbank" / part, progress=False)
+        extract(data_dir, root / "data/fbank" / part, options=front_end(front_end_name),
+                progress=False)
     exp_dir = root / name
     tokenizer_file = exp_dir / "tokenizer.tknz"
     texts = [root / "data/fbank/train/text", root / "data/fbank/test/text"]
@@ -92,7 +100,7 @@ def write_audio_experiment(root: PathLike, name: str = "exp/tiny", kind: str = "
                    exp_dir / "pack/dev.npz")
     hyper = {
         "data": {"train": ["data/fbank/train"], "dev": ["data/fbank/test"],
-                 "test": ["data/fbank/test"]},
+                 "test": ["data/fbank/test"], "front_end": front_end_name},
         "tokenizer": {"type": "sentencepiece",
                       "option-train": {"model_type": "char", "vocab_size": 0},
                       "file": f"{name}/tokenizer.tknz"},
@@ -111,3 +119,51 @@ def write_audio_experiment(root: PathLike, name: str = "exp/tiny", kind: str = "
     (exp_dir / "config.json").write_text(
         json.dumps(tiny_model_config(kind, FEAT_DIM), indent=1), encoding="utf-8")
     return AudioExperiment(root, name, train_data, test_data)
+
+
+#: How much `train_audio_experiment` lowers the blank logit's bias, per model kind: a tiny
+#: model after an epoch of random audio emits blank everywhere, and tests of searches and
+#: streaming need tokens that depend on the features.
+LOWERED_BLANK = {"ctc": 3.0, "rnnt": 1.0}
+
+
+def train_audio_experiment(root: PathLike, kind: str = "ctc", epochs: int = 1,
+                           configure: Callable[[dict[str, Any]], None] | None = None,
+                           front_end_name: str = "kaldi") -> tuple[AudioExperiment, Path]:
+    """`write_audio_experiment` under `root` (features of `front_end_name`) with its
+    `config.json` changed by `configure`, trained there (one thread), and its first
+    checkpoint with the blank bias lowered (`LOWERED_BLANK`) as `exp/tiny/lowered-blank.pt`:
+    (the experiment, that checkpoint)."""
+    from cat.training.cli import train
+
+    root = Path(root)
+    with contextlib.chdir(root), _environment(OMP_NUM_THREADS="1"):
+        experiment = write_audio_experiment(root, kind=kind, epochs=epochs,
+                                            front_end_name=front_end_name)
+        config_path = experiment.exp_dir / "config.json"
+        if configure is not None:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            configure(config)
+            config_path.write_text(json.dumps(config), encoding="utf-8")
+        train(experiment.name, f"cat.{kind}.train")
+    state = torch.load(next((experiment.exp_dir / "check").glob("ckpt-*.pt")),
+                       map_location="cpu")
+    key = "ctc.bias" if kind == "ctc" else "transducer.joiner.out.bias"
+    state["model"][key][0] -= LOWERED_BLANK[kind]
+    checkpoint = experiment.exp_dir / "lowered-blank.pt"
+    torch.save(state, checkpoint)
+    return experiment, checkpoint
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -38,9 +38,10 @@ kernels only, so an even kernel k becomes k + 1, whose window holds CAT's
 (`migrate_config._migrate_kernel`); CAT's `SchedulerNoamEarlyStop` becomes Noam's schedule
 stopping at its `min_step` (no early stopping here); CAT's `JiebaComposeLexiconTokenizer`
 becomes the lexicon tokenizer (`cat.text.lexicon`; the differences are in
-`migrate_hyper.LEXICON_DIFFERENCES`). CUSIDE's keys (`migrate_config.CUSIDE_TRAINER_KEYS`,
-`train_unified`, streaming decoding options) are not mapped: the model is built without
-CAT's simulation network.
+`migrate_hyper.LEXICON_DIFFERENCES`). CUSIDE's keys (`migrate_config.CUSIDE_TRAINER_KEYS`)
+keep their names in config.json's `trainer` (`cat.models.cuside`, simulation network
+included); `train_unified` is the family's training, and CAT's `streaming: true` decoding
+becomes stage 4's `chunk_size` (the trained chunk in encoder frames).
 
 Not carried over, by design: CAT's `data.filter` keeps `lo <= frames <= hi` when packing,
 ours is half-open, so `hi` becomes `hi + 1`; CAT's Noam peak `peak_factor /
@@ -67,8 +68,8 @@ from cat.core.config import (
     validate_hyper,
 )
 from cat.core.io import atomic_write
-from cat.utils.migrate_config import config_kind, migrate_config
-from cat.utils.migrate_hyper import crf_tokenizer, find_metainfo, migrate_hyper
+from cat.utils.migrate_config import CAT_CUSIDE_CHUNK, config_kind, migrate_config
+from cat.utils.migrate_hyper import STREAMING_CHUNK, crf_tokenizer, find_metainfo, migrate_hyper
 from cat.utils.migrate_record import STATUS_ORDER, Entry, Recorder
 
 REPORT_NAME = "migration.txt"
@@ -116,6 +117,7 @@ def migrate(hyper: dict[str, Any], config: dict[str, Any], new_exp: str,
         new_config["trainer"]["den_lm"] = f"{new_exp}/den_lm.npz"
     kind = config_kind(config)
     new_hyper, vocab = migrate_hyper(hyper, new_exp, kind, metainfo, record)
+    _resolve_cuside(hyper, new_hyper, new_config, kind, record)
     if new_config.get("trainer", {}).get("use_crf") and "tokenizer" not in new_hyper:
         new_hyper["tokenizer"] = crf_tokenizer(new_exp, record)
     if classes is not None:
@@ -125,6 +127,30 @@ def migrate(hyper: dict[str, Any], config: dict[str, Any], new_exp: str,
     validate_hyper(new_hyper, f"{new_exp}/{HYPER_NAME} (migrated)")
     validate_config(new_config, f"{new_exp}/{CONFIG_NAME} (migrated)")
     return Migration(new_hyper, new_config, record.entries, kind, num_classes, source)
+
+
+def _resolve_cuside(hyper: dict[str, Any], new_hyper: dict[str, Any],
+                    new_config: dict[str, Any], kind: str, record: Recorder) -> None:
+    """CAT's unified training without CUSIDE keys gets CAT's default chunk; CAT's
+    streaming decoding becomes stage 4's `chunk_size`, the trained chunk in encoder frames."""
+    trainer = new_config.setdefault("trainer", {})
+    if hyper.get("train", {}).get("bin") == f"cat.{kind}.train_unified" and (
+            "chunk_size" not in trainer):
+        trainer["chunk_size"] = CAT_CUSIDE_CHUNK
+        record.add("mapped", CONFIG_NAME, "trainer.chunk_size",
+                   f"(absent) -> {CAT_CUSIDE_CHUNK}: CAT's default for train_unified")
+    if not trainer:
+        del new_config["trainer"]
+    option = new_hyper.get("inference", {}).get("infer", {}).get("option", {})
+    if option.get("chunk_size") != STREAMING_CHUNK:
+        return
+    if "chunk_size" not in trainer:
+        del option["chunk_size"]
+        record.add("dropped", HYPER_NAME, "inference.infer.option.chunk_size",
+                   "CAT's streaming decoding of a model without CUSIDE (trainer.chunk_size)")
+        return
+    rate = 4 * new_config["encoder"]["kwargs"].get("time_reduction_factor", 1)
+    option["chunk_size"] = trainer["chunk_size"] // rate
 
 
 def count_model_parameters(config: dict[str, Any], num_classes: int) -> int:

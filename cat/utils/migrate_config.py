@@ -15,12 +15,12 @@ from cat.utils.migrate_record import Recorder
 # reported as pending until then: the one place to look when CTC-CRF lands.
 CTC_CRF_TRAINER_KEYS = ("use_crf", "lamb", "den_lm")
 # Keys of CAT's `trainer` section that CUSIDE reads (`cat/ctc/train_unified.py`,
-# `cat/rnnt/train_unified.py`: chunks with a right context simulated by `simu_net.py`).
-# CUSIDE is not implemented here: the rest of the experiment migrates without them.
+# `cat/rnnt/train_unified.py`: chunks with a right context simulated by `simu_net.py`):
+# config.json `trainer.<key>` here too (`cat.models.cuside`), `chunk_size` turning it on.
 CUSIDE_TRAINER_KEYS = ("simu", "chunk_size", "context_size_left", "context_size_right",
                        "jitter_range", "simu_loss_weight", "downsampling_ratio", "mel_dim")
-CUSIDE_WHY = ("CUSIDE (CAT's train_unified: chunk training with a simulated right "
-              "context) is not implemented here; the model is built and trained without it")
+#: CAT's `chunk_size` default (`UnifiedAMTrainer`, `UnifiedTTrainer`).
+CAT_CUSIDE_CHUNK = 40
 
 
 def _migrate_specaug(specaug: dict[str, Any], record: Recorder) -> dict[str, Any]:
@@ -255,10 +255,16 @@ def _migrate_trainer(trainer: dict[str, Any], source_key: str,
             record.add("pending", CONFIG_NAME, where + key,
                        f"{json.dumps(value)}: CTC-CRF only; mapped once config.json "
                        f"trainer.{key} exists")
-    for key in CUSIDE_TRAINER_KEYS:
-        if key in trainer:
-            record.add("not mapped", CONFIG_NAME, where + key,
-                       f"{json.dumps(trainer.pop(key))}: {CUSIDE_WHY}")
+    cuside = [key for key in CUSIDE_TRAINER_KEYS if key in trainer]
+    for key in cuside:
+        out[key] = trainer.pop(key)
+        record.add("mapped", CONFIG_NAME, where + key,
+                   f"-> trainer.{key} {json.dumps(out[key])} (CUSIDE, cat.models.cuside)")
+    if cuside and "chunk_size" not in out:
+        out["chunk_size"] = CAT_CUSIDE_CHUNK
+        record.add("mapped", CONFIG_NAME, where + "chunk_size",
+                   f"(absent) -> trainer.chunk_size {CAT_CUSIDE_CHUNK}: CAT's default, "
+                   "which turns CUSIDE on here")
     if "compact" in trainer:
         record.add("dropped", CONFIG_NAME, where + "compact",
                    f"{json.dumps(trainer.pop('compact'))}: a memory layout of CAT's loss")

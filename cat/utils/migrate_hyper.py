@@ -385,11 +385,17 @@ def _migrate_inference(inference: dict[str, Any], record: Recorder) -> dict[str,
                 record.add("not mapped", HYPER_NAME, f"inference.infer.option.{key}",
                            f"{json.dumps(option.pop(key))}: language models are set in "
                            "inference.lm (stage 5)")
-        for key in ("streaming", "unified", "built_model_by"):
+        if option.pop("streaming", False) is True:
+            new_option["chunk_size"] = STREAMING_CHUNK
+            record.add("mapped", HYPER_NAME, "inference.infer.option.streaming",
+                       "true -> chunk_size (CUSIDE's trained chunk in encoder frames, "
+                       "set by migrate): stage 4 decodes in chunks with simulated right "
+                       "context, as CAT's chunk_infer")
+        for key in ("unified", "built_model_by"):
             if key in option:
-                record.add("not mapped", HYPER_NAME, f"inference.infer.option.{key}",
-                           f"{json.dumps(option.pop(key))}: CUSIDE decoding (CAT's "
-                           "train_unified models) is not implemented here")
+                record.add("dropped", HYPER_NAME, f"inference.infer.option.{key}",
+                           f"{json.dumps(option.pop(key))}: the model's config.json says "
+                           "how it was trained (trainer.chunk_size: CUSIDE)")
         for key in ("resume", "tokenizer", "input_scp", "output_prefix", "config", "silent"):
             if key in option:
                 record.add("dropped", HYPER_NAME, f"inference.infer.option.{key}",
@@ -410,6 +416,11 @@ def _migrate_inference(inference: dict[str, Any], record: Recorder) -> dict[str,
     return out
 
 
+#: Placeholder of `inference.infer.option.chunk_size` for CAT's `streaming: true`, which
+#: `cat.utils.migrate.migrate` replaces with the CUSIDE chunk in encoder frames.
+STREAMING_CHUNK = -1
+
+
 def migrate_hyper(hyper: dict[str, Any], new_exp: str, kind: str,
                   metainfo: dict[str, Any] | None,
                   record: Recorder) -> tuple[dict[str, Any], int | None]:
@@ -428,9 +439,9 @@ def migrate_hyper(hyper: dict[str, Any], new_exp: str, kind: str,
     cat_bin = train.pop("bin", None)
     out["train"] = {"bin": f"cat.{kind}.train"}
     if cat_bin == f"cat.{kind}.train_unified":
-        record.add("not mapped", HYPER_NAME, "train.bin",
-                   f"{cat_bin!r} -> {out['train']['bin']!r}: CUSIDE (CAT's unified streaming "
-                   "training with a simulated right context) is not implemented here")
+        record.add("mapped", HYPER_NAME, "train.bin",
+                   f"{cat_bin!r} -> {out['train']['bin']!r}: CUSIDE's unified training is "
+                   "config.json's trainer.chunk_size")
     elif cat_bin != out["train"]["bin"]:
         record.add("mapped", HYPER_NAME, "train.bin",
                    f"{cat_bin!r} -> {out['train']['bin']!r} (config.json describes a "

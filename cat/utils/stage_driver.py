@@ -22,7 +22,9 @@
 * `feature-dirs` (for stage 1): prints the feature dirs (`data/fbank/<set>`) that
   `data.train`, `data.dev` and `data.test` name, one per line, so that stage 1 extracts
   only what the experiment reads: with audio shards (`data.shards.audio`) `data.train`
-  names Kaldi data dirs, and the training set needs no stage-1 features.
+  names Kaldi data dirs, and the training set needs no stage-1 features; `front-end`
+  prints the front end stage 1 computes them with (`data.front_end`), which stages 2 and
+  4 check against each feature dir's `fbank.json`.
 * `lm` (stage 5): trains the n-gram LMs that `inference.lm` names (`cat.lm.train`), tunes
   each setting's weights on the dev set (grid search: shallow fusion and LODR weights by
   decoding, rescoring weights on the kept N-best lists), writes them to
@@ -57,6 +59,7 @@ from typing import Any
 from cat.core.config import (
     CONFIG_NAME,
     HYPER_NAME,
+    ConfigError,
     apply_env,
     as_list,
 )
@@ -122,6 +125,7 @@ def prepare(exp_dir: PathLike) -> None:
     """Stage 2 for one experiment: tokenizer and map-style packs (the tar shards are
     `cat.formats.prep_wds pack-exp`'s)."""
     plan = Plan.load(exp_dir)
+    check_front_ends(plan, feature_dirs(exp_dir))
     tokenizer = prepare_tokenizer(plan)
     options = plan.options
     if not options.large_dataset:
@@ -130,6 +134,21 @@ def prepare(exp_dir: PathLike) -> None:
     if not options.dev_large_dataset:
         prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
     prepare_den_graph(plan, tokenizer)
+
+
+def check_front_ends(plan: Plan, directories: Iterable[str]) -> None:
+    """ConfigError when a feature dir's features are not of the experiment's front end
+    (`data.front_end`; each dir's `fbank.json`, stage 1's record)."""
+    from cat.features.fbank import check_front_end, experiment_front_end
+
+    source = str(plan.exp_dir / HYPER_NAME)
+    options = experiment_front_end(plan.hyper)
+    for directory in directories:
+        if (Path(directory) / "feats.scp").is_file():
+            try:
+                check_front_end(directory, options, source)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
 
 
 def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
@@ -234,21 +253,24 @@ def decode(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) -> 
     checkpoint = select_checkpoint(plan)
     rows = []
     degenerate = []
+    check_front_ends(plan, plan.section("test"))
     for test in plan.section("test"):
         name = set_name(test)
         out = plan.exp_dir / "decode" / name
         # The hotwords file's content decides the hypotheses too, not only its name.
         hotwords = [Path(options.hotwords)] if options.hotwords else []
+        graph = [Path(options.tlg) / "TLG.fst"] if options.tlg else []
         sig = signature("decode", option,
-                        files=[checkpoint, Path(test) / "feats.scp", *hotwords])
+                        files=[checkpoint, Path(test) / "feats.scp", *hotwords, *graph])
         if not is_done(out / "hyp", sig):
             decode_set(plan.exp_dir, test, checkpoint, out, kind, options, launcher)
             mark_done(out / "hyp", sig)
         refs = read_table(Path(test) / "text", allow_empty_value=True)
         hyps = read_table(out / "hyp", allow_empty_value=True)
         alignments: dict[str, Any] = {}
-        phones = phone_references(plan, refs)
-        if phones is not None:  # a phone model: phone error rate
+        # A phone model's own searches give phones (a phone error rate); TLG gives words.
+        phones = None if options.tlg else phone_references(plan, refs)
+        if phones is not None:
             refs, unit = phones, "phone"
         result = score(refs, hyps, "word" if unit == "phone" else unit, alignments)
         summary = format_summary(result)
@@ -359,10 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             ("train", "stage 3: training"),
                             ("decode", "stage 4: decoding and scoring"),
                             ("lm", "stage 5: language models, decoding with them"),
-                            ("feature-dirs", "the feature dirs stage 1 must extract")):
+                            ("feature-dirs", "the feature dirs stage 1 must extract"),
+                            ("front-end", "the fbank front end stage 1 extracts them with")):
         command = sub.add_parser(name, help=help_text)
         command.add_argument("exp_dir", help="experiment directory, e.g. exp/synth-ctc")
-        if name == "feature-dirs":
+        if name in ("feature-dirs", "front-end"):
             continue
         if name == "train":
             command.add_argument("--nproc", type=int, default=1,
@@ -400,6 +423,8 @@ def _run(args: argparse.Namespace) -> None:
               args.gpus_per_node)
     elif args.command == "feature-dirs":
         print("\n".join(feature_dirs(args.exp_dir)))
+    elif args.command == "front-end":
+        print(Plan.load(args.exp_dir).data.get("front_end", "kaldi"))
     elif args.command == "lm":
         table = decode_lm(args.exp_dir, args.nj, Launcher.from_cmd(args.cmd))
         if table is not None:

@@ -18,9 +18,8 @@ from cat.decoding.export import ExportError, read_metadata, sherpa_recognizer
 from cat.decoding.searcher import load_model
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.search import rnnt_greedy_search
-from cat.testing.audio_experiment import write_audio_experiment
+from cat.testing.audio_experiment import train_audio_experiment
 from cat.testing.training import write_tiny_experiment
-from cat.training.cli import train
 
 pytestmark = pytest.mark.slow  # trains three tiny models (about 50 s in all)
 
@@ -34,25 +33,16 @@ def trained(request, tmp_path_factory):
     lowered so that greedy search emits tokens that depend on the features."""
     variant = request.param
     kind = variant.split("-")[0]
-    root = tmp_path_factory.mktemp(variant)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(root)
-        patch.setenv("OMP_NUM_THREADS", "1")
-        experiment = write_audio_experiment(root, kind=kind, epochs=1)
-        config_path = experiment.exp_dir / "config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+
+    def configure(config: dict) -> None:
         if variant == "rnnt-stateless":
             config["decoder"] = {"type": "StatelessPredictor",
                                  "kwargs": {"embed_dim": 8, "context_size": 2}}
         if variant == "ctc":  # an 8x frame-rate reduction, as the synthetic recipes have
             config["encoder"]["kwargs"]["time_reduction_factor"] = 2
-        config_path.write_text(json.dumps(config), encoding="utf-8")
-        train(EXP, f"cat.{kind}.train")
-    state = torch.load(next((root / EXP / "check").glob("ckpt-*.pt")), map_location="cpu")
-    state["model"]["ctc.bias" if kind == "ctc" else "transducer.joiner.out.bias"][0] -= \
-        3.0 if kind == "ctc" else 1.0
-    checkpoint = root / EXP / "lowered-blank.pt"
-    torch.save(state, checkpoint)
+
+    experiment, checkpoint = train_audio_experiment(tmp_path_factory.mktemp(variant), kind,
+                                                    configure=configure)
     return variant, experiment, checkpoint
 
 

@@ -18,19 +18,18 @@ from cat.decoding.export import OnnxChunkEncoder, read_metadata
 from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
-    _chunk_encoder,
     decode_utterance,
+    streaming_encoder,
 )
 from cat.decoding.searcher import load_model
 from cat.features.fbank import compute_fbank
-from cat.models.chunked import StreamingEncoder
 from cat.models.registry import build_model
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.search import rnnt_greedy_search
 from cat.rnnt.stream import RnntChunkSearch
-from cat.testing.audio_experiment import write_audio_experiment
+from cat.testing.audio_experiment import train_audio_experiment
+from cat.testing.streams import assert_sherpa_streams_as_ours
 from cat.testing.training import tiny_model_config
-from cat.training.cli import train
 
 SEARCHES = {"ctc": CtcChunkSearch, "rnnt": RnntChunkSearch}
 
@@ -77,8 +76,7 @@ def _reference(kind: str, model, samples: np.ndarray, chunk_size: int) -> list[i
 
 
 def _recognizer(kind: str, model, chunk_size: int) -> StreamingRecognizer:
-    encoder = StreamingEncoder(model.encoder, chunk_size)
-    return StreamingRecognizer(_chunk_encoder(encoder), encoder.stride,
+    return StreamingRecognizer(streaming_encoder(model, chunk_size),
                                SEARCHES[kind](model, chunk_size), _Ids())
 
 
@@ -133,24 +131,15 @@ def chunk_experiment(request, tmp_path_factory):
     """(kind, experiment, checkpoint) of a tiny chunk-trained model (stateless predictor),
     one epoch, blank bias lowered so that greedy search emits tokens."""
     kind = request.param
-    root = tmp_path_factory.mktemp(f"stream-{kind}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(root)
-        patch.setenv("OMP_NUM_THREADS", "1")
-        experiment = write_audio_experiment(root, kind=kind, epochs=1)
-        config_path = experiment.exp_dir / "config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+
+    def configure(config: dict) -> None:
         config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=8)
         if kind == "rnnt":
             config["decoder"] = {"type": "StatelessPredictor",
                                  "kwargs": {"embed_dim": 8, "context_size": 2}}
-        config_path.write_text(json.dumps(config), encoding="utf-8")
-        train("exp/tiny", f"cat.{kind}.train")
-    state = torch.load(next((root / "exp/tiny/check").glob("ckpt-*.pt")), map_location="cpu")
-    state["model"]["ctc.bias" if kind == "ctc" else "transducer.joiner.out.bias"][0] -= \
-        3.0 if kind == "ctc" else 1.0
-    checkpoint = root / "exp/tiny/lowered-blank.pt"
-    torch.save(state, checkpoint)
+
+    experiment, checkpoint = train_audio_experiment(tmp_path_factory.mktemp(f"stream-{kind}"),
+                                                    kind, configure=configure)
     return kind, experiment, checkpoint
 
 
@@ -171,7 +160,7 @@ def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp
         emitted += len(expected)
         search = (ctc_export.OnnxCtcChunkSearch() if kind == "ctc"
                   else rnnt_export.OnnxRnntChunkSearch(rnnt_export.OnnxRnntDecoder(out)))
-        recognizer = StreamingRecognizer(OnnxChunkEncoder(out), 16, search, tokenizer)
+        recognizer = StreamingRecognizer(OnnxChunkEncoder(out), search, tokenizer)
         for start in range(0, len(samples), 1234):
             recognizer.accept_waveform(rate, samples[start:start + 1234])
         recognizer.finish()
@@ -198,29 +187,33 @@ def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_e
         "head": "2", "num_blocks": "1", "subsampling_factor": "4", "right_context": "6"}
     model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
     recognizer = ctc_export.sherpa_online_recognizer(out, num_left_chunks=64)
-    rng = np.random.default_rng(0)
-    emitted = 0
-    for key, path in sorted(experiment.test_audio().items()):
-        samples, rate = soundfile.read(str(path), dtype="float32")
-        # sherpa-onnx decodes whole chunks only: silence after the speech flushes the last.
-        samples = np.concatenate([samples, np.zeros(rate, np.float32)])
-        ours = _recognizer(kind, model, 4)
-        stream, start = recognizer.create_stream(), 0
-        while start < len(samples):
-            size = int(rng.integers(200, 6000))
-            stream.accept_waveform(rate, samples[start:start + size])
-            while recognizer.is_ready(stream):
-                recognizer.decode_stream(stream)
-            ours.accept_waveform(rate, samples[start:start + size])
-            start += size
-        stream.input_finished()
-        while recognizer.is_ready(stream):
-            recognizer.decode_stream(stream)
-        # Whole chunks only on both sides (no finish): sherpa-onnx drops a partial last one.
-        expected = [tokenizer.id_to_piece(token) for token in ours.search.tokens]
-        got = list(recognizer.get_result_all(stream).tokens)
-        emitted += len(expected)
-        assert got == expected, key
+    emitted = assert_sherpa_streams_as_ours(
+        recognizer, lambda: _recognizer(kind, model, 4), experiment.test_audio(), tokenizer,
+        pad_seconds=1.0)
+    assert emitted >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_experiment", ["rnnt"], indirect=True)
+def test_sherpa_onnx_online_transducer_gives_pytorch_streaming_hypotheses(chunk_experiment,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """`streaming_encoder_lstm.onnx` of a chunk-trained transducer (sherpa-onnx's online
+    `lstm` layout, its `c` state holding the key-value cache, the convolution frames and
+    the cache's fill) with the export's decoder and joiner in sherpa-onnx's
+    `OnlineRecognizer` gives this package's streaming tokens."""
+    kind, experiment, checkpoint = chunk_experiment
+    monkeypatch.chdir(experiment.root)
+    # sherpa-onnx's greedy search emits one token per frame at most.
+    monkeypatch.setattr("cat.rnnt.stream.MAX_SYMBOLS_PER_FRAME", 1)
+    out = rnnt_export.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    meta = read_metadata(out / rnnt_export.LSTM_LAYOUT_NAME)
+    assert (meta["model_type"], meta["T"], meta["decode_chunk_len"]) == ("lstm", "19", "16")
+    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    recognizer = rnnt_export.sherpa_online_recognizer(out)
+    emitted = assert_sherpa_streams_as_ours(
+        recognizer, lambda: _recognizer(kind, model, 4), experiment.test_audio(), tokenizer,
+        pad_seconds=1.0)
     assert emitted >= 10
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from cat.core.io import write_table
 from cat.decoding.wfst import decode_all, decoding_graph, pronouncer
@@ -90,3 +91,90 @@ def test_hotwords_file_biases_the_graph_and_a_new_list_rebuilds_the_cache(tmp_pa
     assert "天气很好" in biased.words and biased.info["hotwords"] == {"boosted": 1, "added": 1}
     assert decode_all(biased, {"u": frames}, 1.0, 1.0, 16.0) == {"u": "天气很好"}
     assert decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph").words == plain.words
+
+
+def test_the_best_path_gives_its_units_and_each_word_their_span(tmp_path):
+    """`decode_path`: the words and the units the path reads (CTC labels collapsed, a
+    repeated unit kept when a blank parts it); `word_spans` places each word's spelling
+    on them, alternative pronunciations included."""
+    from cat.decoding.wfst import word_spans
+    from cat.graph.tlg import decode_path
+
+    lexicon = {"今天": ["j", "in1", "t", "ian1"], "天气": ["t", "ian1", "q", "i4"],
+               "很好": ["h", "en3", "h", "ao3"]}
+    tokenizer = LexiconTokenizer.from_lexicon(lexicon, alternatives={
+        "很好": [["h", "en3", "h", "ao4"]]})
+    graph = decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph")
+    ids = [tokenizer.unit_to_id[p] for p in ["t", "ian1", "q", "i4", "h", "en3", "h", "ao4"]]
+    frames = np.repeat(_frames(ids, tokenizer.vocab_size), 2, axis=0)  # 2 frames a label
+    words, units = decode_path(graph, frames)
+    assert (words, units) == (["天气", "很好"], ids)
+    assert word_spans(words, units, pronouncer(tokenizer)) == [(0, 3), (4, 7)]
+    with pytest.raises(ValueError, match="do not spell the words"):
+        word_spans(["很好"], units, pronouncer(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def tlg_experiment(tmp_path_factory):
+    """A tiny trained CTC experiment over synthetic audio (blank bias lowered: WFST paths
+    with words) and a TLG of its training text in words of two characters."""
+    from cat.core.io import read_table
+    from cat.testing.audio_experiment import train_audio_experiment
+    from cat.text.tokenizer import load
+
+    experiment, _ = train_audio_experiment(tmp_path_factory.mktemp("tlg"), epochs=2)
+    root = experiment.root
+    texts = read_table(root / "data/fbank/train/text").values()
+    write_arpa(estimate([[text[i:i + 2] for i in range(0, len(text), 2)] for text in texts],
+                        2, discount_fallback=(0.5, 1.0, 1.5)), root / "lm.arpa")
+    decoding_graph(load(root / "exp/tiny/tokenizer.tknz"), root / "lm.arpa", root / "graph")
+    return experiment
+
+
+@pytest.mark.slow
+def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch):
+    """`python -m cat.decode --tlg`: the words of WFST decoding of each utterance's
+    posteriors, each word timed by its units' spikes: in order, inside the utterance."""
+    import json
+
+    import kaldiio
+    import torch
+
+    from cat.core.io import read_table
+    from cat.decoding.inference import main
+    from cat.decoding.searcher import load_model
+    from cat.decoding.wfst import read_graph
+    from cat.graph.tlg import decode
+    from cat.loading.batch import Utterance, collate
+
+    root = tlg_experiment.root
+    monkeypatch.chdir(root)
+    out = root / "decode-tlg"
+    checkpoint = root / "exp/tiny/lowered-blank.pt"
+    assert main("cat.decode", ["exp/tiny", "--data", "data/fbank/test", "--tlg", "graph",
+                               "--lm-weight", "0.5", "--format", "json", "--out", str(out),
+                               "--checkpoint", str(checkpoint)]) == 0
+    records = [json.loads(line) for line in (out / "hyp.jsonl").read_text().splitlines()]
+    hyps = read_table(out / "hyp", allow_empty_value=True)
+    graph = read_graph(root / "graph")
+    model, _ = load_model("exp/tiny", checkpoint, "ctc", torch.device("cpu"))
+
+    features = kaldiio.load_scp("data/fbank/test/feats.scp")
+    words = 0
+    for record in records:
+        batch = collate([Utterance(record["key"], features[record["key"]],
+                                   np.zeros(0, np.int32))])
+        with torch.no_grad():
+            log_probs, _ = model.log_probs(batch.feats, batch.feat_lens)
+        expected = decode(graph, log_probs[0].numpy(), lm_weight=0.5)
+        assert record["text"] == hyps[record["key"]] == "".join(expected)
+        timed = record["words"]
+        assert [w["word"] for w in timed] == expected
+        duration = len(features[record["key"]]) * 0.01
+        ends = [0.0] + [edge for w in timed for edge in (w["start"], w["end"])]
+        assert ends == sorted(ends) and ends[-1] <= duration + 1e-6
+        words += len(expected)
+    assert words >= 5
+    # No N-best from the graph, no shallow fusion beside it, hotwords go into the graph.
+    assert main("cat.decode", ["exp/tiny", "--data", "data/fbank/test", "--tlg", "graph",
+                               "--hotwords", "x.txt", "--out", str(root / "x")]) == 1

@@ -1171,14 +1171,13 @@ def test_stream_with_an_untrained_chunk_size():
 
 def test_stream_audio_at_another_sample_rate():
     from cat.ctc.stream import CtcChunkSearch
-    from cat.decoding.online import StreamingError, StreamingRecognizer
+    from cat.decoding.online import CachedChunkEncoder, StreamingError, StreamingRecognizer
     from cat.models.chunked import StreamingEncoder
 
-    encoder = StreamingEncoder(_streaming_encoder(8), 4)
+    encoder = CachedChunkEncoder(StreamingEncoder(_streaming_encoder(8), 4))
     model = _streaming_encoder(8)  # any module with a head will do: nothing is encoded
     model.first_head = None
-    recognizer = StreamingRecognizer(lambda feats: feats, encoder.stride, CtcChunkSearch(model),
-                                     None)
+    recognizer = StreamingRecognizer(encoder, CtcChunkSearch(model), None)
     with pytest.raises(StreamingError, match=r"^audio at 8000 Hz: the model takes 16000 Hz "
                                              r"audio; resample it first$"):
         recognizer.accept_waveform(8000, np.zeros(8000, np.float32))

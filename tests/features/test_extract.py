@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -78,6 +79,49 @@ def test_compute_fbank_matches_torchaudio_and_kaldi_native_fbank():
     peer.input_finished()
     reference = np.stack([peer.get_frame(i) for i in range(peer.num_frames_ready)])
     np.testing.assert_allclose(ours, reference, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("window_frames", [None, 7])
+def test_sherpa_onnx_front_end_matches_torchaudio_and_kaldi_native_fbank(window_frames):
+    """sherpa-onnx's front end (`FRONT_ENDS`): mel banks to 7,600 Hz, frames centred with
+    the edges reflected; the same frames computed a window at a time; samples kept in
+    [-1, 1) (`normalize_samples`) shift every bin by 2 ln 32768."""
+    from cat.features.fbank import FRONT_ENDS, num_frames
+
+    waveform = synth_waveform(1.3, seed=1)[:20_837]
+    options = FRONT_ENDS["sherpa-onnx"]
+    ours = compute_fbank(waveform, 16000, options, window_frames=window_frames)
+    assert ours.shape == (num_frames(len(waveform), options), 80) == (130, 80)
+    reference = torchaudio.compliance.kaldi.fbank(
+        torch.from_numpy(waveform)[None] * 32768.0, num_mel_bins=80, dither=0.0,
+        high_freq=-400.0, snip_edges=False).numpy()
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5)
+    # Samples in [-1, 1): every bin 2 ln 32768 lower, but where the energy floor (float32's
+    # epsilon) holds it, in this audio's quiet stretch.
+    unscaled = dataclasses.replace(options, normalize_samples=True)
+    lower = compute_fbank(waveform, 16000, unscaled)
+    floor = np.log(np.finfo(np.float32).eps)
+    above = lower > floor + 1.0
+    assert 0.5 < above.mean() < 1.0
+    np.testing.assert_allclose(lower[above], (ours - 2 * np.log(32768.0))[above], rtol=0,
+                               atol=1e-4)
+    # The int16 samples of the same audio give the same features.
+    samples = np.round(waveform * 32768).astype(np.int16)
+    for each in (options, unscaled):
+        np.testing.assert_allclose(compute_fbank(samples, 16000, each),
+                                   compute_fbank(samples.astype(np.float32) / 32768, 16000,
+                                                 each), rtol=0, atol=1e-5)
+    kaldi_native_fbank = pytest.importorskip("kaldi_native_fbank")
+    native = kaldi_native_fbank.FbankOptions()
+    native.frame_opts.dither = 0.0
+    native.frame_opts.snip_edges = False
+    native.mel_opts.num_bins = 80
+    native.mel_opts.high_freq = -400.0
+    peer = kaldi_native_fbank.OnlineFbank(native)
+    peer.accept_waveform(16000, (waveform * 32768.0).tolist())
+    peer.input_finished()
+    frames = np.stack([peer.get_frame(i) for i in range(peer.num_frames_ready)])
+    np.testing.assert_allclose(ours, frames, rtol=0, atol=2e-3)
 
 
 def test_compute_fbank_options_dither_seed_and_short_input():

@@ -13,6 +13,7 @@ import torch
 from cat.core.config import ConfigError, load_config, model_kind, validate_config
 from cat.core.config import load_config_schema as load_schema
 from cat.ctc.head import CTCHead
+from cat.models.cuside import ContextChunking
 from cat.models.encoder import ConformerNet
 from cat.models.model import AsrModel
 from cat.models.registry import ENCODERS, build_model, check_command, count_parameters
@@ -228,7 +229,11 @@ def test_schema_defaults_match_constructor_defaults():
     from cat.graph.den_graph import build_for_tokenizer
 
     graph = inspect.signature(build_for_tokenizer).parameters
+    cuside = _constructor_defaults(ContextChunking, 2)
     assert schema_defaults("trainer") == {
+        **{key: cuside[key] for key in ("context_size_left", "context_size_right",
+                                        "jitter_range", "simu", "simu_loss_weight", "simu_hdim",
+                                        "simu_layers")},
         "loss_normalization": _constructor_defaults(AsrModel, 3)["loss_normalization"],
         "use_crf": False, "lamb": _constructor_defaults(CRFHead, 2)["lamb"],
         "simple_loss_scale": _constructor_defaults(TransducerHead, 3)["simple_loss_scale"],

@@ -27,6 +27,8 @@ DERIVED = {
     "aishell/exp/ctc-v1": "aishell-ctc-v1",
     "aishell/exp/rnnt-v1": "aishell-rnnt-v1",
     "aishell/exp/crf-v1": "aishell-ctc-crf-cuside",
+    "aishell/exp/ctc-crf-cuside": "aishell-ctc-crf-cuside",
+    "aishell/exp/rnnt-cuside": "aishell-rnnt-cuside",
     "aishell/exp/ctc-stream": "aishell-ctc-v1",
     "aishell/exp/rnnt-stream": "aishell-rnnt-v1",
     "wenetspeech/exp/train_m/ctc-v1": "wenetspeech-train_m-ctc-v1",
@@ -109,6 +111,25 @@ INTENDED: dict[str, dict[str, str]] = {
         "hyper-p.json: inference.er.cer": "CER scoring, as in ctc-v1",
         "hyper-p.json: inference.infer.*": "stage 4 decodes the phones (phone error rate); "
         "CAT's cal_logit feeds its WFST decoding, which is stage 5 here",
+        "config.json: trainer.chunk_size": "trained without CUSIDE (CAT's CUSIDE experiment "
+        "is exp/ctc-crf-cuside)",
+        "config.json: trainer.context_size_*": "trained without CUSIDE",
+        "config.json: trainer.jitter_range": "trained without CUSIDE",
+        "config.json: trainer.simu*": "trained without CUSIDE",
+    },
+    "aishell/exp/ctc-crf-cuside": {
+        "hyper-p.json: tokenizer.option-train.lexicon": "the same file, AISHELL's "
+        "resource_aishell/lexicon.txt, where this recipe's stage 0 puts it",
+        "hyper-p.json: data.test": "dev and test decoded",
+        "hyper-p.json: inference.er.cer": "CER scoring",
+        "hyper-p.json: inference.infer.option.beam_size": "stage 4 decodes the phones "
+        "(prefix beam 16); CAT's cal_logit feeds its WFST decoding, which is stage 5 here, "
+        "in the same chunks (chunk_size)",
+        "hyper-p.json: inference.infer.bin": "CAT's cal_logit (logits for its WFST decoding) "
+        "is stage 4's decoding and stage 5's TLG here",
+    },
+    "aishell/exp/rnnt-cuside": {
+        "hyper-p.json: data.test": "dev and test decoded",
     },
     "aishell/exp/ctc-stream": {
         **AISHELL_STREAM,
@@ -246,9 +267,10 @@ def test_shipped_experiment_differs_from_cats_only_as_documented(exp):
 
 def test_every_release_experiment_is_compared():
     # The experiments for the real releases are CAT's (the READMEs' tables); synth-* and
-    # tiny-* are this toolkit's own, for the synthetic corpora and CI.
+    # tiny-* are this toolkit's own, for the synthetic corpora and CI; gap-* are
+    # bench/stream_gap.py's variants.
     shipped = {str(p.parent.relative_to(RECIPES)) for p in RECIPES.glob("*/exp/**/config.json")
-               if not p.parent.name.startswith(("synth-", "tiny-"))}
+               if not p.parent.name.startswith(("synth-", "tiny-", "gap-"))}
     assert shipped == set(DERIVED)
 
 

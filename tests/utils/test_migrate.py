@@ -24,8 +24,7 @@ PUBLISHED = {"aishell-ctc-v1": 79.50, "aishell-rnnt-v1": 84.30,
              "wenetspeech-train_l-rnnt-v1": 91.67, "wenetspeech-train_m-ctc-v1": 86.01,
              "wenetspeech-train_m-rnnt-v1": 91.27, "wenetspeech-train_m-crf-v1": 83.45,
              "wenetspeech-train_l-crf-v1": 83.44}
-# CAT's CUSIDE experiments: their published counts include the simulation network, which
-# is not built here (`cuside_simulation_parameters`).
+# CAT's CUSIDE experiments: their published counts include the simulation network.
 PUBLISHED_CUSIDE = {"aishell-ctc-crf-cuside": 117.07, "aishell-rnnt-cuside": 86.00}
 # The vocabulary CAT's trained tokenizer had (config.json num_classes, written by CAT's
 # stage 3; train_l's 5536 characters, not its hyper-p.json's 5147, give the 91.67 M).
@@ -69,21 +68,39 @@ def cuside_simulation_parameters(config: dict) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_CUSIDE))
-def test_cuside_experiments_build_cats_models_but_the_simulation_network(name):
+def test_cuside_experiments_build_cats_models_with_the_simulation_network(name):
     hyper, cat_config = _load(name)
     migration = migrate(hyper, cat_config, f"exp/{name}")
     assert migration.num_classes == VOCAB[name]
     parameters = count_model_parameters(migration.config, migration.num_classes)
-    simulation = cuside_simulation_parameters(cat_config)
     published = PUBLISHED_CUSIDE[name] * 1e6
-    assert abs(parameters + simulation - published) / published < 0.005, parameters
-    # Without the simulation network (not built here) the model is short of CAT's by it.
-    assert abs(parameters - published) / published > 0.015
-    unmapped = _entries(migration, "not mapped")
+    assert abs(parameters - published) / published < 0.005, parameters
+    # The simulation network is in the count: CAT's, built from its layer shapes.
+    trainer = migration.config["trainer"]
+    without = dict(migration.config, trainer={
+        k: v for k, v in trainer.items() if k not in ("simu", "simu_loss_weight")})
+    assert parameters - count_model_parameters(without, migration.num_classes) == \
+        cuside_simulation_parameters(cat_config)
+    mapped = _entries(migration, "mapped")
     for key in ("simu", "chunk_size", "context_size_left", "context_size_right",
                 "jitter_range", "simu_loss_weight"):
-        assert "CUSIDE" in unmapped[f"config.json: trainer.{key}"], key
-    assert "CUSIDE" in unmapped["hyper-p.json: train.bin"]
+        assert trainer[key] == cat_config["trainer"][key], key
+        assert "CUSIDE" in mapped[f"config.json: trainer.{key}"], key
+    assert "CUSIDE" in mapped["hyper-p.json: train.bin"]
+    # CAT's streaming decoding: stage 4 in the trained chunks (encoder frames).
+    rate = 4 * migration.config["encoder"]["kwargs"].get("time_reduction_factor", 1)
+    assert migration.hyper["inference"]["infer"]["option"]["chunk_size"] == \
+        cat_config["trainer"]["chunk_size"] // rate
+
+
+def test_unified_training_without_cuside_keys_gets_cats_default_chunk():
+    hyper, cat_config = _load("aishell-rnnt-cuside")
+    for key in ("chunk_size", "context_size_left", "context_size_right", "jitter_range",
+                "simu", "simu_loss_weight", "downsampling_ratio", "mel_dim"):
+        del cat_config["trainer"][key]
+    migration = migrate(hyper, cat_config, "exp/x")
+    assert migration.config["trainer"]["chunk_size"] == 40
+    assert migration.hyper["inference"]["infer"]["option"]["chunk_size"] == 5
 
 
 def test_even_kernel_becomes_the_odd_one_holding_cats_window():
