@@ -30,7 +30,7 @@ from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.export import onnx_chunk_encoder
 from cat.decoding.online import StreamingRecognizer, decode_utterance, streaming_encoder
 from cat.decoding.searcher import load_model
-from cat.features.fbank import read_audio
+from cat.features.fbank import experiment_front_end, read_audio
 from cat.utils.wer import score
 
 
@@ -43,13 +43,20 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--num-left-chunks", type=int, default=16,
                         help="sherpa-onnx's attention cache, in chunks")
+    parser.add_argument("--sherpa-factory", action="store_true",
+                        help="CTC: build sherpa-onnx's recognizer with its own factory "
+                             "(OnlineRecognizer.from_wenet_ctc, its fbank defaults) instead "
+                             "of export.json's fbank settings: a model of data.front_end "
+                             "sherpa-onnx")
     args = parser.parse_args()
     torch.set_num_threads(1)
     family = __import__(f"cat.{args.kind}.export", fromlist=["export"])
     stream = __import__(f"cat.{args.kind}.stream", fromlist=["main"])
     export_dir = family.export(args.exp, Path(args.exp) / "export-stream", None,
                                args.chunk_size)
-    checkpoint = select_checkpoint(args.exp, load_hyper(Path(args.exp) / "hyper-p.json"))
+    hyper = load_hyper(Path(args.exp) / "hyper-p.json")
+    checkpoint = select_checkpoint(args.exp, hyper)
+    fbank = experiment_front_end(hyper)
     model, tokenizer = load_model(args.exp, checkpoint, args.kind, torch.device("cpu"))
     wavs = sorted(read_table(Path(f"data/{args.set}/wav.scp")).items())
     if args.limit:
@@ -66,8 +73,7 @@ def main() -> None:
     for name in names:
         hyps, start = {}, time.perf_counter()
         if name == "sherpa-onnx":
-            sherpa = (family.sherpa_online_recognizer(export_dir, args.num_left_chunks)
-                      if args.kind == "ctc" else family.sherpa_online_recognizer(export_dir))
+            sherpa = _sherpa(family, export_dir, args)
         for key, (samples, rate) in audio.items():
             if name == "sherpa-onnx":
                 hyps[key] = _sherpa_decode(sherpa, samples, rate)
@@ -78,12 +84,13 @@ def main() -> None:
                 recognizer = StreamingRecognizer(streaming_encoder(model, args.chunk_size),
                                                  stream.__dict__[
                                                      "CtcChunkSearch" if args.kind == "ctc"
-                                                     else "RnntChunkSearch"](model), tokenizer)
+                                                     else "RnntChunkSearch"](model), tokenizer,
+                                                 fbank)
             else:
                 search = (family.OnnxCtcChunkSearch() if args.kind == "ctc" else
                           family.OnnxRnntChunkSearch(onnx_decoder))
                 onnx_encoder.reset()
-                recognizer = StreamingRecognizer(onnx_encoder, search, tokenizer)
+                recognizer = StreamingRecognizer(onnx_encoder, search, tokenizer, fbank)
             if name == "pytorch, padded":  # whole chunks only: no finish()
                 for begin in range(0, len(samples), rate // 10):
                     recognizer.accept_waveform(rate, samples[begin:begin + rate // 10])
@@ -102,6 +109,20 @@ def main() -> None:
         same = sum(_plain(reference[k]) == _plain(hyps[k]) for k in audio)
         cer = score(refs, hyps, "char").error_rate
         print(f"| {name} | {100 * same / len(audio):.1f} | {cer:.2f} | {rtf:.4f} |")
+
+
+def _sherpa(family, export_dir: Path, args: argparse.Namespace):
+    """sherpa-onnx's online recognizer of the export: by its own factory, or configured with
+    export.json's fbank settings."""
+    if args.kind == "rnnt":
+        return family.sherpa_online_recognizer(export_dir)
+    if not args.sherpa_factory:
+        return family.sherpa_online_recognizer(export_dir, args.num_left_chunks)
+    import sherpa_onnx
+
+    return sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
+        tokens=str(export_dir / "tokens.txt"), model=str(export_dir / family.WENET_CTC_NAME),
+        chunk_size=args.chunk_size, num_left_chunks=args.num_left_chunks, num_threads=1)
 
 
 def _plain(text: str) -> str:
