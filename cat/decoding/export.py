@@ -49,7 +49,7 @@ from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
 from cat.features.fbank import FbankOptions, experiment_front_end, front_end_name
 from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
-from cat.models.cuside import CusideStep
+from cat.models.cuside import CusideChunks, CusideStep
 from cat.models.encoder import Encoder
 from cat.models.registry import DECODES_AS, check_command, family
 
@@ -391,54 +391,39 @@ def export_cuside_streaming(head: torch.nn.Module, step: CusideStep, path: PathL
                 torchscript=False)
 
 
-class OnnxCusideEncoder:
+class OnnxCusideEncoder(CusideChunks):
     """A CUSIDE export's `streaming.onnx` as the chunk encoder of
-    `cat.decoding.online.StreamingRecognizer` (a `ChunkEncoder`), what
-    `cat.models.cuside.CusideStreamingEncoder` is in PyTorch."""
+    `cat.decoding.online.StreamingRecognizer` (`cat.models.cuside.CusideChunks` over the
+    export's step in onnxruntime), what `cat.models.cuside.CusideStreamingEncoder` is in
+    PyTorch."""
 
     def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
         meta = load_export_metadata(export_dir)
         self.session = onnx_session(Path(export_dir) / STREAMING_NAME, num_threads)
         self.stride, self.left = int(meta["stride"]), int(meta["left_frames"])
         self.right_context, self.right = meta["right_context"], int(meta["right_frames"])
-        self.lookahead = self.right if self.right_context == "real" else 0
         self.frame_rate, self.dim = int(meta["subsampling_factor"]), int(meta["feature_dim"])
         self.state_shape = (int(meta["simu_layers"]), 1, int(meta["simu_hdim"]))
         self.reset()
 
-    def reset(self) -> None:
-        """Start a new utterance (the session is kept)."""
+    def _reset_state(self) -> None:
+        """A new utterance (the session is kept)."""
         self.history = np.zeros((1, self.left, self.dim), np.float32)
-        self.history_valid = 0
         self.state = np.zeros(self.state_shape, np.float32)
 
-    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
-        return self._encode(feats[:, :self.stride].numpy(), feats[:, self.stride:].numpy())
-
-    def finish(self, feats: torch.Tensor) -> torch.Tensor:
-        frames = feats.numpy()
-        outputs = [self._encode(frames[:, start:start + self.stride],
-                                frames[:, start + self.stride:])
-                   for start in range(0, frames.shape[1], self.stride)]
-        return torch.cat(outputs, dim=1) if outputs else torch.zeros(1, 0, 0)
-
-    def _encode(self, chunk: np.ndarray, after: np.ndarray) -> torch.Tensor:
-        frames = chunk.shape[1]
-        inputs = {"x": np.pad(chunk, ((0, 0), (0, self.stride - frames), (0, 0))),
-                  "valid": np.array([frames]), "history": self.history,
-                  "history_valid": np.array([self.history_valid])}
+    def _step(self, chunk: torch.Tensor, valid: int, right: torch.Tensor, right_valid: int,
+              history_valid: int) -> torch.Tensor:
+        inputs = {"x": chunk.numpy(), "valid": np.array([valid]), "history": self.history,
+                  "history_valid": np.array([history_valid])}
         if self.right_context == "simulated":
             inputs["simu_state"] = self.state
         elif self.right_context == "real":
-            after = after[:, :self.right]
-            inputs["right"] = np.pad(after, ((0, 0), (0, self.right - after.shape[1]), (0, 0)))
-            inputs["right_valid"] = np.array([after.shape[1]])
+            inputs["right"], inputs["right_valid"] = right.numpy(), np.array([right_valid])
         outputs = self.session.run(None, inputs)
         self.history = outputs[1]
         if self.right_context == "simulated":
             self.state = outputs[2]
-        self.history_valid = min(self.left, self.history_valid + self.stride)
-        return torch.from_numpy(outputs[0][:, :-(-frames // self.frame_rate)])
+        return torch.from_numpy(outputs[0])
 
 
 def onnx_chunk_encoder(export_dir: PathLike,

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from typing import Any
 
 import torch
@@ -138,6 +137,7 @@ class ContextChunking(nn.Module):
                            if simu else None)
         self.decode_chunk_size = 0
         self.right_context = self.default_right_context
+        self._tails: dict[tuple[int, int], int] = {}
 
     @property
     def default_right_context(self) -> str:
@@ -200,11 +200,16 @@ class ContextChunking(nn.Module):
     def tail_frames(self, encoder: nn.Module, width: int, covered: int) -> int:
         """Pad frames a window of `width` frames needs at its end for the encoder to give
         an output frame at each of the first `covered // frame_rate` positions."""
-        wanted = covered // self.frame_rate
-        for extra in range(4 * self.frame_rate + 8):
-            if int(encoder.output_lengths(torch.tensor([width + extra]))[0]) >= wanted:
-                return extra
-        raise ValueError(f"windows of {width} frames: the encoder gives too few output frames")
+        if (width, covered) not in self._tails:  # a few sizes per model, asked every batch
+            wanted = covered // self.frame_rate
+            extra = next((extra for extra in range(4 * self.frame_rate + 8)
+                          if int(encoder.output_lengths(torch.tensor([width + extra]))[0])
+                          >= wanted), None)
+            if extra is None:
+                raise ValueError(f"windows of {width} frames: the encoder gives too few "
+                                 "output frames")
+            self._tails[width, covered] = extra
+        return self._tails[width, covered]
 
     def simulate(self, encoder: nn.Module, feats: torch.Tensor, chunk: int) -> torch.Tensor:
         """Normalised right context [B, N, R, D] predicted at the end of each chunk of
@@ -290,7 +295,7 @@ class ContextChunking(nn.Module):
         chunk = self.chunk_size
         right_context = self.default_right_context
         if self.training:
-            chunk += self.frame_rate * random.randint(-self.jitter_range, self.jitter_range)
+            chunk = self._draw_chunk()
             right_context = self._draw_right_context()
         hidden, lengths, losses = self.encode_chunks(encoder, feats, feat_lens, chunk,
                                                      right_context, clean)
@@ -298,12 +303,19 @@ class ContextChunking(nn.Module):
             losses = self.simu_loss_weight * losses
         return hidden, lengths, losses
 
+    # The draws use torch's generator, which training seeds (`train.option.seed`, per rank),
+    # as U2's chunk sizes do.
+    def _draw_chunk(self) -> int:
+        """A training chunk size in feature frames: `chunk_size` jittered."""
+        jitter = int(torch.randint(-self.jitter_range, self.jitter_range + 1, ()))
+        return self.chunk_size + self.frame_rate * jitter
+
     def _draw_right_context(self) -> str:
         if not self.context_size_right:
             return "none"
+        draw = float(torch.rand(()))
         if self.simulation is None:
-            return "none" if random.random() < 0.5 else "real"
-        draw = random.random()
+            return "none" if draw < 0.5 else "real"
         return "simulated" if draw < 0.5 else "none" if draw < 0.75 else "real"
 
 
@@ -401,29 +413,36 @@ class CusideStep(nn.Module):
         return out[:, start:start + self.chunk_size], next_history, state
 
 
-class CusideStreamingEncoder:
-    """Chunk-by-chunk encoding of a CUSIDE model (eval mode) as audio comes, a
-    `cat.decoding.online.ChunkEncoder`: each call takes one chunk of `stride` feature
-    frames followed by `lookahead` more (the real right context; none when simulated) and
-    returns its encoder frames, keeping the left context and the simulation network's
-    state between calls (`CusideStep`). `finish(rest)` encodes what is left at the end
-    (fewer than `stride + lookahead` frames). Over an utterance the outputs are those of
-    `ContextChunking.encode_chunks` of the whole of it with the same chunk size and right
-    context.
+class CusideChunks:
+    """What runs a CUSIDE step chunk by chunk as audio comes, a
+    `cat.decoding.online.ChunkEncoder`, whatever runs the step (`CusideStreamingEncoder`:
+    PyTorch; `cat.decoding.export.OnnxCusideEncoder`: the export in onnxruntime): each
+    call takes one chunk of `stride` feature frames followed by `lookahead` more (the real
+    right context; none when simulated), hands the step the chunk and that context padded
+    to full size with how many of their frames exist, keeps how many left-context frames
+    exist, and returns the chunk's encoder frames; `finish(rest)` encodes what is left at
+    the end (fewer than `stride + lookahead` frames), the last chunk's frames that exist.
+
+    A subclass sets `stride`, `left`, `right`, `right_context`, `frame_rate` and gives
+    `_step(chunk [1, stride, D], valid, right [1, right, D], right_valid, history_valid) ->
+    output [1, stride / frame_rate, H]`, which carries the history and the simulation's
+    state itself, and `_reset_state()`.
     """
 
-    def __init__(self, encoder: nn.Module, chunking: ContextChunking, chunk_size: int,
-                 right_context: str | None = None) -> None:
-        self.step = CusideStep(encoder, chunking, chunk_size, right_context)
-        self.right_context, self.stride = self.step.right_context, self.step.stride
-        self.frame_rate, self.output_dim = chunking.frame_rate, encoder.output_dim
-        self.right = chunking.context_size_right
-        self.lookahead = self.right if self.right_context == "real" else 0
-        self.reset()
+    stride: int
+    left: int
+    right: int
+    right_context: str
+    frame_rate: int
+
+    @property
+    def lookahead(self) -> int:
+        """Feature frames a chunk reads beyond its stride: the real right context's."""
+        return self.right if self.right_context == "real" else 0
 
     def reset(self) -> None:
         """Start a new utterance."""
-        self.history, self.state = self.step.initial_state()
+        self._reset_state()
         self.history_valid = 0
 
     def __call__(self, feats: torch.Tensor) -> torch.Tensor:
@@ -436,17 +455,46 @@ class CusideStreamingEncoder:
         outputs = [self._encode(feats[:, start:start + self.stride],
                                 feats[:, start + self.stride:])
                    for start in range(0, feats.size(1), self.stride)]
-        if not outputs:
-            return feats.new_zeros(1, 0, self.output_dim)
-        return torch.cat(outputs, dim=1)
+        return torch.cat(outputs, dim=1) if outputs else feats.new_zeros(1, 0, 0)
 
     def _encode(self, chunk: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
         frames = chunk.size(1)
         after = after[:, :self.right]
-        out, self.history, self.state = self.step(
-            nn.functional.pad(chunk, (0, 0, 0, self.stride - frames)), torch.tensor([frames]),
-            self.history, torch.tensor([self.history_valid]), self.state,
-            nn.functional.pad(after, (0, 0, 0, self.right - after.size(1))),
-            torch.tensor([after.size(1)]))
-        self.history_valid = min(self.step.left, self.history_valid + self.stride)
+        out = self._step(nn.functional.pad(chunk, (0, 0, 0, self.stride - frames)), frames,
+                         nn.functional.pad(after, (0, 0, 0, self.right - after.size(1))),
+                         after.size(1), self.history_valid)
+        self.history_valid = min(self.left, self.history_valid + self.stride)
         return out[:, :math.ceil(frames / self.frame_rate)]
+
+    def _step(self, chunk: torch.Tensor, valid: int, right: torch.Tensor, right_valid: int,
+              history_valid: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _reset_state(self) -> None:
+        raise NotImplementedError
+
+
+class CusideStreamingEncoder(CusideChunks):
+    """Chunk-by-chunk encoding of a CUSIDE model (eval mode) as audio comes (`CusideChunks`
+    over `CusideStep`, the left context and the simulation network's state kept between
+    calls). Over an utterance the outputs are those of `ContextChunking.encode_chunks` of
+    the whole of it with the same chunk size and right context.
+    """
+
+    def __init__(self, encoder: nn.Module, chunking: ContextChunking, chunk_size: int,
+                 right_context: str | None = None) -> None:
+        self.step = CusideStep(encoder, chunking, chunk_size, right_context)
+        self.right_context, self.stride = self.step.right_context, self.step.stride
+        self.left, self.right = self.step.left, chunking.context_size_right
+        self.frame_rate = chunking.frame_rate
+        self.reset()
+
+    def _reset_state(self) -> None:
+        self.history, self.state = self.step.initial_state()
+
+    def _step(self, chunk: torch.Tensor, valid: int, right: torch.Tensor, right_valid: int,
+              history_valid: int) -> torch.Tensor:
+        out, self.history, self.state = self.step(
+            chunk, torch.tensor([valid]), self.history, torch.tensor([history_valid]),
+            self.state, right, torch.tensor([right_valid]))
+        return out

@@ -199,8 +199,8 @@ class AsrModel(nn.Module):
                 self.encoder, feats, clean, feat_lens)
             chunked, chunk_infeasible, _ = self._head_losses(hidden, chunk_lengths, labels,
                                                              label_lens)
-            extra["chunk_loss_sum"] = float(chunked.detach().masked_fill(infeasible, 0).sum())
             combined, infeasible = combined + chunked, infeasible | chunk_infeasible
+            extra["chunk_loss_sum"] = float(chunked.detach().masked_fill(infeasible, 0).sum())
             if simulation is not None:
                 extra["simu_loss_sum"] = float(simulation.detach().sum())
                 combined = combined + simulation

@@ -24,9 +24,10 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -137,7 +138,7 @@ def train_audio_experiment(root: PathLike, kind: str = "ctc", epochs: int = 1,
     from cat.training.cli import train
 
     root = Path(root)
-    with contextlib.chdir(root), _environment(OMP_NUM_THREADS="1"):
+    with contextlib.chdir(root), mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
         experiment = write_audio_experiment(root, kind=kind, epochs=epochs,
                                             front_end_name=front_end_name)
         config_path = experiment.exp_dir / "config.json"
@@ -153,17 +154,3 @@ def train_audio_experiment(root: PathLike, kind: str = "ctc", epochs: int = 1,
     checkpoint = experiment.exp_dir / "lowered-blank.pt"
     torch.save(state, checkpoint)
     return experiment, checkpoint
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

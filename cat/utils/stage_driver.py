@@ -424,7 +424,9 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "feature-dirs":
         print("\n".join(feature_dirs(args.exp_dir)))
     elif args.command == "front-end":
-        print(Plan.load(args.exp_dir).data.get("front_end", "kaldi"))
+        from cat.features.fbank import experiment_front_end, front_end_name
+
+        print(front_end_name(experiment_front_end(Plan.load(args.exp_dir).hyper)))
     elif args.command == "lm":
         table = decode_lm(args.exp_dir, args.nj, Launcher.from_cmd(args.cmd))
         if table is not None:

@@ -165,8 +165,8 @@ def test_unified_training_adds_the_chunked_losses_and_the_simulation(kind, monke
     simu_loss_weight x the simulation's L1 (the draw fixed: jitter 0, simulated)."""
     model = cuside_model(kind, simu_loss_weight=3.0).train()
     model.chunking.simulation.dropout.p = 0.0
-    monkeypatch.setattr("random.randint", lambda low, high: 0)
-    monkeypatch.setattr("random.random", lambda: 0.25)
+    monkeypatch.setattr(model.chunking, "_draw_chunk", lambda: 12)
+    monkeypatch.setattr(model.chunking, "_draw_right_context", lambda: "simulated")
     feats, lengths, labels, label_lens = _batch()
     torch.manual_seed(5)
     loss, stats = model(feats, lengths, labels, label_lens)
@@ -212,9 +212,26 @@ def test_jitter_and_right_context_draws():
     assert [chunking.left_frames(4 * n) for n in chunking.chunk_sizes] == [16, 24, 32, 40, 48]
     draws = {chunking._draw_right_context() for _ in range(200)}
     assert draws == {"simulated", "none", "real"}
+    assert {chunking._draw_chunk() for _ in range(200)} == {8, 12, 16, 20, 24}
     plain = ContextChunking(FEATS, 4, chunk_size=16, context_size_right=8)
     assert {plain._draw_right_context() for _ in range(100)} == {"none", "real"}
     assert plain.default_right_context == "real"
+
+
+def test_the_draws_follow_torchs_seed_alone():
+    """Chunk sizes and right contexts come from torch's generator, which training seeds:
+    the same seed gives the same draws whatever Python's own generator holds."""
+    import random
+
+    chunking = ContextChunking(FEATS, 4, chunk_size=16, context_size_left=32,
+                               context_size_right=8, jitter_range=2, simu=True)
+
+    def draws(python_seed: int) -> list:
+        random.seed(python_seed)
+        torch.manual_seed(7)
+        return [(chunking._draw_chunk(), chunking._draw_right_context()) for _ in range(50)]
+
+    assert draws(1) == draws(2)
 
 
 @pytest.mark.parametrize(("trainer", "message"), [
