@@ -509,20 +509,105 @@ def fbank_tables(options: FbankOptions) -> tuple[torch.Tensor, torch.Tensor, int
 def _fbank(samples: torch.Tensor, options: FbankOptions) -> torch.Tensor:
     """`torchaudio.compliance.kaldi.fbank` of int16-range float32 samples, with the
     options `FbankOptions` sets (snip_edges, no energy, power spectrum, log)."""
-    window, banks, fft_size = fbank_tables(options)
     frames = samples.unfold(0, options.window_size, options.window_shift)
     if options.dither != 0.0:
         frames = frames + torch.randn(frames.shape, dtype=frames.dtype) * options.dither
-    frames = frames - frames.mean(dim=1, keepdim=True)
+    return _frames_fbank(frames, options)
+
+
+def _frames_fbank(frames: torch.Tensor, options: FbankOptions) -> torch.Tensor:
+    """Log-mel of windows `[..., window]` of int16-range float32 samples (the steps of
+    `_fbank` after framing and dither) -> `[..., mel bins]`, on the frames' device."""
+    window, banks, fft_size = fbank_tables(options)
+    if frames.device != window.device:
+        window, banks = _device_tables(options, frames.device)
+    frames = frames - frames.mean(dim=-1, keepdim=True)
     # Pre-emphasis x[j] - 0.97 x[max(0, j - 1)], a product then a difference as
     # torchaudio rounds it (a fused multiply-add moves quiet bins by up to 3e-3).
     emphasized = torch.empty_like(frames)
-    torch.mul(frames[:, :-1], _PREEMPHASIS, out=emphasized[:, 1:])
-    torch.mul(frames[:, :1], _PREEMPHASIS, out=emphasized[:, :1])
+    torch.mul(frames[..., :-1], _PREEMPHASIS, out=emphasized[..., 1:])
+    torch.mul(frames[..., :1], _PREEMPHASIS, out=emphasized[..., :1])
     torch.sub(frames, emphasized, out=emphasized)
     emphasized *= window
     # re^2 + im^2 as two halves of one squared view: a sum over the last axis of size 2
     # costs 6 times as much, |z|^2 (torchaudio's) 5 times.
     squared = torch.view_as_real(torch.fft.rfft(emphasized, n=fft_size)).square_()
     power = squared[..., 0] + squared[..., 1]
-    return torch.mm(power, banks).clamp_(min=_EPSILON).log_()
+    return torch.matmul(power, banks).clamp_(min=_EPSILON).log_()
+
+
+@functools.lru_cache(maxsize=16)
+def _device_tables(options: FbankOptions, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fbank_tables`' window and mel banks copied to `device` once."""
+    window, banks, _ = fbank_tables(options)
+    return window.to(device), banks.to(device)
+
+
+def batch_num_frames(lengths: torch.Tensor, options: FbankOptions) -> torch.Tensor:
+    """`num_frames` of each sample count in `lengths` (a tensor, on its device)."""
+    if options.snip_edges:
+        frames = 1 + torch.div(lengths - options.window_size, options.window_shift,
+                               rounding_mode="floor")
+    else:
+        frames = torch.div(lengths + options.window_shift // 2, options.window_shift,
+                           rounding_mode="floor")
+    return torch.where(lengths < options.window_size, 0, frames)
+
+
+def batch_fbank(waves: torch.Tensor, lengths: torch.Tensor, options: FbankOptions,
+                num_frames_max: int | None = None) -> torch.Tensor:
+    """`compute_fbank` of a padded batch on its device: `waves` [B, S] (int16 samples, or
+    floats in [-1, 1)) whose row b holds `lengths[b]` samples at `options.sample_rate`
+    -> features [B, T, bins] float32, the frames past each row's count zero (as the
+    collate pads them).
+
+    Each frame takes the steps of `compute_fbank` in the same float32 order, so the
+    features equal its features of each row (`tests/features/test_fbank.py`); nothing
+    is copied to the host and nothing waits for the device (`num_frames_max`, the padded
+    frame count, default `num_frames` of the padded width, is a host number). Dither
+    draws from the device's generator, not `compute_fbank`'s, so it is refused.
+    """
+    if options.dither != 0.0:
+        raise ValueError("batch_fbank computes features without dither; "
+                         f"the options ask for dither {options.dither}")
+    if waves.dim() != 2:
+        raise ValueError(f"expected padded waveforms [batch, samples], got {tuple(waves.shape)}")
+    count = num_frames(waves.size(1), options) if num_frames_max is None else num_frames_max
+    lengths = lengths.to(waves.device)
+    if count == 0:
+        return torch.zeros(waves.size(0), 0, options.num_mel_bins, device=waves.device)
+    samples = _int16_range_batch(waves, options)
+    if not options.snip_edges:
+        samples = _reflect_edges(samples, lengths, options)
+    frames = samples.unfold(1, options.window_size, options.window_shift)[:, :count]
+    features = _frames_fbank(frames, options)
+    valid = torch.arange(count, device=waves.device) < batch_num_frames(lengths, options)[:, None]
+    return features.masked_fill_(~valid[..., None], 0.0)
+
+
+def _int16_range_batch(waves: torch.Tensor, options: FbankOptions) -> torch.Tensor:
+    """`_Samples.window` for a whole batch: int16 values (or floats x 32768) as float32."""
+    if waves.dtype == torch.int16:
+        samples = waves.to(torch.float32)
+        return samples / INT16_SCALE if options.normalize_samples else samples
+    samples = waves.to(torch.float32)
+    return samples if options.normalize_samples else samples * INT16_SCALE
+
+
+def _reflect_edges(samples: torch.Tensor, lengths: torch.Tensor, options: FbankOptions
+                   ) -> torch.Tensor:
+    """Each row with the samples Kaldi reflects around its own ends (`_Samples.window`
+    without snipped edges): `[B, left + S + right]`, row b's sample i at `left + i`,
+    `left = -first_sample`; sample -1 - i is sample i, and past the end of row b sample
+    n_b + i is sample n_b - 1 - i. (A row shorter than a window has no frame, so its
+    reflections, clamped to the row, are never read.)"""
+    left, right = -options.first_sample, options.window_size
+    batch, width = samples.shape
+    out = samples.new_zeros(batch, left + width + right)
+    out[:, left:left + width] = samples
+    out[:, :left] = samples[:, :left].flip(1)
+    steps = torch.arange(right, device=samples.device)
+    source = (lengths[:, None] - 1 - steps).clamp(0, width - 1)
+    out.scatter_(1, left + lengths[:, None] + steps, samples.gather(1, source))
+    return out

@@ -30,6 +30,7 @@ Usage:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -37,13 +38,15 @@ import numpy as np
 import torch
 
 from cat.core.io import PathLike
+from cat.features.fbank import FbankOptions, batch_fbank, num_frames
 from cat.formats.mappack import MapPack
 from cat.formats.tables import FrameRange, feature_verdict
 
 
 class Utterance(NamedTuple):
     """One utterance ready for collation; `sample_id` (streaming: `(shard << 32) |
-    position in the shard`) is -1 outside the streaming path."""
+    position in the shard`) is -1 outside the streaming path. `features` is the feature
+    matrix [T, D], or int16 samples [S] when the training device computes the fbank."""
 
     key: str
     features: np.ndarray
@@ -93,15 +96,25 @@ class Batch:
     """A padded batch. `ids` (streaming only) gives each utterance's sample id (see
     `Utterance`); `events` carries the pipeline's accounting since the previous batch. A
     batch may hold no utterance when it only delivers events (at the end of a worker's
-    stream)."""
+    stream).
+
+    A batch of audio whose features the training device computes holds `waves` (int16
+    [B, S], padded with 0) and `wave_lens` instead of `feats`, with the `fbank` options
+    to compute them with; `featurize` (after `to(device)`) turns it into an ordinary
+    batch. `feat_lens` are the frame counts either way, so batching and accounting never
+    ask which kind a batch is.
+    """
 
     keys: list[str]
-    feats: torch.Tensor  # [B, T, D] float32, padded with 0.0
+    feats: torch.Tensor | None  # [B, T, D] float32, padded with 0.0 (None: `waves`)
     feat_lens: torch.Tensor  # [B] int64
     labels: torch.Tensor  # [B, U] int64, padded with 0 (blank)
     label_lens: torch.Tensor  # [B] int64
     ids: np.ndarray | None = None
     events: StreamEvents | None = None
+    waves: torch.Tensor | None = None  # [B, S] int16, padded with 0
+    wave_lens: torch.Tensor | None = None  # [B] int64
+    fbank: FbankOptions | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -111,32 +124,52 @@ class Batch:
         """Unpadded input frames."""
         return int(self.feat_lens.sum())
 
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        names = ("feats", "feat_lens", "labels", "label_lens", "waves", "wave_lens")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
     def pin_memory(self) -> Batch:
         """Page-locked copy of the tensors (DataLoader `pin_memory=True` calls this)."""
-        return dataclasses.replace(self, feats=self.feats.pin_memory(),
-                                   labels=self.labels.pin_memory())
+        return dataclasses.replace(self, **{name: tensor.pin_memory()
+                                            for name, tensor in self._tensors().items()})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """The batch with its tensors on `device`."""
-        return dataclasses.replace(
-            self, feats=self.feats.to(device, non_blocking=non_blocking),
-            feat_lens=self.feat_lens.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
-            label_lens=self.label_lens.to(device, non_blocking=non_blocking))
+        return dataclasses.replace(self, **{
+            name: tensor.to(device, non_blocking=non_blocking)
+            for name, tensor in self._tensors().items()})
+
+    def featurize(self) -> Batch:
+        """The batch with `feats` computed from `waves` on their device
+        (`cat.features.fbank.batch_fbank`, the workers' features within 1e-4); a batch
+        that has its features comes back as it is."""
+        if self.waves is None:
+            return self
+        if not len(self):
+            feats = torch.zeros(0, 0, self.fbank.num_mel_bins, device=self.waves.device)
+        else:
+            feats = batch_fbank(self.waves, self.wave_lens, self.fbank,
+                                num_frames(self.waves.size(1), self.fbank))
+        return dataclasses.replace(self, feats=feats, waves=None, wave_lens=None, fbank=None)
 
     def __reduce__(self) -> tuple:
         # DataLoader workers send batches with torch's pickler, which moves every tensor
         # into its own shared-memory file and hands its descriptor over a fresh
         # authenticated connection; the small CPU tensors travel by value instead
         # (measured: 1.6 -> 0.85 ms per batch handed over, the features aside).
-        small = [t.numpy() if t.device.type == "cpu" else t
-                 for t in (self.feat_lens, self.labels, self.label_lens)]
-        return (_rebuild_batch, (self.keys, self.feats, *small, self.ids, self.events))
+        small = [t.numpy() if t is not None and t.device.type == "cpu" else t
+                 for t in (self.feat_lens, self.labels, self.label_lens, self.wave_lens)]
+        return (_rebuild_batch, (self.keys, self.feats, *small[:3], self.ids, self.events,
+                                 self.waves, small[3], self.fbank))
 
 
-def _rebuild_batch(keys: list[str], feats: torch.Tensor, *rest: Any) -> Batch:
-    tensors = [torch.from_numpy(r) if isinstance(r, np.ndarray) else r for r in rest[:3]]
-    return Batch(keys, feats, *tensors, *rest[3:])
+def _rebuild_batch(keys: list[str], feats: torch.Tensor | None, *rest: Any) -> Batch:
+    def tensor(value: Any) -> Any:
+        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+    feat_lens, labels, label_lens, ids, events, waves, wave_lens, fbank = rest
+    return Batch(keys, feats, tensor(feat_lens), tensor(labels), tensor(label_lens), ids,
+                 events, waves, tensor(wave_lens), fbank)
 
 
 def empty_batch(feat_dim: int, events: StreamEvents | None = None) -> Batch:
@@ -146,34 +179,79 @@ def empty_batch(feat_dim: int, events: StreamEvents | None = None) -> Batch:
                  np.zeros(0, np.int64), events)
 
 
-def padded_shape(utterances: Sequence[Utterance]) -> tuple[int, int, int]:
-    """`(utterances, longest, feature dimension)` of the padded features of a batch."""
+def padded_shape(utterances: Sequence[Utterance]) -> tuple[int, ...]:
+    """The padded shape of a batch's speech: `(utterances, longest, feature dimension)`
+    of features, `(utterances, longest)` of waveforms (1-D `features`)."""
     longest = max((len(u.features) for u in utterances), default=0)
+    if utterances and utterances[0].features.ndim == 1:
+        return len(utterances), longest
     return len(utterances), longest, utterances[0].features.shape[1] if utterances else 0
 
 
+def padded_bytes(utterances: Sequence[Utterance]) -> int:
+    """Bytes of the padded speech `collate` makes of `utterances`."""
+    itemsize = 2 if utterances and utterances[0].features.ndim == 1 else 4
+    return math.prod(padded_shape(utterances)) * itemsize
+
+
 def collate(utterances: Sequence[Utterance], events: StreamEvents | None = None,
-            out: np.ndarray | None = None) -> Batch:
+            out: np.ndarray | None = None, fbank: FbankOptions | None = None) -> Batch:
     """Pad utterances into a `Batch` (float16 features become float32 here).
 
-    `out`: flat float32 memory to pad the features into (at least `prod(padded_shape)`
-    items; `cat.loading.transport` passes a shared-memory slot); new memory by default.
+    With `fbank` the utterances hold int16 waveforms (1-D), padded into `waves` for the
+    training device to compute these fbank options' features (`Batch.featurize`);
+    `feat_lens` are then their frame counts. `out`: flat memory (any dtype, at least
+    `padded_bytes`) to pad the speech into (`cat.loading.transport` passes a
+    shared-memory slot); new memory by default.
     """
     if not utterances:
         raise ValueError("cannot collate an empty list of utterances")
-    feat_lens = np.fromiter((len(u.features) for u in utterances), np.int64, len(utterances))
     label_lens = np.fromiter((len(u.label) for u in utterances), np.int64, len(utterances))
-    shape = padded_shape(utterances)
-    if out is None:
-        feats = np.empty(shape, np.float32)
-    else:
-        feats = out[:shape[0] * shape[1] * shape[2]].reshape(shape)
     labels = np.zeros((len(utterances), int(label_lens.max(initial=0))), np.int64)
+    for row, utterance in enumerate(utterances):
+        labels[row, :label_lens[row]] = utterance.label
+    ids = np.fromiter((u.sample_id for u in utterances), np.int64, len(utterances))
+    lengths = np.fromiter((len(u.features) for u in utterances), np.int64, len(utterances))
+    tensors = (torch.from_numpy(labels), torch.from_numpy(label_lens), ids, events)
+    keys = [u.key for u in utterances]
+    if fbank is not None:
+        waves = _pad_waveforms(utterances, lengths, out)
+        frames = np.fromiter((num_frames(int(n), fbank) for n in lengths), np.int64,
+                             len(lengths))
+        return Batch(keys, None, torch.from_numpy(frames), *tensors, waves,
+                     torch.from_numpy(lengths), fbank)
+    return Batch(keys, _pad_features(utterances, lengths, out), torch.from_numpy(lengths),
+                 *tensors)
+
+
+def _padded_array(shape: tuple[int, ...], dtype: type, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype)
+    memory = out.reshape(-1).view(np.uint8)
+    return memory[:math.prod(shape) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+
+def _pad_waveforms(utterances: Sequence[Utterance], lengths: np.ndarray,
+                   out: np.ndarray | None) -> torch.Tensor:
+    waves = _padded_array(padded_shape(utterances), np.int16, out)
+    for row, utterance in enumerate(utterances):
+        if utterance.features.ndim != 1 or utterance.features.dtype != np.int16:
+            raise ValueError(f"utterance {utterance.key!r}: expected int16 samples to compute "
+                             f"fbank on the device, got {utterance.features.dtype} of shape "
+                             f"{utterance.features.shape}")
+        waves[row, :lengths[row]] = utterance.features
+        waves[row, lengths[row]:] = 0
+    return torch.from_numpy(waves)
+
+
+def _pad_features(utterances: Sequence[Utterance], lengths: np.ndarray,
+                  out: np.ndarray | None) -> torch.Tensor:
+    feats = _padded_array(padded_shape(utterances), np.float32, out)
     tensor = torch.from_numpy(feats)
     # One pass per utterance, the cast fused in; only the padding is zeroed (batches cut
     # from sorted buffers pad little).
     for row, utterance in enumerate(utterances):
-        length = feat_lens[row]
+        length = lengths[row]
         source = utterance.features
         if source.dtype == np.float16 and source.flags.writeable:
             # numpy casts float16 one value at a time, torch with vector instructions (4-8x
@@ -182,11 +260,7 @@ def collate(utterances: Sequence[Utterance], events: StreamEvents | None = None,
         else:
             feats[row, :length] = source
         feats[row, length:] = 0.0
-        labels[row, :label_lens[row]] = utterance.label
-    ids = np.fromiter((u.sample_id for u in utterances), np.int64, len(utterances))
-    return Batch([u.key for u in utterances], tensor,
-                 torch.from_numpy(feat_lens), torch.from_numpy(labels),
-                 torch.from_numpy(label_lens), ids, events)
+    return tensor
 
 
 # --------------------------------------------------------------------------- length filter

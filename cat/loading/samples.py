@@ -98,21 +98,45 @@ def decode_npy(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype, rows * cols, start).reshape(rows, cols)
 
 
+#: Where audio becomes features (`train.option.audio.features`; `auto` is resolved by
+#: `features_location`).
+FEATURES_ON_WORKERS, FEATURES_ON_DEVICE = "workers", "device"
+
+
+def features_location(choice: str, device: torch.device | None) -> str:
+    """`workers` or `device` for a `train.option.audio.features` value: `auto` is the
+    device when it is a GPU (the workers then only decode and perturb; the fbank of a
+    whole batch costs the GPU next to nothing), else the workers, which run beside a
+    CPU training process instead of taking its time (`bench/device_features.py`)."""
+    if choice in (FEATURES_ON_WORKERS, FEATURES_ON_DEVICE):
+        return choice
+    if choice != "auto":
+        raise ValueError(f"train.option.audio.features: {choice!r}, expected auto, "
+                         f"{FEATURES_ON_DEVICE} or {FEATURES_ON_WORKERS}")
+    on_gpu = device is not None and device.type != "cpu"
+    return FEATURES_ON_DEVICE if on_gpu else FEATURES_ON_WORKERS
+
+
 @dataclasses.dataclass(frozen=True)
 class AudioConfig:
     """How audio members (`wav`, `flac`, `opus`) become features: decoded, resampled to
     `sample_rate`, speed-perturbed by a factor drawn per utterance and epoch from
     `speed_perturb` (`cat.audio.speed.choose_factor`; none when empty), then 80-dim
-    Kaldi-compatible fbank with stage 1's options (`fbank`)."""
+    Kaldi-compatible fbank with stage 1's options (`fbank`), computed by the workers
+    or, when `on_device`, a batch at a time on the training device
+    (`cat.loading.batch.Batch.featurize`)."""
 
     sample_rate: int = 16000
     speed_perturb: tuple[float, ...] = ()
     fbank: FbankOptions = dataclasses.field(default_factory=FbankOptions)
+    on_device: bool = False
 
     @classmethod
-    def from_option(cls, audio: Mapping[str, Any] | None, train: bool) -> AudioConfig | None:
+    def from_option(cls, audio: Mapping[str, Any] | None, train: bool,
+                    device: torch.device | None = None) -> AudioConfig | None:
         """`train.option.audio` (None: the shards hold features), its keys' defaults from
-        the schema; for evaluation (not `train`) without speed perturbation."""
+        the schema; for evaluation (not `train`) without speed perturbation; `device`,
+        the training device, resolves `features: auto`."""
         if audio is None:
             return None
         schema = config_module.load_hyper_schema()["$defs"]["trainOption"]["properties"]
@@ -120,7 +144,8 @@ class AudioConfig:
                   schema["audio"]["properties"].items()} | dict(audio)
         rate = int(option["sample_rate"])
         return cls(rate, tuple(option["speed_perturb"]) if train else (),
-                   FbankOptions(int(option["num_mel_bins"]), rate))
+                   FbankOptions(int(option["num_mel_bins"]), rate),
+                   features_location(option["features"], device) == FEATURES_ON_DEVICE)
 
 
 @dataclasses.dataclass
@@ -206,16 +231,19 @@ class StreamConfig:
     retry_seconds: float
 
     @classmethod
-    def from_options(cls, options: Any, train: bool = True, **fields: Any) -> StreamConfig:
+    def from_options(cls, options: Any, train: bool = True,
+                     device: torch.device | None = None, **fields: Any) -> StreamConfig:
         """The settings of `options` (a `cat.core.config.TrainOptions`) for training, or
-        for evaluation (not `train`: no shuffle buffer, no speed perturbation); `fields`
+        for evaluation (not `train`: no shuffle buffer, no speed perturbation), on the
+        training `device` (where `audio.features: auto` computes features); `fields`
         replace the fields that are not options (`audio`, `retry_seconds`)."""
         derived = {"train", "audio", "retry_seconds"}
         values = {field.name: getattr(options, field.name)
                   for field in dataclasses.fields(cls) if field.name not in derived}
         if not train:
             values["shuffle_buffer"] = 0
-        config = cls(**values, train=train, audio=AudioConfig.from_option(options.audio, train),
+        config = cls(**values, train=train,
+                     audio=AudioConfig.from_option(options.audio, train, device),
                      retry_seconds=RETRY_SECONDS)
         return dataclasses.replace(config, **fields)
 

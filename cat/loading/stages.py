@@ -35,7 +35,7 @@ from cat.audio.codec import (
     to_int16,
 )
 from cat.audio.speed import choose_factor, perturbed_num_samples, speed_perturb
-from cat.features.fbank import compute_fbank, num_frames
+from cat.features.fbank import FbankOptions, compute_fbank, num_frames
 from cat.formats.tables import feature_verdict, transcript_verdict
 from cat.loading.batch import (
     LengthFilter,
@@ -76,13 +76,14 @@ class Judge:
     `__call__` decodes the speech member: `.npy` features into `features` [T, D] (a view
     on the bytes; a pooled buffer under them is kept as `buffer`), or an audio member
     into `waveform` (int16: the audio decoded, resampled and speed-perturbed as `audio`
-    says, by a factor drawn from the `seed`, `epoch` and key); tokenizes `txt` into
-    `label` ids (int32); then the verdict: `feature_verdict` (`non_finite` features),
-`transcript_verdict`, and the `LengthFilter` on
-    the frame count. `finish` turns a waveform into fbank `features`, late, so that the
-    shuffle buffer holds 16-bit audio rather than float features. The first failed check
-    decides: a sample to leave out carries `drop` (its reason), one that is an error
-    carries `error` (its message).
+    says, by a factor drawn from the `seed`, `epoch` and key), and its length in frames
+    into `frames`; tokenizes `txt` into `label` ids (int32); then the verdict:
+    `feature_verdict` (`non_finite` features), `transcript_verdict`, and the
+    `LengthFilter` on the frame count. `finish` turns a waveform into fbank `features`,
+    late, so that the shuffle buffer holds 16-bit audio rather than float features, or,
+    with `audio.on_device`, leaves it for the training device (`fbank` always computes
+    them). The first failed check decides: a sample to leave out carries `drop` (its
+    reason), one that is an error carries `error` (its message).
 
     Audio longer than the filter's upper bound by the length its header claims is
     dropped (`out_of_range`, the frame count it would have had) before it is decoded;
@@ -159,6 +160,7 @@ class Judge:
                 sample["drop"] = reason
             return None
         sample["features"] = features
+        sample["frames"] = len(features)
         return len(features)
 
     def _audio(self, sample: dict[str, Any], data: Any, content: str, where: str
@@ -179,7 +181,8 @@ class Judge:
         if notes:
             sample.setdefault("notes", []).extend(notes)
         sample["waveform"] = waveform
-        return num_frames(len(waveform), audio.fbank)
+        sample["frames"] = frames = num_frames(len(waveform), audio.fbank)
+        return frames
 
     def _waveform(self, sample: dict[str, Any], data: Any, name: str, where: str,
                   factor: float, source: dict[str, int]) -> np.ndarray | None:
@@ -248,6 +251,12 @@ class Judge:
         return caps
 
     def finish(self, sample: dict[str, Any]) -> None:
+        """Ready a kept sample for batching: the fbank of its `waveform` (`fbank`), unless
+        the training device computes it (`audio.on_device`)."""
+        if self.audio is None or not self.audio.on_device:
+            self.fbank(sample)
+
+    def fbank(self, sample: dict[str, Any]) -> None:
         """Fbank `features` of a kept sample's `waveform` (a no-op for features)."""
         waveform = sample.pop("waveform", None)
         if waveform is None:
@@ -255,6 +264,12 @@ class Judge:
         audio = self.audio
         # int16 straight in: the features of to_float32(waveform), without its two passes
         sample["features"] = compute_fbank(waveform, audio.sample_rate, audio.fbank)
+
+
+def sample_frames(sample: dict[str, Any]) -> int:
+    """A sample's length in frames: its `frames` (the judge's), else its features'."""
+    frames = sample.get("frames")
+    return len(sample["features"]) if frames is None else frames
 
 
 def prepare_samples(samples: Iterable[dict[str, Any]], judge: Callable[[dict[str, Any]], None]
@@ -397,8 +412,8 @@ class SortBatcher:
 
     def _cut(self) -> None:
         buffer = self.buffer
-        buffer.sort(key=lambda s: len(s["features"]))
-        lengths = np.fromiter((len(s["features"]) for s in buffer), np.int64, len(buffer))
+        buffer.sort(key=sample_frames)
+        lengths = np.fromiter((sample_frames(s) for s in buffer), np.int64, len(buffer))
         batches = form_batches(lengths, np.arange(len(buffer)), self.batch_size,
                                self.max_frames)
         if self.rng is not None:
@@ -412,18 +427,23 @@ class SortBatcher:
 def collate_batches(groups: Iterable[list[dict[str, Any]]], events: StreamEvents,
                     feat_dim: int, pool: BufferPool | None = None,
                     collate_fn: Callable[..., Any] = collate,
-                    position: Callable[[], WorkerPosition] | None = None) -> Iterator[Any]:
+                    position: Callable[[], WorkerPosition] | None = None,
+                    fbank: FbankOptions | None = None) -> Iterator[Any]:
     """Stage 6: padding collate; events so far ride along, with the worker's `position`
     after the batch; a final batch without utterances flushes the last events.
 
     The batch holds copies, so the samples' pooled buffers go back to `pool` here.
     `collate_fn(utterances, events)` may be a `cat.loading.transport.SharedCollate`.
+    With `fbank` (features on the training device) the samples hold 16-bit waveforms,
+    padded into the batch's `waves` for the device to compute these options' fbank.
     """
+    speech = "features" if fbank is None else "waveform"
+    extra = {} if fbank is None else {"fbank": fbank}
     for group in groups:
-        utterances = [Utterance(s["key"], s["features"], s["label"], s["id"]) for s in group]
+        utterances = [Utterance(s["key"], s[speech], s["label"], s["id"]) for s in group]
         if position is not None:
             events.position = position()
-        batch = collate_fn(utterances, events.drain())
+        batch = collate_fn(utterances, events.drain(), **extra)
         if pool is not None:
             for sample in group:
                 if "buffer" in sample:

@@ -263,8 +263,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         stream: Iterable[Any] = prepare_samples(reader, judge)
         stream = shuffle(stream)
         stream = settle_samples(stream, events, pool, judge.finish)
+        audio = config.audio
         return collate_batches(batcher(stream), events, self.feat_dim, pool, self.collate_fn,
-                               position)
+                               position, audio.fbank if audio and audio.on_device else None)
 
     def _judge(self, epoch: int) -> Judge:
         config = self.config
@@ -276,14 +277,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         """The samples of `shards` a worker keeps in `epoch`, in tar order: stages 1, 2 and
         4 of `pipeline` without the shuffle and the batching, so with the same verdicts
         (drops, length filter, decoding, errors). Each sample holds its `key`, `shard`
-        and `features`. The rank's table of keys taken (`SeenKeys`) and its shard failure
-        budget are left alone: these samples are not the epoch's. Close the iterator when
-        done with it before its end (its shard stays open until then)."""
+        and `features` (computed here also when the batches' are the device's). The
+        rank's table of keys taken (`SeenKeys`) and its shard failure budget are left
+        alone: these samples are not the epoch's. Close the iterator when done with it
+        before its end (its shard stays open until then)."""
         judge = self._judge(epoch)
         events = StreamEvents()
         reader = ShardReader(shards, self.shards, events, self.config, epoch=epoch,
                              caps=judge.member_caps())
-        return settle_samples(prepare_samples(reader, judge), events, finish=judge.finish)
+        return settle_samples(prepare_samples(reader, judge), events, finish=judge.fbank)
 
     def _restore(self, position: WorkerPosition, num_workers: int, reader: ShardReader,
                  shuffle: ShuffleBuffer, batcher: SortBatcher, judge: Judge,

@@ -46,12 +46,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from cat.loading.batch import Batch, StreamEvents, Utterance, collate, padded_shape
+from cat.features.fbank import FbankOptions
+from cat.loading.batch import Batch, StreamEvents, Utterance, collate, padded_bytes
 
 FREE = 0
 HELD = -1
 _PAGE = 4096
-_FEATURE_DTYPE = np.dtype(np.float32)
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -86,7 +86,7 @@ class BatchRing:
         # [generation, state of slot 0, ..., state of slot n-1]
         self.header = array[:8 * (1 + self.num_slots)].view(np.int64)
         self.states = self.header[1:]
-        self.slots = [array[start:start + self.slot_bytes].view(_FEATURE_DTYPE)
+        self.slots = [array[start:start + self.slot_bytes]
                       for start in range(self.header_bytes, array.nbytes, self.slot_bytes)]
         self._next = 0
 
@@ -125,13 +125,16 @@ class BatchRing:
 
     # ------------------------------------------------------------------ training side
 
-    def receive(self, slot: int, generation: int, shape: Sequence[int]) -> torch.Tensor:
-        """The features in `slot` as a tensor; the slot is free again once it is freed."""
+    def receive(self, slot: int, generation: int, shape: Sequence[int],
+                dtype: np.dtype) -> torch.Tensor:
+        """The array of `shape` and `dtype` in `slot` as a tensor; the slot is free again
+        once it is freed."""
         if self.states[slot] != generation:
             raise RuntimeError(f"ring slot {slot} is in state {int(self.states[slot])}, expected "
                                f"generation {generation}: a batch was overwritten in flight")
         self.states[slot] = HELD
-        array = self.slots[slot][:math.prod(shape)].reshape(shape)
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        array = self.slots[slot][:size].view(dtype).reshape(shape)
         # The tensor's storage keeps `array` (and nothing else) alive: the slot is freed
         # exactly when the last view of the features is.
         weakref.finalize(array, _free_slot, self.states, slot).atexit = False
@@ -170,28 +173,38 @@ class WorkerRings:
 
 @dataclasses.dataclass
 class SlotBatch:
-    """What a worker sends instead of a `Batch` whose features lie in a ring slot."""
+    """What a worker sends instead of a `Batch` whose speech lies in a ring slot: its
+    features (float32), or its waveforms (int16, with `wave_lens` and the `fbank`
+    options the training device computes features with)."""
 
     worker: int
     slot: int
     generation: int
-    shape: tuple[int, int, int]
+    shape: tuple[int, ...]
     keys: list[str]
     feat_lens: np.ndarray
     labels: np.ndarray
     label_lens: np.ndarray
     ids: np.ndarray | None
     events: StreamEvents | None
+    wave_lens: np.ndarray | None = None
+    fbank: FbankOptions | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def receive(self, rings: WorkerRings) -> Batch:
-        """The `Batch`, its features a view on the slot (training process)."""
-        feats = rings[self.worker].receive(self.slot, self.generation, self.shape)
-        return Batch(self.keys, feats, torch.from_numpy(self.feat_lens),
-                     torch.from_numpy(self.labels), torch.from_numpy(self.label_lens),
-                     self.ids, self.events)
+        """The `Batch`, its speech a view on the slot (training process)."""
+        waves = self.wave_lens is not None
+        speech = rings[self.worker].receive(self.slot, self.generation, self.shape,
+                                            np.dtype(np.int16 if waves else np.float32))
+        batch = Batch(self.keys, None if waves else speech, torch.from_numpy(self.feat_lens),
+                      torch.from_numpy(self.labels), torch.from_numpy(self.label_lens),
+                      self.ids, self.events)
+        if waves:
+            batch.waves, batch.wave_lens = speech, torch.from_numpy(self.wave_lens)
+            batch.fbank = self.fbank
+        return batch
 
 
 class SharedCollate:
@@ -213,25 +226,27 @@ class SharedCollate:
         self.rings = WorkerRings(num_workers, self.num_slots, self.slot_bytes)
         return self.rings
 
-    def __call__(self, utterances: Sequence[Utterance],
-                 events: StreamEvents | None = None) -> Batch | SlotBatch:
+    def __call__(self, utterances: Sequence[Utterance], events: StreamEvents | None = None,
+                 fbank: FbankOptions | None = None) -> Batch | SlotBatch:
         info = torch.utils.data.get_worker_info()
         if info is None or self.rings is None or not utterances:
-            return collate(utterances, events)
+            return collate(utterances, events, fbank=fbank)
         ring = self.rings[info.id]
-        shape = padded_shape(utterances)
-        claimed = ring.claim(math.prod(shape) * _FEATURE_DTYPE.itemsize)
+        claimed = ring.claim(padded_bytes(utterances))
         if claimed is None:
-            return collate(utterances, events)
+            return collate(utterances, events, fbank=fbank)
         slot, generation = claimed
         try:
-            batch = collate(utterances, events, out=ring.slots[slot])
+            batch = collate(utterances, events, out=ring.slots[slot], fbank=fbank)
         except BaseException:
             ring.abandon(slot)
             raise
-        return SlotBatch(info.id, slot, generation, shape, batch.keys, batch.feat_lens.numpy(),
-                         batch.labels.numpy(), batch.label_lens.numpy(), batch.ids,
-                         batch.events)
+        speech = batch.feats if batch.waves is None else batch.waves
+        return SlotBatch(info.id, slot, generation, tuple(speech.shape), batch.keys,
+                         batch.feat_lens.numpy(), batch.labels.numpy(),
+                         batch.label_lens.numpy(), batch.ids, batch.events,
+                         None if batch.wave_lens is None else batch.wave_lens.numpy(),
+                         batch.fbank)
 
 
 class RingLoader:
@@ -276,11 +291,16 @@ class RingLoader:
         self._persistent_rings = None  # new workers, new rings
 
     def __iter__(self) -> Iterator[Batch]:
+        # The DataLoader's iterator (its workers, its signal handlers) is made here, in
+        # the calling thread, not when the first batch is asked for (maybe elsewhere).
         rings = self._rings()
         iterator = iter(self.loader)
         if rings is not None:
             # Persistent workers: the reset above drained the older descriptors unseen.
             rings.reclaim()
+        return self._batches(iterator, rings)
+
+    def _batches(self, iterator: Iterator[Any], rings: WorkerRings | None) -> Iterator[Batch]:
         for item in iterator:
             if isinstance(item, SlotBatch):
                 if rings is None:

@@ -129,7 +129,8 @@ def run_epoch(stream: ShardStream, epoch: int, workers: int = 0, limit: int | No
               features: bool = False, on_batch: Callable[[int], None] | None = None
               ) -> tuple[list, StreamProgress]:
     """(the non-empty batches trained, in order, progress) of one epoch: each batch its
-    keys, or with `features` (keys, each utterance's unpadded features); stops after
+    keys, or with `features` (keys, each utterance's unpadded features, computed here
+    from the batch's waveforms when the device computes them); stops after
     `limit` batches; `progress` (restored from a checkpoint) resumes the epoch; `on_batch`
     gets the number of batches so far after each one."""
     progress = progress or epoch_progress(stream, epoch, workers)
@@ -143,6 +144,8 @@ def run_epoch(stream: ShardStream, epoch: int, workers: int = 0, limit: int | No
         progress.update(batch, trained=True)
         if len(batch):
             keys = list(batch.keys)
+            if features:
+                batch = batch.featurize()
             batches.append((keys, [batch.feats[i, :n].numpy()
                                    for i, n in enumerate(batch.feat_lens)])
                            if features else keys)

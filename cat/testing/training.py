@@ -7,6 +7,7 @@
     exp/<name>/tokenizer.tknz        a SentencePiece char tokenizer of the transcripts
     exp/<name>/pack/{train,dev}.npz  map-style packs
     exp/<name>/hyper-p.json          map-style by default; `large_dataset` flips to shards
+                                     (`use_audio_shards`: audio shards of the same utterances)
     exp/<name>/config.json           a tiny Conformer CTC or RNN-T model
 
 Paths inside the JSON files are relative to `root`, so run training from there.
@@ -22,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from cat.core.io import PathLike
+from cat.formats.audio_pack import pack_audio
 from cat.formats.mappack import write_map_pack
+from cat.testing.audio import make_audio_file, write_kaldi_data_dir
 from cat.testing.features import (
     FeatureCorpus,
     random_transcript,
@@ -87,12 +90,49 @@ class TinyExperiment:
         self.set_options(**{"large_dataset": True, "trset": "data/wds/train/data-*.tar",
                             **options})
 
+    def use_audio_shards(self, audio_format: str = "flac", features: str = "device",
+                         utts_per_shard: int = 10, **options: Any) -> None:
+        """Switch training and dev to streaming audio shards of the same utterances
+        (synthetic recordings as long as their features, the same transcripts), 80-dim
+        fbank computed where `features` says (`train.option.audio.features`)."""
+        folders = [f"data/wds/{part}_{audio_format}" for part in ("train", "dev")]
+        for folder, part, corpus in zip(folders, ("train", "dev"), (self.train, self.dev),
+                                        strict=True):
+            _audio_shards(corpus, self.root / f"data/audio/{part}", self.root / folder,
+                          audio_format, utts_per_shard)
+        self.set_options(**{"large_dataset": True, "trset": f"{folders[0]}/*.tar",
+                            "dev_large_dataset": True, "devset": f"{folders[1]}/*.tar",
+                            "audio": {"features": features}, **options})
+        config_path = self.exp_dir / "config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["encoder"]["kwargs"]["idim"] = AUDIO_FEAT_DIM
+        config_path.write_text(json.dumps(config, indent=1), encoding="utf-8")
+
     def set_options(self, **options: Any) -> None:
         """Update `train.option` keys of `hyper-p.json`."""
         hyper = self.hyper()
         hyper["train"]["option"].update(options)
         self.hyper_path.write_text(json.dumps(hyper, ensure_ascii=False, indent=1),
                                    encoding="utf-8")
+
+
+#: The fbank bins of `TinyExperiment.use_audio_shards`.
+AUDIO_FEAT_DIM = 80
+
+
+def _audio_shards(corpus: FeatureCorpus, audio_dir: Path, shard_dir: Path, audio_format: str,
+                  utts_per_shard: int) -> None:
+    """Audio shards (`pack_audio`) of recordings with the frame counts and transcripts of
+    `corpus`."""
+    wav_scp = {}
+    for number, (key, features) in enumerate(sorted(corpus.features.items())):
+        seconds = (len(features) * 160 + 240) / 16000  # Kaldi's frames of 25 ms every 10 ms
+        path = make_audio_file(audio_dir / "wav" / f"{key}.{audio_format}", seconds,
+                               seed=number)
+        wav_scp[key] = str(path)
+    data_dir = write_kaldi_data_dir(audio_dir / "data", wav_scp, corpus.transcripts,
+                                    {key: key[:11] for key in wav_scp})
+    pack_audio(data_dir, shard_dir, audio_format, utts_per_file=utts_per_shard)
 
 
 def _transcripts(keys: list[str], seed: int, max_chars: int) -> dict[str, str]:

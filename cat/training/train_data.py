@@ -53,9 +53,11 @@ from cat.core.io import write_table
 from cat.core.process import loader_worker_init
 from cat.formats.mappack import MapPack
 from cat.loading.batch import Batch, BucketBatchSampler, LengthFilter, PackDataset, collate
+from cat.loading.prefetch import DEPTH as PREFETCH_DEPTH
+from cat.loading.prefetch import Prefetcher
 from cat.loading.progress import StreamProgress, length_profile
 from cat.loading.reader import DataUnavailableError
-from cat.loading.samples import StreamConfig
+from cat.loading.samples import AudioConfig, StreamConfig
 from cat.loading.shardlist import ShardList, describe_change, load_shard_list
 from cat.loading.stream import ShardStream
 from cat.loading.tar import CorruptShardError
@@ -70,26 +72,46 @@ FEAT_DIM_KEY = "config.json encoder.kwargs.idim"
 CMVN_SHARDS = 32
 
 
-def shared_collate(options: config_module.TrainOptions, feat_dim: int,
-                   longest: int) -> SharedCollate | None:
-    """Ring slots for the largest batch the options allow (None: no workers, or unbounded).
+def shared_collate(options: config_module.TrainOptions, feat_dim: int, longest: int,
+                   audio: AudioConfig | None = None) -> SharedCollate | None:
+    """Ring slots for the largest batch the options allow (None: no workers, or unbounded):
+    float32 features, or with `audio.on_device` int16 waveforms.
 
-    Per worker: `prefetch` batches in flight plus its share of what the training loop
-    holds (`grad_accum` batches, and as many from the previous update while it takes
-    them). A batch that finds no slot travels the DataLoader's own way.
+    Per worker: `prefetch` batches in flight plus its share of what the training process
+    holds (`grad_accum` batches, as many from the previous update while it takes them,
+    and the `Prefetcher`'s). A batch that finds no slot travels the DataLoader's own way.
     """
     frames = (max(options.max_frames, longest) if options.max_frames
               else options.batch_size * longest)
     if options.workers <= 0 or frames <= 0:
         return None
-    held = -(-(2 * options.grad_accum + 1) // options.workers)
-    return SharedCollate(frames * feat_dim * 4, options.prefetch + held)
+    held = -(-(2 * options.grad_accum + 1 + PREFETCH_DEPTH) // options.workers)
+    slot_bytes = frames * feat_dim * 4
+    if audio is not None and audio.on_device:
+        # A frame is a shift of samples; each utterance has a window's tail besides.
+        fbank = audio.fbank
+        slot_bytes = 2 * (frames * fbank.window_shift + options.batch_size * fbank.window_size)
+    return SharedCollate(slot_bytes, options.prefetch + held)
+
+
+def log_features_location(audio: AudioConfig | None, options: config_module.TrainOptions,
+                          context: DistributedContext) -> None:
+    """Say once where the features of audio shards are computed, and why."""
+    if audio is None or not context.is_main:
+        return
+    choice = (options.audio or {}).get("features", "auto")
+    where = f"batched on {context.device}" if audio.on_device else "in the DataLoader workers"
+    logger.info("fbank of the audio shards: computed %s (train.option.audio.features %s%s)",
+                where, choice, ", for a " + context.device.type + " device"
+                if choice == "auto" else "")
 
 
 def batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None,
                  options: config_module.TrainOptions, device: torch.device,
-                 persistent: bool = True, **kwargs: Any) -> RingLoader:
-    """A DataLoader of `Batch`es whose workers hand them over through `shared`'s rings."""
+                 persistent: bool = True, report: bool = False, **kwargs: Any) -> Prefetcher:
+    """A DataLoader of `Batch`es whose workers hand them over through `shared`'s rings,
+    taken ahead of the step onto `device` (`Prefetcher`, which logs the loader's rates
+    when `report`)."""
     # Own generator: creating a loader iterator must not consume the global torch RNG,
     # or an extra evaluation would change the training randomness (exact resume).
     generator = torch.Generator()
@@ -99,7 +121,8 @@ def batch_loader(dataset: torch.utils.data.Dataset, shared: SharedCollate | None
                       worker_init_fn=loader_worker_init())
     loader = torch.utils.data.DataLoader(dataset, num_workers=options.workers,
                                          generator=generator, **kwargs)
-    return RingLoader(loader, shared, pin_memory=device.type == "cuda")
+    return Prefetcher(RingLoader(loader, shared), device, workers=options.workers,
+                      report=report)
 
 
 def open_pack(path: str, tokenizer: str) -> MapPack:
@@ -214,7 +237,7 @@ class TrainData(abc.ABC):
     """
 
     kind: ClassVar[str]
-    loader: RingLoader
+    loader: Prefetcher
 
     def __init__(self, options: config_module.TrainOptions, context: DistributedContext,
                  log_dir: Path, longest: int) -> None:
@@ -368,7 +391,8 @@ class MapTrainData(TrainData):
                                           context.world_size)
         shared = shared_collate(options, feat_dim, int(self.dataset.num_frames[keep].max()))
         self.loader = batch_loader(self.dataset, shared, options, context.device,
-                                   batch_sampler=self.sampler, collate_fn=shared or collate)
+                                   report=context.is_main, batch_sampler=self.sampler,
+                                   collate_fn=shared or collate)
         self.batches = 0
         self.trained_utts = 0
         if context.is_main and self.filtered:
@@ -485,13 +509,14 @@ class StreamTrainData(TrainData):
         if shards.feat_dim is not None and shards.feat_dim != feat_dim:
             raise ValueError(f"trset {options.trset}: the shards hold {shards.feat_dim}-dim "
                              f"features (index.jsonl), but {FEAT_DIM_KEY} is {feat_dim}")
-        shared = shared_collate(options, feat_dim, shards.longest)
-        self.dataset = ShardStream(shards, options.tokenizer,
-                                   StreamConfig.from_options(options, train=True),
-                                   length_filter, feat_dim, context.rank, context.world_size,
-                                   options.workers, FEAT_DIM_KEY, shared or collate)
+        config = StreamConfig.from_options(options, train=True, device=context.device)
+        log_features_location(config.audio, options, context)
+        shared = shared_collate(options, feat_dim, shards.longest, config.audio)
+        self.dataset = ShardStream(shards, options.tokenizer, config, length_filter, feat_dim,
+                                   context.rank, context.world_size, options.workers,
+                                   FEAT_DIM_KEY, shared or collate)
         self.loader = batch_loader(self.dataset, shared, options, context.device,
-                                   batch_size=None)
+                                   report=context.is_main, batch_size=None)
         self.progress = StreamProgress(shards, [])
         self._tokenizer_digest = _file_digest(options.tokenizer)
 
@@ -538,7 +563,10 @@ class StreamTrainData(TrainData):
         return {"kind": self.kind, "shards": self.shards.identity(),
                 "weighting": self.dataset.weighting, "world_size": self.context.world_size,
                 "workers": options.workers, "seed": options.seed, "filter": options.filter,
-                "audio": options.audio,
+                # Where features are computed does not change the data (features within
+                # 1e-4, the same batches): a resume may move them.
+                "audio": options.audio and {key: value for key, value in options.audio.items()
+                                            if key != "features"},
                 "batching": [options.batch_size, options.max_frames, options.shuffle_buffer,
                              options.sort_buffer],
                 "tokenizer": self._tokenizer_digest}
@@ -616,8 +644,8 @@ class DevData:
         if options.dev_large_dataset:
             shards = load_shard_list(options.devset, options.utts_per_shard_estimate,
                                      options.read_timeout)
-            config = StreamConfig.from_options(options, train=False)
-            shared = shared_collate(options, feat_dim, shards.longest)
+            config = StreamConfig.from_options(options, train=False, device=context.device)
+            shared = shared_collate(options, feat_dim, shards.longest, config.audio)
             dataset = ShardStream(shards, options.tokenizer, config, None, feat_dim,
                                   context.rank, context.world_size, options.workers,
                                   FEAT_DIM_KEY, shared or collate)

@@ -134,7 +134,7 @@ class Updater:
         model = self.ddp or self.model
         loss_sum = normalizer_sum = infeasible = 0.0
         for position, batch in enumerate(batches):
-            batch = batch.to(self.device, non_blocking=True)
+            batch = batch.to(self.device, non_blocking=True).featurize()
             sync = position == len(batches) - 1 or self.ddp is None
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), \
                     torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
@@ -179,7 +179,7 @@ class Updater:
         for batch in loader:
             if not len(batch):
                 continue
-            batch = batch.to(self.device, non_blocking=True)
+            batch = batch.to(self.device, non_blocking=True).featurize()
             with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
                 _, stats = self.model(batch.feats, batch.feat_lens, batch.labels,
                                       batch.label_lens)

@@ -32,6 +32,45 @@ def whole_recording_fbank(waveform: np.ndarray) -> np.ndarray:
     return fbank._fbank(samples, FbankOptions()).numpy()
 
 
+# ----------------------------------------------------------------------------- batches
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("front_end", sorted(fbank.FRONT_ENDS))
+@pytest.mark.parametrize("dtype", [np.int16, np.float32])
+def test_batch_fbank_equals_each_rows_compute_fbank(front_end, dtype, device):
+    """Padded rows of very different lengths (none, one and 1,000+ frames), int16 samples
+    or floats: each row's frames are `compute_fbank`'s, the padding frames zero."""
+    options = fbank.front_end(front_end)
+    lengths = [400, 401, 16000, 23456, 560, 7999, 100, 0]
+    rows = [synth_waveform(max(n, 1) / 16000 + 0.01, seed=n)[:n] for n in lengths]
+    if dtype == np.int16:
+        rows = [np.round(r * 32767).astype(np.int16) for r in rows]
+    padded = np.zeros((len(rows), max(lengths)), dtype)
+    for row, samples in zip(padded, rows, strict=True):
+        row[:len(samples)] = samples
+    features = fbank.batch_fbank(torch.from_numpy(padded).to(device), torch.tensor(lengths),
+                                 options)
+    assert features.shape == (len(rows), fbank.num_frames(max(lengths), options), 80)
+    frames = fbank.batch_num_frames(torch.tensor(lengths), options).tolist()
+    assert frames == [fbank.num_frames(n, options) for n in lengths]
+    for row, (samples, count) in enumerate(zip(rows, frames, strict=True)):
+        got = features[row].cpu().numpy()
+        assert not got[count:].any()
+        if count:
+            np.testing.assert_allclose(got[:count], compute_fbank(samples, 16000, options),
+                                       rtol=0, atol=1e-4)
+
+
+def test_batch_fbank_refuses_dither():
+    with pytest.raises(ValueError, match="without dither"):
+        fbank.batch_fbank(torch.zeros(1, 800, dtype=torch.int16), torch.tensor([800]),
+                          FbankOptions(dither=1.0))
+
+
 # ----------------------------------------------------------------------------- windows
 
 

@@ -81,8 +81,8 @@ def test_collate_into_a_used_slot_zeroes_the_padding():
 def test_slot_is_held_while_a_view_lives_and_freed_after():
     ring = BatchRing(num_slots=2, slot_bytes=64)
     slot, generation = ring.claim(32)
-    ring.slots[slot][:8] = np.arange(8)
-    feats = ring.receive(slot, generation, (2, 4))
+    ring.slots[slot][:32].view(np.float32)[:] = np.arange(8)
+    feats = ring.receive(slot, generation, (2, 4), np.dtype(np.float32))
     view = feats[1]
     del feats
     gc.collect()
@@ -144,7 +144,7 @@ def test_overwritten_slot_is_detected():
     ring.next_generation()
     assert ring.reclaim() == 1
     with pytest.raises(RuntimeError, match="overwritten in flight"):
-        ring.receive(slot, generation, (1, 4))
+        ring.receive(slot, generation, (1, 4), np.dtype(np.float32))
 
 
 def test_rejects_a_pinning_dataloader():

@@ -27,12 +27,16 @@ KILL_STEPS = (5, 14, 23)  # of an epoch of 40 updates
 TIMEOUT_SECONDS = 180
 
 
-def _experiment(root: Path, large_dataset: bool, workers: int):
+def _experiment(root: Path, data: str, workers: int):
+    """`data`: a map pack, feature shards, or audio shards whose fbank the training
+    device computes."""
     experiment = write_tiny_experiment(root, num_train=160, utts_per_shard=10, options={
         "epochs": 1, "batch_size": 4, "check_freq": 1, "keep_checkpoints": 1,
         "log_utterances": True, "workers": workers, "shuffle_buffer": 12, "sort_buffer": 8})
-    if large_dataset:
+    if data == "features":
         experiment.use_shards()
+    elif data == "audio-on-device":
+        experiment.use_audio_shards("flac", features="device")
     return experiment
 
 
@@ -75,17 +79,18 @@ def _outcome(experiment) -> tuple[list[str], dict, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("large_dataset", "workers"), [(False, 1), (False, 2), (True, 1),
-                                                        (True, 2)])
+@pytest.mark.parametrize(("data", "workers"), [
+    ("map", 1), ("map", 2), ("features", 1), ("features", 2), ("audio-on-device", 1),
+    ("audio-on-device", 2)])
 def test_sigkill_at_three_steps_then_resume_trains_the_same_epoch(tmp_path, monkeypatch,
-                                                                   large_dataset, workers):
-    straight = _experiment(tmp_path / "straight", large_dataset, workers)
+                                                                   data, workers):
+    straight = _experiment(tmp_path / "straight", data, workers)
     monkeypatch.chdir(straight.root)
     train(NAME, "cat.ctc.train")
     expected_batches, expected_summary, expected_model = _outcome(straight)
     assert expected_summary["steps"] == 40 == len(expected_batches)
 
-    killed = _experiment(tmp_path / "killed", large_dataset, workers)
+    killed = _experiment(tmp_path / "killed", data, workers)
     stops = [_train_until_killed(killed.root, step, resume=step != KILL_STEPS[0])
              for step in KILL_STEPS]
     assert all(a < b < 40 for a, b in itertools.pairwise(stops)), stops
@@ -97,7 +102,7 @@ def test_sigkill_at_three_steps_then_resume_trains_the_same_epoch(tmp_path, monk
         sorted(k for b in expected_batches for k in b.split()) == killed.train.keys
     assert summary["trained"] == 160 and summary["retrained"] == 0
     assert summary["steps"] == expected_summary["steps"]
-    if workers == 1 or not large_dataset:
+    if workers == 1 or data == "map":
         # One worker (or map-style batches, fixed by seed and epoch): the same batches in
         # the same order, hence the same model.
         assert batches == expected_batches
