@@ -115,14 +115,28 @@ class Batch:
     waves: torch.Tensor | None = None  # [B, S] int16, padded with 0
     wave_lens: torch.Tensor | None = None  # [B] int64
     fbank: FbankOptions | None = None
+    #: `feat_lens` and `label_lens` kept on the host when the batch moved to a device, so
+    #: that counting its frames never waits for the device.
+    host_lens: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
 
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(feat_lens, label_lens)` as host arrays (no copy from a device when kept)."""
+        if self.host_lens is not None:
+            return self.host_lens
+        return self.feat_lens.cpu().numpy(), self.label_lens.cpu().numpy()
+
     @property
     def num_frames(self) -> int:
         """Unpadded input frames."""
-        return int(self.feat_lens.sum())
+        return int(self.lengths()[0].sum())
+
+    @property
+    def padded_frames(self) -> int:
+        """Input frames with the padding: utterances x the longest."""
+        return len(self) * int(self.lengths()[0].max(initial=0))
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         names = ("feats", "feat_lens", "labels", "label_lens", "waves", "wave_lens")
@@ -134,8 +148,11 @@ class Batch:
                                             for name, tensor in self._tensors().items()})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """The batch with its tensors on `device`."""
-        return dataclasses.replace(self, **{
+        """The batch with its tensors on `device` (its lengths also kept on the host)."""
+        host = self.host_lens
+        if host is None and self.feat_lens.device.type == "cpu":
+            host = (self.feat_lens.numpy(), self.label_lens.numpy())
+        return dataclasses.replace(self, host_lens=host, **{
             name: tensor.to(device, non_blocking=non_blocking)
             for name, tensor in self._tensors().items()})
 

@@ -220,6 +220,7 @@ class StreamConfig:
     max_frames: int
     shuffle_buffer: int
     sort_buffer: int
+    buckets: int
     read_ahead_mb: int
     strict_shards: bool
     seed: int

@@ -3,7 +3,8 @@
     prepare_samples  decode the features, tokenize the transcript, decide the verdict
     ShuffleBuffer    in-memory shuffle buffer
     settle_samples   act on the verdicts as samples leave the shuffle buffer
-    SortBatcher      sort buffer cut into batches by padded frames
+    SortBatcher      sort buffer cut into batches by padded frames, or
+    BucketBatcher    length buckets, each a batch when full
     collate_batches  padding collate, with the worker's events and position
 
 `ShuffleBuffer` and `SortBatcher` keep their whole state in attributes, so that a
@@ -422,6 +423,106 @@ class SortBatcher:
         self.pending += [[buffer[i] for i in batch] for batch in batches]
         self.pending_ids += [ids[batch] for batch in batches]
         self.buffer = []
+
+
+def bucket_bounds(frames: np.ndarray, buckets: int) -> np.ndarray:
+    """Upper frame bounds (exclusive) of the first `buckets - 1` length buckets, so that
+    each bucket holds about the same total frames of utterances like `frames` (lhotse's
+    `estimate_duration_buckets`): short utterances share a bucket with many others, and
+    the longest have buckets of their own. Fewer bounds when lengths repeat."""
+    if buckets < 1:
+        raise ValueError(f"length buckets must be at least 1, got {buckets}")
+    frames = np.sort(np.asarray(frames, np.int64))
+    if buckets == 1 or not len(frames):
+        return np.zeros(0, np.int64)
+    cumulative = np.cumsum(frames)
+    targets = cumulative[-1] * np.arange(1, buckets) / buckets
+    # The first utterance past each share of the frames opens the next bucket.
+    return np.unique(frames[np.minimum(np.searchsorted(cumulative, targets, "right"),
+                                       len(frames) - 1)])
+
+
+class BucketBatcher:
+    """Stage 5 with length buckets (lhotse's `DynamicBucketingSampler` is the model): each
+    sample joins the bucket of its length (`bounds`, `bucket_bounds`), and a bucket leaves
+    as a batch when the next sample would overflow it (`batch_size` utterances,
+    `max_frames` padded frames), so that a batch holds utterances of one bucket's lengths
+    and pads little. When the input ends, the buckets left leave as they are, in random
+    order (`rng`; none for evaluation).
+
+    Memory: at most one batch per bucket. `SortBatcher`'s state and position: `buffer`
+    (the buckets' samples, bucket by bucket, each in arrival order: a restore puts them
+    back in their buckets by length, so exactly as they were), `pending` and
+    `upstream_done`.
+    """
+
+    def __init__(self, bounds: np.ndarray, batch_size: int, max_frames: int,
+                 rng: random.Random | None) -> None:
+        self.bounds = np.asarray(bounds, np.int64)
+        self.batch_size = batch_size
+        self.max_frames = max_frames
+        self.rng = rng
+        self.buckets: list[list[dict[str, Any]]] = [[] for _ in range(len(self.bounds) + 1)]
+        self._longest = [0] * len(self.buckets)
+        self.pending: list[list[dict[str, Any]]] = []
+        self.pending_ids: list[np.ndarray] = []
+        self.upstream_done = False
+
+    @property
+    def buffer(self) -> list[dict[str, Any]]:
+        """The buckets' samples, bucket by bucket."""
+        return [sample for bucket in self.buckets for sample in bucket]
+
+    def buffer_ids(self) -> np.ndarray:
+        """The ids of `buffer` (a copy)."""
+        return np.fromiter((s["id"] for bucket in self.buckets for s in bucket), np.int64)
+
+    def restore(self, buffer: list[dict[str, Any]], pending: list[list[dict[str, Any]]],
+                upstream_done: bool) -> None:
+        """Continue from a position's samples (before iterating)."""
+        for sample in buffer:
+            self._add(sample)
+        self.pending, self.upstream_done = pending, upstream_done
+        self.pending_ids = [np.array([s["id"] for s in batch], np.int64) for batch in pending]
+
+    def __call__(self, upstream: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+        yield from self._send()
+        if not self.upstream_done:
+            for sample in upstream:
+                self._add(sample)
+                yield from self._send()
+            self.upstream_done = True
+            left = [number for number, bucket in enumerate(self.buckets) if bucket]
+            if self.rng is not None:
+                self.rng.shuffle(left)
+            for number in left:
+                self._cut(number)
+        yield from self._send()
+
+    def _add(self, sample: dict[str, Any]) -> None:
+        frames = sample_frames(sample)
+        number = int(np.searchsorted(self.bounds, frames, "right"))
+        longest = max(self._longest[number], frames)
+        count = len(self.buckets[number])
+        if count and self.max_frames and longest * (count + 1) > self.max_frames:
+            self._cut(number)
+            longest = frames
+        self.buckets[number].append(sample)
+        self._longest[number] = longest
+        if len(self.buckets[number]) >= self.batch_size:
+            self._cut(number)
+
+    def _cut(self, number: int) -> None:
+        batch = sorted(self.buckets[number], key=sample_frames)
+        self.buckets[number] = []
+        self._longest[number] = 0
+        self.pending.append(batch)
+        self.pending_ids.append(np.array([s["id"] for s in batch], np.int64))
+
+    def _send(self) -> Iterator[list[dict[str, Any]]]:
+        while self.pending:
+            self.pending_ids.pop(0)
+            yield self.pending.pop(0)
 
 
 def collate_batches(groups: Iterable[list[dict[str, Any]]], events: StreamEvents,

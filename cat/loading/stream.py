@@ -20,7 +20,9 @@ Each worker runs a flat list of generator stages, assembled in `ShardStream.pipe
     ShuffleBuffer    in-memory shuffle buffer (`shuffle_buffer` utterances)
     settle_samples   verdicts are acted on as samples leave the shuffle buffer: drops
                      reported, errors raised, so both keep their place in the stream
-    SortBatcher      sort buffer (`sort_buffer`) cut into batches by padded frames
+    SortBatcher      sort buffer (`sort_buffer`) cut into batches by padded frames, or
+    BucketBatcher    with `buckets`, length buckets, each a batch when full (training; the
+                     bounds from the index's frame counts of a sample of shards)
     collate_batches  padding collate into `cat.loading.batch.Batch` (or, in a DataLoader
                      worker, into a shared-memory slot: `cat.loading.transport`)
 
@@ -98,9 +100,11 @@ from cat.loading.reader import FailureBudget, SeenKeys, ShardReader, fetch_sampl
 from cat.loading.samples import StreamConfig, WorkerPosition
 from cat.loading.shardlist import ShardList, assign_shards
 from cat.loading.stages import (
+    BucketBatcher,
     Judge,
     ShuffleBuffer,
     SortBatcher,
+    bucket_bounds,
     collate_batches,
     prepare_samples,
     settle_samples,
@@ -109,6 +113,9 @@ from cat.loading.tar import BufferPool
 from cat.text.tokenizer import load as load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+#: Shards whose index frame counts place the length buckets' bounds (`train.option.buckets`).
+BUCKET_SAMPLE_SHARDS = 64
 
 
 # --------------------------------------------------------------------------- positions
@@ -162,6 +169,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._seen = self._seen_keys(shards, world_size)
         self._tokenizer = None
         self._pool: tuple[int, BufferPool] | None = None
+        self.bucket_bounds = self._bucket_bounds() if config.train and config.buckets else None
 
     @staticmethod
     def _seen_keys(shards: ShardList, world_size: int) -> SeenKeys | None:
@@ -170,6 +178,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         with room for an uneven share."""
         estimated = int(shards.num_utts[shards.estimated].sum())
         return SeenKeys(-(-2 * estimated // world_size)) if estimated else None
+
+    def _bucket_bounds(self) -> np.ndarray | None:
+        """Bounds of `config.buckets` length buckets from the index's frame counts of up to
+        `BUCKET_SAMPLE_SHARDS` shards drawn with the seed (None, and a warning, when no
+        shard has an index: then the sort buffer batches)."""
+        shards = self.shards
+        indexed = np.flatnonzero(~shards.estimated)
+        rng = np.random.default_rng(self.config.seed)
+        chosen = np.sort(rng.permutation(indexed)[:BUCKET_SAMPLE_SHARDS])
+        frames = shards.utterance_frames(chosen.tolist()) if len(chosen) else {}
+        if not frames:
+            logger.warning("train.option.buckets: no shard of trset has frame counts in an "
+                           "index.jsonl to place the bucket bounds by; batching with the "
+                           "sort buffer instead")
+            return None
+        return bucket_bounds(np.concatenate(list(frames.values())), self.config.buckets)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -248,8 +272,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         reader = ShardReader(shards, self.shards, events, config, pool, budget, self._seen,
                              epoch, judge.member_caps())
         shuffle = ShuffleBuffer(config.shuffle_buffer if config.train else 0, rng)
-        batcher = SortBatcher(config.sort_buffer, config.batch_size, config.max_frames,
-                              rng if config.train else None)
+        batcher: SortBatcher | BucketBatcher
+        if self.bucket_bounds is not None:
+            batcher = BucketBatcher(self.bucket_bounds, config.batch_size, config.max_frames, rng)
+        else:
+            batcher = SortBatcher(config.sort_buffer, config.batch_size, config.max_frames,
+                                  rng if config.train else None)
         resume = self._resume.get(worker)
         if resume is not None and resume.epoch == epoch:
             self._restore(resume, num_workers, reader, shuffle, batcher, judge, pool)
@@ -288,7 +316,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         return settle_samples(prepare_samples(reader, judge), events, finish=judge.fbank)
 
     def _restore(self, position: WorkerPosition, num_workers: int, reader: ShardReader,
-                 shuffle: ShuffleBuffer, batcher: SortBatcher, judge: Judge,
+                 shuffle: ShuffleBuffer, batcher: SortBatcher | BucketBatcher, judge: Judge,
                  pool: BufferPool) -> None:
         if position.num_workers != num_workers:
             raise ValueError(f"the resume position is of a stream with {position.num_workers} "

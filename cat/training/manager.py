@@ -443,7 +443,7 @@ class Manager:
         interval.update(time=now, wait=0.0, utts=0.0, steps=0)
 
     def _finish_epoch(self, epoch: int, steps: int) -> None:
-        summary = {**self.train_data.summary(), "updates": steps,
+        summary = {**self.train_data.summary(), **self.train_data.padding(), "updates": steps,
                    "cut_lengths": self.train_data.cut_profile(),
                    "skipped": self.skipped["utterances"],
                    "skipped_updates": self.skipped["updates"], "infeasible": self.infeasible}
@@ -470,11 +470,14 @@ class Manager:
         write_coverage(self.log_dir / "coverage.jsonl", coverage)
         dropped, cut = record["dropped"], record["not_trained"]
         details = ", ".join(f"{r}={n}" for r, n in sorted(dropped.items())) or "none"
+        padding = record["padding_share"]
         logger.info("epoch %d: %d updates, %d utterances trained (%d of them infeasible for "
-                    "the loss); skipped (%d updates with a non-finite gradient): %d; dropped: "
-                    "%s; lost in corrupt shards: %d, in unavailable shards: %d; not trained "
-                    "(epoch cut at the first rank out of data): %s; retrained: %d", epoch,
+                    "the loss; padding %s of the input frames); skipped (%d updates with a "
+                    "non-finite gradient): %d; dropped: %s; lost in corrupt shards: %d, in "
+                    "unavailable shards: %d; not trained (epoch cut at the first rank out of "
+                    "data): %s; retrained: %d", epoch,
                     record["steps"], record["trained"], record["infeasible"],
+                    "unknown" if padding is None else f"{padding:.1%}",
                     record["skipped_updates"], record["skipped"], details,
                     record["corrupt_missing"], record["unavailable_missing"],
                     "unknown" if cut is None else f"{cut} ({record['cut_fraction']:.2%})",

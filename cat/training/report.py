@@ -2,13 +2,14 @@
 
 `epoch_record` sums the ranks' summaries of an epoch (`log/epoch-<EEE>.json`);
 `write_coverage` keeps one line per epoch in `log/coverage.jsonl` (trained and, of those,
-infeasible for the loss: no alignment, loss 0 and no gradient; dropped per
-reason, lost, cut by the epoch's end and its lengths, retrained, skipped with an update
-skipped for a non-finite gradient, compressed shards a resume read again from their
-start, kept utterances per note: audio resampled or down-mixed, transcripts with `<unk>`
-tokens); `check_epoch` stops training when an epoch trained nothing or more of its shards
-failed than `bad_shard_limit` allows, `check_skipped` when more of its updates were
-skipped than `max_skipped_updates` allows, `check_dev_loss` at a non-finite dev loss.
+infeasible for the loss: no alignment, loss 0 and no gradient; dropped per reason, lost,
+cut by the epoch's end and its lengths, retrained, skipped with an update skipped for a
+non-finite gradient, compressed shards a resume read again from their start, kept
+utterances per note: audio resampled or down-mixed, transcripts with `<unk>` tokens; the
+padding share of the trained batches' input frames); `check_epoch` stops training when
+an epoch trained nothing or more of its shards failed than `bad_shard_limit` allows,
+`check_skipped` when more of its updates were skipped than `max_skipped_updates` allows,
+`check_dev_loss` at a non-finite dev loss.
 
 Usage:
     record = epoch_record(epoch, steps, summaries)
@@ -65,6 +66,8 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
                                      for name in profiles[0]["histogram"]}}
     # Utterances of updates skipped for a non-finite gradient were taken, not trained.
     skipped = sum(s.get("skipped", 0) for s in summaries)
+    frames = sum(s.get("frames", 0) for s in summaries)
+    padded = sum(s.get("padded_frames", 0) for s in summaries)
     return {"epoch": epoch, "steps": steps, "expected": total,
             "trained": sum(s["trained"] for s in summaries) - skipped,
             # Of the trained: the loss found no alignment (loss 0, no gradient).
@@ -84,6 +87,10 @@ def epoch_record(epoch: int, steps: int, summaries: list[dict[str, Any]],
             "shards": sum(s.get("shards", 0) for s in summaries),
             # Kept utterances per note: audio resampled or down-mixed, <unk> tokens.
             "noted": noted,
+            # Of the input frames of the trained batches (padded: utterances x longest),
+            # the share that is padding.
+            "frames": frames, "padded_frames": padded,
+            "padding_share": 1 - frames / padded if padded else None,
             "ranks": summaries}
 
 

@@ -247,6 +247,7 @@ class TrainData(abc.ABC):
         #: Frames of the longest utterance of the source (before the length filter).
         self.longest = longest
         self.epoch = 1
+        self.frames = self.padded_frames = 0
         self.logs = _EpochLogs(log_dir, context.rank)
         self.last_updates: int | None = None
 
@@ -284,6 +285,7 @@ class TrainData(abc.ABC):
         """Prepare `epoch`, continuing after `state` (this rank's `state()`) when given."""
         self.epoch = epoch
         self.logs.start(epoch, state)
+        self.frames, self.padded_frames = (state or {}).get("padding", (0, 0))
         self._start_epoch(epoch, state)
 
     @abc.abstractmethod
@@ -293,10 +295,21 @@ class TrainData(abc.ABC):
     def __iter__(self) -> Iterator[Batch]:
         return iter(self.loader)
 
-    @abc.abstractmethod
     def note(self, batch: Batch, trained: bool) -> None:
         """Account for a batch taken from the loader (trained, or taken when the epoch
-        ended before its update)."""
+        ended before its update): the kind's accounting, and the padding of the trained."""
+        if trained and len(batch):
+            self.frames += batch.num_frames
+            self.padded_frames += batch.padded_frames
+        self._note(batch, trained)
+
+    @abc.abstractmethod
+    def _note(self, batch: Batch, trained: bool) -> None:
+        """The kind's part of `note`."""
+
+    def padding(self) -> dict[str, int]:
+        """Input frames of the epoch's trained batches, and with their padding."""
+        return {"frames": self.frames, "padded_frames": self.padded_frames}
 
     def steps_hint(self) -> int | None:
         """Updates this epoch will take, for the progress bar (here: those of the last
@@ -306,7 +319,8 @@ class TrainData(abc.ABC):
     def state(self) -> dict[str, Any]:
         """This rank's position in the epoch (stored in checkpoints), with its count of
         trained utterances (`trained_in`)."""
-        return {"trained": self.trained(), **self._position(), "logs": self.logs.state()}
+        return {"trained": self.trained(), **self._position(), "logs": self.logs.state(),
+                "padding": [self.frames, self.padded_frames]}
 
     @abc.abstractmethod
     def trained(self) -> int:
@@ -442,7 +456,7 @@ class MapTrainData(TrainData):
             self.logs.drops.write([f"{self.dataset.pack.key(i)} epoch_remainder"
                                    for b in left_over for i in b])
 
-    def note(self, batch: Batch, trained: bool) -> None:
+    def _note(self, batch: Batch, trained: bool) -> None:
         """Account for a batch taken from the loader."""
         if trained:
             self.batches += 1
@@ -560,7 +574,7 @@ class StreamTrainData(TrainData):
     def identity(self) -> dict[str, Any]:
         """What decides the epochs' data and batches (compared on resume)."""
         options = self.options
-        return {"kind": self.kind, "shards": self.shards.identity(),
+        identity = {"kind": self.kind, "shards": self.shards.identity(),
                 "weighting": self.dataset.weighting, "world_size": self.context.world_size,
                 "workers": options.workers, "seed": options.seed, "filter": options.filter,
                 # Where features are computed does not change the data (features within
@@ -570,6 +584,9 @@ class StreamTrainData(TrainData):
                 "batching": [options.batch_size, options.max_frames, options.shuffle_buffer,
                              options.sort_buffer],
                 "tokenizer": self._tokenizer_digest}
+        if options.buckets:  # (absent before buckets were: those checkpoints still resume)
+            identity["buckets"] = options.buckets
+        return identity
 
     def _shard_urls(self) -> list[str]:
         return self.shards.urls
@@ -595,7 +612,7 @@ class StreamTrainData(TrainData):
         self.dataset.set_epoch(epoch, self.progress.positions,
                                len(self.progress.corrupt) + len(self.progress.unavailable))
 
-    def note(self, batch: Batch, trained: bool) -> None:
+    def _note(self, batch: Batch, trained: bool) -> None:
         """Account for a batch taken from the loader (its events count either way)."""
         self.progress.update(batch, trained)
         self.logs.drops.write(self.progress.drop_lines)

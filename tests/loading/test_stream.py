@@ -330,20 +330,25 @@ def test_every_sort_buffer_leaves_whole():
         assert len(batch) <= 8 and (len(batch) == 1 or frames.max() * len(batch) <= 3000)
 
 
-@pytest.mark.parametrize(("workers", "stops"), [(0, (1, 4, 7)), (1, (2, 5)), (2, (3, 6))])
-def test_resume_continues_exactly_where_the_epoch_stopped(experiment, workers, stops, tmp_path):
+@pytest.mark.parametrize(("workers", "stops", "buckets"), [
+    (0, (1, 4, 7), 0), (1, (2, 5), 0), (2, (3, 6), 0), (0, (1, 4, 6), 4), (2, (2, 5), 3)])
+def test_resume_continues_exactly_where_the_epoch_stopped(experiment, workers, stops, buckets,
+                                                          tmp_path):
+    """With the sort buffer, and with length buckets (`buckets`)."""
     epoch = 3
 
     def stream():
-        return _stream(experiment, workers=workers, shuffle_buffer=3, sort_buffer=3)
+        return _stream(experiment, workers=workers, shuffle_buffer=3, sort_buffer=3,
+                       buckets=buckets)
 
+    assert (stream().bucket_bounds is not None) == bool(buckets)
     full, full_progress = run_epoch(stream(), epoch, workers)
     assert len(full) > max(stops)
     mid_shard = 0
     for stop in stops:
         first, progress = run_epoch(stream(), epoch, workers, limit=stop)
         mid_shard += sum(p.ordinal > 0 for p in progress.positions.values())
-        path = tmp_path / f"state-{workers}-{stop}.pt"
+        path = tmp_path / f"state-{workers}-{stop}-{buckets}.pt"
         save_checkpoint(path, {"format": "cat-checkpoint", "version": 1, "data": progress.state()})
         # A new process: a new stream and progress, restored from the checkpoint.
         resumed_stream = stream()
