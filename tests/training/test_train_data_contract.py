@@ -101,8 +101,13 @@ def test_two_epochs_each_yield_every_utterance_once_with_their_logs(tiny, tmp_pa
             # The logs list the trained batches, one line each, and nothing dropped.
             assert _log_lines(tmp_path, "utts", epoch) == [" ".join(b) for b in batches]
             assert _log_lines(tmp_path, "drops", epoch) == []
-            record = epoch_record(epoch, len(batches), [summary])
+            padding = data.padding()
+            assert padding["frames"] == sum(len(f) for f in tiny.train.features.values())
+            assert padding["padded_frames"] > padding["frames"]
+            record = epoch_record(epoch, len(batches), [{**summary, **padding}])
             assert record["trained"] == 40 and record["not_trained"] == 0
+            assert record["padding_share"] == pytest.approx(
+                1 - padding["frames"] / padding["padded_frames"])
             data.check_epoch(record)  # nothing failed: no error
             data.end_epoch(len(batches))
             assert data.steps_hint() is not None and data.steps_hint() > 0
@@ -137,6 +142,8 @@ def test_a_state_taken_mid_epoch_resumes_with_the_utterances_not_yet_seen(tiny, 
         assert not set(seen) & set(rest), f"{kind}: trained again after the resume"
         assert sorted(seen + rest) == tiny.train.keys, f"{kind}: missing after the resume"
         assert second.trained() == 40 and second.summary()["not_trained"] == 0
+        # The padding count carries on from the state: all the epoch's frames, once.
+        assert second.padding()["frames"] == sum(len(f) for f in tiny.train.features.values())
         second.end_epoch(None)
     finally:
         second.close()
