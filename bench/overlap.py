@@ -20,7 +20,8 @@ Parts:
    Variants: `before`, the training process taking each batch when the step asks for it,
    then pinning (on CUDA), copying and featurizing it in the step's thread (the loader
    before `cat.loading.prefetch`: `Prefetcher(depth=0)`); `after`, the prefetcher as
-   training runs it. Opus with the fbank in the workers and on the device.
+   training runs it. Opus with the fbank in the workers (before and after) and on the
+   device (after: it is new). A data-bound row says how many workers would keep up.
    `alone utt/s`: an epoch without steps (the loader's own rate); `steps utt/s`: what the
    steps alone allow.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -67,6 +69,9 @@ RATE = 16000
 STEP_US_PER_FRAME = 2.72
 #: exp/ctc-v1's batches.
 BATCH_SIZE, MAX_FRAMES = 128, 60000
+#: Buffers small against a worker's share of an epoch, so that the epochs measure the
+#: steady state (the first batch of each, which waits for them to fill, is left out).
+SHUFFLE_BUFFER, SORT_BUFFER = 64, 2 * BATCH_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +117,8 @@ def train_data(corpus: Corpus, kind: str, workers: int, device: torch.device,
         **train_option_defaults(), "large_dataset": True, "trset": getattr(
             corpus, "features" if kind == "features" else "opus"),
         "devset": [], "tokenizer": corpus.tokenizer, "workers": workers, "prefetch": 4,
-        "batch_size": BATCH_SIZE, "max_frames": MAX_FRAMES, "shuffle_buffer": 500,
-        "sort_buffer": 500, "audio": audio})
+        "batch_size": BATCH_SIZE, "max_frames": MAX_FRAMES, "shuffle_buffer": SHUFFLE_BUFFER,
+        "sort_buffer": SORT_BUFFER, "audio": audio})
     shards = load_shard_list(options.trset)
     frames = np.arange(2 * max(shards.longest, 1000) + 1)
     length_filter = LengthFilter(None, np.maximum(((frames - 1) // 2 - 1) // 2, 0), 4,
@@ -192,6 +197,20 @@ def measure(corpus: Corpus, kind: str, variant: str, workers: int, epochs: int,
                 sum(r["padded_frames"] for r in runs), 1)}
 
 
+#: Part 2's rows: (shards, variant).
+ROWS = (("features", "before"), ("features", "after"), ("opus-workers", "before"),
+        ("opus-workers", "after"), ("opus-device", "after"))
+
+
+def workers_needed(row: dict[str, Any]) -> str:
+    """Workers that would deliver what the steps take (as `LoaderRates` says it), or `-`
+    when the loader keeps up."""
+    if row["wait_share"] <= 0.02:
+        return "-"
+    return str(math.ceil(row["workers"] * row["steps_utts_per_second"]
+                         / row["utts_per_second"] - 1e-6))
+
+
 def per_worker(corpus: Corpus, device: torch.device, log_dir: Path) -> list[dict[str, Any]]:
     """Part 1: one worker's utterances per second over the Opus shards, no step."""
     rows = []
@@ -211,7 +230,7 @@ def per_worker(corpus: Corpus, device: torch.device, log_dir: Path) -> list[dict
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--feature-utts", type=int, default=8000)
-    parser.add_argument("--opus-utts", type=int, default=1200)
+    parser.add_argument("--opus-utts", type=int, default=2400)
     parser.add_argument("--utts-per-shard", type=int, default=100)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per row")
@@ -245,17 +264,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['audio_seconds_per_second']:>12.1f}")
         print(f"\n== 2. data wait at the step ({args.workers} workers) ==")
         print(f"{'shards':<13} {'variant':<7} {'alone utt/s':>11} {'steps utt/s':>11} "
-              f"{'utt/s':>7} {'wait share':>10} {'1st batch s':>11} {'padding':>8}")
+              f"{'utt/s':>7} {'wait share':>10} {'1st batch s':>11} {'padding':>8} "
+              f"{'workers':>7}")
         rows = []
-        for kind in ("features", "opus-workers", "opus-device"):
-            for variant in ("before", "after"):
-                row = measure(corpus, kind, variant, args.workers, args.epochs,
-                              seconds_per_frame, device, root / "log")
-                rows.append(row)
-                print(f"{kind:<13} {variant:<7} {row['alone_utts_per_second']:>11.1f} "
-                      f"{row['steps_utts_per_second']:>11.1f} {row['utts_per_second']:>7.1f} "
-                      f"{row['wait_share']:>10.3f} {row['first_batch_seconds']:>11.3f} "
-                      f"{row['padding_share']:>8.3f}", flush=True)
+        for kind, variant in ROWS:
+            row = measure(corpus, kind, variant, args.workers, args.epochs,
+                          seconds_per_frame, device, root / "log")
+            rows.append(row)
+            print(f"{kind:<13} {variant:<7} {row['alone_utts_per_second']:>11.1f} "
+                  f"{row['steps_utts_per_second']:>11.1f} {row['utts_per_second']:>7.1f} "
+                  f"{row['wait_share']:>10.3f} {row['first_batch_seconds']:>11.3f} "
+                  f"{row['padding_share']:>8.3f} {workers_needed(row):>7}", flush=True)
         print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

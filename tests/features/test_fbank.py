@@ -41,9 +41,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("front_end", sorted(fbank.FRONT_ENDS))
 @pytest.mark.parametrize("dtype", [np.int16, np.float32])
-def test_batch_fbank_equals_each_rows_compute_fbank(front_end, dtype, device):
+@pytest.mark.parametrize("batched", [True, None])
+def test_batch_fbank_equals_each_rows_compute_fbank(front_end, dtype, device, batched):
     """Padded rows of very different lengths (none, one and 1,000+ frames), int16 samples
-    or floats: each row's frames are `compute_fbank`'s, the padding frames zero."""
+    or floats: each row's frames are `compute_fbank`'s, the padding frames zero; the
+    whole batch at once (a GPU's way, here also on the CPU) and the device's own way."""
     options = fbank.front_end(front_end)
     lengths = [400, 401, 16000, 23456, 560, 7999, 100, 0]
     rows = [synth_waveform(max(n, 1) / 16000 + 0.01, seed=n)[:n] for n in lengths]
@@ -53,7 +55,7 @@ def test_batch_fbank_equals_each_rows_compute_fbank(front_end, dtype, device):
     for row, samples in zip(padded, rows, strict=True):
         row[:len(samples)] = samples
     features = fbank.batch_fbank(torch.from_numpy(padded).to(device), torch.tensor(lengths),
-                                 options)
+                                 options, batched=batched)
     assert features.shape == (len(rows), fbank.num_frames(max(lengths), options), 80)
     frames = fbank.batch_num_frames(torch.tensor(lengths), options).tolist()
     assert frames == [fbank.num_frames(n, options) for n in lengths]
