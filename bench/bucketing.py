@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from cat.loading.batch import BucketBatchSampler
 from cat.loading.samples import StreamConfig

@@ -24,14 +24,18 @@ Parts (each prints its rows, or why it did not run; `--json` writes the same fig
    frames x 60 labels x 5,537 classes), fp32 and fp16 autocast: time and peak memory
    against the estimate of `cat.rnnt.model`'s docstring (a batch that does not fit is
    reported as out of memory, a finding rather than a failure).
-4. `loader`: `StreamTrainData` (the training loop's streaming data, with its workers)
-   over small feature shards and Opus audio shards (speed perturbation, fbank in the
-   workers) written by the stage-2 packers, iterated with a simulated step: the batch is
-   moved to the device, then the step's compute is a sleep of part 2's update's seconds
-   per input frame (fp16 on CUDA, fp32 on the CPU: what training runs there) times the
-   batch's frames, or `--step-ms` per `--step-frames`.
-   Printed: the share of wall time spent waiting for batches, over the second epoch, and
-   without its first batch.
+4. `loader`: the streaming training data (`StreamTrainData` with its workers and the
+   prefetcher, as training builds it, `bench/overlap.py`) over feature shards and Opus
+   audio shards (speed perturbation) of one length mix, iterated with a simulated step:
+   the step's compute is a sleep of part 2's update's seconds per input frame (fp16 on
+   CUDA, fp32 on the CPU: what training runs there) times the batch's frames, or
+   `--step-ms` per `--step-frames`; `exp/ctc-v1`'s batches and workers. Printed: the
+   device's batched fbank of Opus utterances against the workers' (checked within 1e-4);
+   one worker's Opus utterances per second with the fbank in the worker and on the
+   device; per shard kind and variant (`before`: each batch taken, pinned, copied and
+   featurized when the step asks; `after`: the prefetcher), the share of wall time spent
+   waiting for batches over a steady-state epoch (its first batch apart), the padding
+   share, and the workers that would keep up when the loader is the bound.
 5. `ddp`: the fp16 update of part 2 under DistributedDataParallel over every GPU (NCCL,
    one process each, `torch.multiprocessing.spawn`) against one process without DDP, the
    same batch size per GPU; the parameters of every rank must agree afterwards. On the
@@ -127,31 +131,27 @@ class Sizes:
     timed_steps: int
     rnnt_shape: tuple[int, int, int]  # utterances, encoder frames, labels
     feature_utts: int
-    feature_frames: tuple[int, int]
-    audio_seconds: tuple[float, ...]  # durations, cycled over the audio utterances
     audio_utts: int
     utts_per_shard: int
     workers: int  # 0: exp/ctc-v1's
     loader_batch: int
-    shuffle_buffer: int
-    sort_buffer: int
+    loader_frames: int
+    step_scale: float  # of the measured update's seconds per frame, for the simulated step
 
 
 FULL = Sizes("full", crf_batch=0, crf_check_utts=16, crf_lm_sentences=2000, repeats=3,
              encoder={}, step_batch=0, step_frames=(300, 600), step_labels=(8, 20),
              warmup_steps=3, timed_steps=5, rnnt_shape=(32, 250, 60),
-             feature_utts=800, feature_frames=(300, 600), audio_seconds=(3.0, 4.5, 6.0),
-             audio_utts=800, utts_per_shard=25, workers=0, loader_batch=16,
-             shuffle_buffer=16, sort_buffer=16)
+             feature_utts=8000, audio_utts=3200, utts_per_shard=100, workers=0,
+             loader_batch=128, loader_frames=60000, step_scale=1.0)
 # The tiny Conformer's subsampling is a small conv2d: VGG2L's float16 convolution backward
 # takes seconds on a CPU.
 TINY = Sizes("tiny", crf_batch=2, crf_check_utts=2, crf_lm_sentences=300, repeats=1,
              encoder={"hdim": 32, "num_cells": 1, "num_heads": 2, "subsampling": "conv2d",
                       "subsampling_channels": 8}, step_batch=2,
              step_frames=(60, 90), step_labels=(3, 6), warmup_steps=1, timed_steps=2,
-             rnnt_shape=(2, 12, 4), feature_utts=12, feature_frames=(60, 100),
-             audio_seconds=(0.7, 1.0), audio_utts=8, utts_per_shard=3, workers=1,
-             loader_batch=4, shuffle_buffer=8, sort_buffer=4)
+             rnnt_shape=(2, 12, 4), feature_utts=40, audio_utts=16, utts_per_shard=4,
+             workers=1, loader_batch=4, loader_frames=0, step_scale=0.001)
 
 
 class Skipped(Exception):
@@ -581,96 +581,9 @@ def part_rnnt(ctx: Context) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 4. loader
 
 
-def write_loader_shards(root: Path, sizes: Sizes) -> tuple[dict[str, list[str]], Path]:
-    """Feature shards and Opus audio shards of small corpora, and their tokenizer."""
-    from cat.formats.audio_pack import pack_audio
-    from cat.testing.audio import make_data_dir
-    from cat.testing.features import write_feature_corpus
-    from cat.testing.shards import write_shards
-    from cat.text import tokenizer as tk
-
-    jobs = max(1, min(8, os.cpu_count() or 1))
-    corpus = write_feature_corpus(root / "fbank", num_utts=sizes.feature_utts,
-                                  frame_range=sizes.feature_frames, dim=FEAT_DIM)
-    feature_shards = write_shards(corpus, root / "shards/features", sizes.utts_per_shard)
-    durations = [sizes.audio_seconds[i % len(sizes.audio_seconds)]
-                 for i in range(sizes.audio_utts)]
-    audio_dir = make_data_dir(root / "audio", durations, num_speakers=4)
-    pack_audio(audio_dir, root / "shards/opus", "opus", utts_per_file=sizes.utts_per_shard,
-               num_jobs=jobs)
-    tokenizer = root / "tokenizer.tknz"
-    tk.save(tk.train_sentencepiece([corpus.text, audio_dir / "text"], "char", 0), tokenizer)
-    opus_shards = sorted((root / "shards/opus").rglob("*.tar"))
-    return ({"features": [str(p) for p in feature_shards],
-             "opus": [str(p) for p in opus_shards]}, tokenizer)
-
-
-def loader_workers(sizes: Sizes) -> tuple[int, int]:
-    """(DataLoader workers, prefetch): the sizes', else `exp/ctc-v1`'s `train.option`."""
-    if sizes.workers:
-        return sizes.workers, 4
-    option = hyper_option(AISHELL / "ctc-v1")
-    return option["workers"], option["prefetch"]
-
-
-def stream_data(ctx: Context, shards: list[str], tokenizer: Path, audio: bool,
-                log_dir: Path) -> Any:
-    """The training loop's `StreamTrainData` over `shards` with the sizes' batches (speed
-    perturbation 0.9/1.0/1.1 of audio, as WenetSpeech's rnnt-v1 trains). The buffers are
-    small so that the epochs of small shards are mostly steady state."""
-    from cat.core.config import TrainOptions, train_option_defaults
-    from cat.loading.batch import LengthFilter
-    from cat.loading.shardlist import load_shard_list
-    from cat.training.distributed import DistributedContext
-    from cat.training.train_data import StreamTrainData
-
-    sizes = ctx.sizes
-    workers, prefetch = loader_workers(sizes)
-    options = TrainOptions(**{
-        **train_option_defaults(), "large_dataset": True, "trset": shards, "devset": [],
-        "tokenizer": str(tokenizer), "workers": workers, "prefetch": prefetch,
-        "batch_size": sizes.loader_batch, "max_frames": 0,
-        "shuffle_buffer": sizes.shuffle_buffer, "sort_buffer": sizes.sort_buffer,
-        "audio": {"speed_perturb": [0.9, 1.0, 1.1]} if audio else None})
-    shard_list = load_shard_list(shards)
-    # A Conformer's 4x subsampling, for lengths up to twice the longest utterance.
-    frames = np.arange(2 * max(shard_list.longest, 1000) + 1)
-    length_filter = LengthFilter(None, np.maximum(((frames - 1) // 2 - 1) // 2, 0), 4,
-                                 ctc=True)
-    return StreamTrainData(options, length_filter, FEAT_DIM,
-                           DistributedContext(device=ctx.device), log_dir, shard_list)
-
-
-def loader_epoch(ctx: Context, data: Any, epoch: int, seconds_per_frame: float
-                 ) -> dict[str, Any]:
-    """Iterate an epoch as training does, each batch moved to the device and then a
-    simulated step of `seconds_per_frame` x its input frames: waits and wall time."""
-    data.start_epoch(epoch, None)
-    waits, steps, frames, utterances = [], 0.0, 0, 0
-    start = time.perf_counter()
-    iterator = iter(data)
-    while True:
-        begin = time.perf_counter()
-        batch = next(iterator, None)
-        waits.append(time.perf_counter() - begin)
-        if batch is None:
-            break
-        data.note(batch, trained=True)
-        step_start = time.perf_counter()
-        batch.to(ctx.device, non_blocking=True)
-        ctx.sync()
-        step = seconds_per_frame * batch.num_frames
-        time.sleep(max(0.0, step - (time.perf_counter() - step_start)))
-        steps += time.perf_counter() - step_start
-        frames += batch.num_frames
-        utterances += len(batch)
-    wall = time.perf_counter() - start
-    steady_wall = wall - waits[0]
-    return {"batches": len(waits) - 1, "utterances": utterances, "frames": frames,
-            "wall_seconds": wall, "wait_seconds": sum(waits), "step_seconds": steps,
-            "wait_share": sum(waits) / wall, "first_batch_seconds": waits[0],
-            "wait_share_after_first": (sum(waits[1:]) / steady_wall if steady_wall > 0
-                                       else 0.0)}
+def loader_workers(sizes: Sizes) -> int:
+    """DataLoader workers: the sizes', else `exp/ctc-v1`'s `train.option`."""
+    return sizes.workers or hyper_option(AISHELL / "ctc-v1")["workers"]
 
 
 def step_seconds_per_frame(ctx: Context) -> tuple[float, str]:
@@ -681,49 +594,79 @@ def step_seconds_per_frame(ctx: Context) -> tuple[float, str]:
     train = ctx.results.get("train_step", {})
     rows = {row["mode"]: row for row in train.get("rows", []) if row["status"] == "ok"}
     # What training runs: AMP (fp16) on a GPU, fp32 on the CPU (cat.training.update).
+    scale = ctx.sizes.step_scale
     for mode in ("fp16", "bf16", "fp32") if ctx.cuda else ("fp32",):
         if mode in rows:
             seconds = rows[mode]["step_seconds"]
-            return (seconds / train["batch_frames"],
-                    f"part 2's {mode} update: {seconds:.3f} s per "
-                    f"{train['batch_frames']:,} frames")
+            return (scale * seconds / train["batch_frames"],
+                    f"{'' if scale == 1 else f'{scale:g} x '}part 2's {mode} update: "
+                    f"{seconds:.3f} s per {train['batch_frames']:,} frames")
     raise Skipped("no step time: part 2 (train_step) did not run and --step-ms is not set")
+
+
+def device_fbank_difference(ctx: Context, corpus: Any) -> float:
+    """Largest |difference| between the device's batched fbank of Opus utterances of the
+    corpus and the workers' (`compute_fbank` on the CPU) of the same samples."""
+    import tarfile
+
+    from cat.audio.codec import decode, to_int16
+    from cat.features.fbank import FbankOptions, batch_fbank, compute_fbank
+
+    waves = []
+    with tarfile.open(corpus.opus[0]) as tar:
+        for member in tar:
+            if member.name.endswith(".opus") and len(waves) < ctx.sizes.loader_batch:
+                waves.append(to_int16(decode(tar.extractfile(member).read(), member.name,
+                                             16000)[0]))
+    lengths = [len(w) for w in waves]
+    padded = torch.zeros(len(waves), max(lengths), dtype=torch.int16)
+    for row, wave in enumerate(waves):
+        padded[row, :len(wave)] = torch.from_numpy(wave)
+    options = FbankOptions()
+    features = batch_fbank(padded.to(ctx.device), torch.tensor(lengths), options,
+                           batched=True).cpu().numpy()
+    return max(float(np.abs(features[row, :len(ours)] - ours).max()) for row, ours in
+               enumerate(compute_fbank(wave, 16000, options) for wave in waves))
 
 
 def part_loader(ctx: Context) -> dict[str, Any]:
     """Part 4 (see the module docstring)."""
+    import overlap
+
     seconds_per_frame, source = step_seconds_per_frame(ctx)
-    shards, tokenizer = write_loader_shards(ctx.workdir / "loader", ctx.sizes)
-    workers, prefetch = loader_workers(ctx.sizes)
+    sizes, workers = ctx.sizes, loader_workers(ctx.sizes)
+    batch = (sizes.loader_batch, sizes.loader_frames)
+    corpus = overlap.write_corpus(ctx.workdir / "loader", sizes.feature_utts, sizes.audio_utts,
+                                  sizes.utts_per_shard)
+    log_dir = ctx.workdir / "loader/log"
+    difference = device_fbank_difference(ctx, corpus)
+    ctx.check("loader device fbank vs workers' (max |diff|)", difference, 1e-4)
+    print(f"device fbank of {sizes.loader_batch} Opus utterances against the workers': "
+          f"max |difference| {difference:.2e}")
+    per_worker = overlap.per_worker(corpus, ctx.device, log_dir, batch)
+    print("one worker over Opus shards, no step: " + ", ".join(
+        f"fbank on {row['features']} {row['utts_per_second']:.1f} utt/s" for row in per_worker))
     print(f"simulated step: {seconds_per_frame * 1e6:.2f} us per input frame ({source}); "
-          f"workers {workers}, prefetch {prefetch}, batches of {ctx.sizes.loader_batch}")
-    print(f"{'shards':<9} {'count':>5} {'utts':>5} {'batches':>7} {'alone utt/s':>11} "
-          f"{'steps utt/s':>11} {'wall s':>7} {'wait s':>7} {'wait share':>10} "
-          f"{'after 1st':>9} {'1st batch s':>11}")
+          f"{workers} workers; batches of {batch[0]} utterances / {batch[1]:,} frames")
+    print(f"{'shards':<13} {'variant':<7} {'alone utt/s':>11} {'steps utt/s':>11} "
+          f"{'utt/s':>7} {'wait share':>10} {'1st batch s':>11} {'padding':>8} {'workers':>7}")
     rows = []
-    for kind, paths in shards.items():
-        data = stream_data(ctx, paths, tokenizer, kind == "opus",
-                           ctx.workdir / f"loader/log-{kind}")
-        try:
-            alone = loader_epoch(ctx, data, 1, 0.0)  # also starts the persistent workers
-            row = {"shards": kind, "count": len(paths),
-                   "alone_utts_per_second": alone["utterances"] / alone["wall_seconds"],
-                   **loader_epoch(ctx, data, 2, seconds_per_frame)}
-        finally:
-            data.close()
-        row["steps_utts_per_second"] = row["utterances"] / max(
-            seconds_per_frame * row["frames"], 1e-9)
+    for kind, variant in overlap.ROWS:
+        row = overlap.measure(corpus, kind, variant, workers, 1, seconds_per_frame, ctx.device,
+                              log_dir, batch)
         rows.append(row)
-        print(f"{kind:<9} {len(paths):>5} {row['utterances']:>5} {row['batches']:>7} "
-              f"{row['alone_utts_per_second']:>11.0f} {row['steps_utts_per_second']:>11.0f} "
-              f"{row['wall_seconds']:>7.2f} {row['wait_seconds']:>7.2f} "
-              f"{row['wait_share']:>10.3f} {row['wait_share_after_first']:>9.3f} "
-              f"{row['first_batch_seconds']:>11.3f}")
-    print("alone: epoch 1 without steps (worker start included); steps: the rate the "
-          "simulated steps alone allow; wait share: seconds in next(loader) / wall seconds "
-          "of epoch 2; `after 1st`: without the first batch's wait (the buffers filling)")
+        print(f"{kind:<13} {variant:<7} {row['alone_utts_per_second']:>11.1f} "
+              f"{row['steps_utts_per_second']:>11.1f} {row['utts_per_second']:>7.1f} "
+              f"{row['wait_share']:>10.3f} {row['first_batch_seconds']:>11.3f} "
+              f"{row['padding_share']:>8.3f} {overlap.workers_needed(row):>7}", flush=True)
+    print("alone: an epoch without steps; steps: the rate the simulated steps alone allow; "
+          "wait share: seconds in next(loader) / wall seconds, over an epoch without its "
+          "first batch (reported apart: the buffers filling); before: each batch taken, "
+          "pinned, copied and featurized when the step asks; after: the prefetcher; "
+          "workers: how many would keep up, when the loader is the bound")
     return {"seconds_per_frame": seconds_per_frame, "step_source": source,
-            "workers": workers, "prefetch": prefetch, "rows": rows}
+            "workers": workers, "device_fbank_difference": difference,
+            "per_worker": per_worker, "rows": rows}
 
 
 # --------------------------------------------------------------------------- 5. DDP

@@ -39,6 +39,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -56,7 +57,7 @@ from cat.formats.audio_pack import pack_audio
 from cat.loading.batch import LengthFilter
 from cat.loading.prefetch import Prefetcher
 from cat.loading.shardlist import load_shard_list
-from cat.testing.audio import write_audio, write_kaldi_data_dir
+from cat.testing.audio import synth_waveform, write_audio, write_kaldi_data_dir
 from cat.testing.features import write_feature_corpus
 from cat.testing.shards import write_shards
 from cat.text import tokenizer as tk
@@ -85,9 +86,14 @@ class Corpus:
 
 def write_corpus(root: Path, feature_utts: int, opus_utts: int, utts_per_shard: int
                  ) -> Corpus:
-    """Synthetic Mandarin (espeak-ng, 1.5-8 s with silences and noise) as Opus shards, and
-    random features of the same lengths as feature shards."""
-    speech = make_speech(min(opus_utts, 60), seed=0)
+    """Synthetic Mandarin (espeak-ng, 1.5-8 s with silences and noise; where espeak-ng is
+    missing, sines and noise of 2-6 s) as Opus shards, and random features of the same
+    lengths as feature shards."""
+    if shutil.which("espeak-ng"):
+        speech = make_speech(min(opus_utts, 60), seed=0)
+    else:
+        speech = [np.round(synth_waveform(2.0 + (i % 9) / 2, seed=i) * 32767).astype(np.int16)
+                  for i in range(min(opus_utts, 60))]
     wav_scp, text = {}, {}
     for index in range(opus_utts):
         key = f"S{index % 7:04d}U{index:06d}"
@@ -107,9 +113,11 @@ def write_corpus(root: Path, feature_utts: int, opus_utts: int, utts_per_shard: 
 
 
 def train_data(corpus: Corpus, kind: str, workers: int, device: torch.device,
-               log_dir: Path) -> StreamTrainData:
+               log_dir: Path, batch: tuple[int, int] = (BATCH_SIZE, MAX_FRAMES)
+               ) -> StreamTrainData:
     """The training loop's streaming data over `kind` shards (`features`, `opus-workers`,
-    `opus-device`: where the fbank of audio is computed), speed perturbation 0.9/1.0/1.1."""
+    `opus-device`: where the fbank of audio is computed), speed perturbation 0.9/1.0/1.1,
+    batches of `batch` (utterances, padded frames)."""
     audio = None
     if kind != "features":
         audio = {"speed_perturb": [0.9, 1.0, 1.1], "features": kind.split("-")[1]}
@@ -117,8 +125,8 @@ def train_data(corpus: Corpus, kind: str, workers: int, device: torch.device,
         **train_option_defaults(), "large_dataset": True, "trset": getattr(
             corpus, "features" if kind == "features" else "opus"),
         "devset": [], "tokenizer": corpus.tokenizer, "workers": workers, "prefetch": 4,
-        "batch_size": BATCH_SIZE, "max_frames": MAX_FRAMES, "shuffle_buffer": SHUFFLE_BUFFER,
-        "sort_buffer": SORT_BUFFER, "audio": audio})
+        "batch_size": batch[0], "max_frames": batch[1], "shuffle_buffer": SHUFFLE_BUFFER,
+        "sort_buffer": max(SORT_BUFFER, 2 * batch[0]), "audio": audio})
     shards = load_shard_list(options.trset)
     frames = np.arange(2 * max(shards.longest, 1000) + 1)
     length_filter = LengthFilter(None, np.maximum(((frames - 1) // 2 - 1) // 2, 0), 4,
@@ -173,9 +181,10 @@ def run_epoch(data: StreamTrainData, epoch: int, seconds_per_frame: float,
 
 
 def measure(corpus: Corpus, kind: str, variant: str, workers: int, epochs: int,
-            seconds_per_frame: float, device: torch.device, log_dir: Path) -> dict[str, Any]:
+            seconds_per_frame: float, device: torch.device, log_dir: Path,
+            batch: tuple[int, int] = (BATCH_SIZE, MAX_FRAMES)) -> dict[str, Any]:
     """Part 2's row: an epoch alone (the loader's rate), then `epochs` with steps."""
-    data = train_data(corpus, kind, workers, device, log_dir)
+    data = train_data(corpus, kind, workers, device, log_dir, batch)
     use_variant(data, variant, device)
     try:
         run_epoch(data, 1, 0.0, device)  # starts the persistent workers
@@ -211,11 +220,12 @@ def workers_needed(row: dict[str, Any]) -> str:
                          / row["utts_per_second"] - 1e-6))
 
 
-def per_worker(corpus: Corpus, device: torch.device, log_dir: Path) -> list[dict[str, Any]]:
+def per_worker(corpus: Corpus, device: torch.device, log_dir: Path,
+               batch: tuple[int, int] = (BATCH_SIZE, MAX_FRAMES)) -> list[dict[str, Any]]:
     """Part 1: one worker's utterances per second over the Opus shards, no step."""
     rows = []
     for kind in ("opus-workers", "opus-device"):
-        data = train_data(corpus, kind, 1, device, log_dir)
+        data = train_data(corpus, kind, 1, device, log_dir, batch)
         try:
             run_epoch(data, 1, 0.0, device)
             epoch = run_epoch(data, 2, 0.0, device)

@@ -88,14 +88,17 @@ def check_report(report: dict[str, Any]) -> None:
 
     loader = parts["loader"]
     assert _positive(loader["seconds_per_frame"]) and "fp32" in loader["step_source"]
-    assert [row["shards"] for row in loader["rows"]] == ["features", "opus"]
+    assert 0 <= loader["device_fbank_difference"] <= 1e-4
+    assert [row["features"] for row in loader["per_worker"]] == ["workers", "device"]
+    assert all(_positive(row["utts_per_second"]) for row in loader["per_worker"])
+    assert [(row["shards"], row["variant"]) for row in loader["rows"]] == [
+        ("features", "before"), ("features", "after"), ("opus-workers", "before"),
+        ("opus-workers", "after"), ("opus-device", "after")]
     for row in loader["rows"]:
-        assert row["batches"] > 0 and row["utterances"] > 0 and row["count"] > 0
-        assert 0 < row["wait_share"] < 1
-        assert 0 <= row["wait_share_after_first"] < 1
-        assert row["wait_seconds"] < row["wall_seconds"]
-        # the simulated steps took what the measured update takes for these frames
-        assert row["step_seconds"] >= 0.9 * loader["seconds_per_frame"] * row["frames"]
+        assert _positive(row["alone_utts_per_second"]) and _positive(row["utts_per_second"])
+        assert 0 <= row["wait_share"] < 1 and 0 < row["padding_share"] < 1
+        # the steps could not go faster than the simulated step allows
+        assert row["utts_per_second"] <= 1.01 * row["steps_utts_per_second"]
 
     ddp = parts["ddp"]
     assert ddp["world_size"] == 2 and ddp["backend"] == "gloo"
@@ -144,7 +147,7 @@ def gpu_module(monkeypatch):
     spec.loader.exec_module(module)
     yield module
     for name in set(sys.modules) - before:
-        if name in (spec.name, "timing", "crf_loss"):
+        if name in (spec.name, "timing", "crf_loss", "overlap", "audio_bytes"):
             del sys.modules[name]
 
 
