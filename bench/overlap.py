@@ -12,8 +12,9 @@ Parts:
 
 1. `per worker`: utterances per second of ONE worker over the Opus shards, no step
    (epoch 2, its worker already started), with the fbank in the worker and on the
-   device (`train.option.audio.features`; the device's fbank runs in the training
-   process's prefetch thread: on a GPU there, here on the CPU beside the worker).
+   device (`train.option.audio.features`): the batches as the worker hands them over,
+   the device's fbank left out (a GPU's work; on the CPU it would take the core the
+   worker does not).
 2. `wait`: the share of the wall time the steps wait for their next batch, measured over
    `--epochs` epochs after a first one that starts the persistent workers, without the
    first batch of each epoch (the buffers filling: reported apart, `1st batch s`).
@@ -222,18 +223,26 @@ def workers_needed(row: dict[str, Any]) -> str:
 
 def per_worker(corpus: Corpus, device: torch.device, log_dir: Path,
                batch: tuple[int, int] = (BATCH_SIZE, MAX_FRAMES)) -> list[dict[str, Any]]:
-    """Part 1: one worker's utterances per second over the Opus shards, no step."""
+    """Part 1: one worker's utterances per second over the Opus shards, no step: its
+    batches as the DataLoader hands them over, the fbank of `device` batches left to the
+    device (here not computed: on the CPU it would take the worker's core-mate)."""
     rows = []
     for kind in ("opus-workers", "opus-device"):
         data = train_data(corpus, kind, 1, device, log_dir, batch)
         try:
-            run_epoch(data, 1, 0.0, device)
-            epoch = run_epoch(data, 2, 0.0, device)
+            for epoch in (1, 2):  # the first starts the persistent worker
+                data.start_epoch(epoch, None)
+                utterances = frames = 0
+                start = time.perf_counter()
+                for taken in data.loader.loader:
+                    utterances += len(taken)
+                    frames += taken.num_frames
+                seconds = time.perf_counter() - start
+                data.end_epoch()
         finally:
             data.close()
-        rows.append({"features": kind.split("-")[1],
-                     "utts_per_second": epoch["utterances"] / epoch["wall_seconds"],
-                     "audio_seconds_per_second": epoch["frames"] / 100 / epoch["wall_seconds"]})
+        rows.append({"features": kind.split("-")[1], "utts_per_second": utterances / seconds,
+                     "audio_seconds_per_second": frames / 100 / seconds})
     return rows
 
 
