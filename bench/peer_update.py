@@ -338,6 +338,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                   else list(MODES) if args.device == "cuda" else ["fp32"])
     if set(args.ours) - set(OURS) or not args.ours:
         parser.error(f"--ours takes variants of {', '.join(OURS)}")
+    if (args.steps is not None and args.steps < 1) or (args.warmup or 0) < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
     if set(args.modes) - set(MODES):
         parser.error(f"--modes takes modes of {', '.join(MODES)}")
     if args.device == "cuda" and not torch.cuda.is_available():

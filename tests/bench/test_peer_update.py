@@ -65,7 +65,8 @@ def test_without_the_peer_it_prints_the_install_command_and_exits_2(script, tmp_
         pytest.skip("ESPnet is importable from the environment itself")
     run = _run(["--quick", "--peer-site", str(tmp_path)])
     assert run.returncode == 2, run.stdout[-3000:]
-    assert script.INSTALL in run.stdout
+    assert f"pip install --no-deps --target {tmp_path} espnet==" in run.stdout
+    assert script.install_command(tmp_path) in run.stdout
     assert "Traceback" not in run.stdout
     assert "pip install --no-deps --target bench/out/peer/site espnet==" in script.INSTALL
     assert script.INSTALL in script.__doc__  # the Usage docstring holds it too
