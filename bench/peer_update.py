@@ -31,7 +31,8 @@ pinned packages of the environment, such as sentencepiece and pypinyin):
 
     pip install --no-deps --target bench/out/peer/site espnet==202511 typeguard==4.6.1
 
-Without it the script prints that command and exits with status 2.
+(`--install` does it, unless it is done: the test set-up, `tools/install.sh --dev`, runs
+it.) Without it the script prints that command and exits with status 2.
 
 Usage:
     python bench/peer_update.py --quick                     # tiny encoder, seconds
@@ -50,6 +51,7 @@ import io
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -88,6 +90,18 @@ def install_command(site: Path = PEER_SITE) -> str:
 
 
 INSTALL = install_command()
+
+
+def install_peer(site: Path = PEER_SITE) -> None:
+    """Install the peer into `site` unless these packages are there (`--install`: the
+    test set-up, `tools/install.sh --dev`, runs it)."""
+    stamp = site / ".packages"
+    if stamp.is_file() and stamp.read_text(encoding="utf-8") == PEER_PACKAGES:
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
+                    "--disable-pip-version-check", "--no-deps", "--target", str(site),
+                    *PEER_PACKAGES.split()], check=True)
+    stamp.write_text(PEER_PACKAGES, encoding="utf-8")
 # Our encoder with the config's front end, or with a conv2d one of hdim channels (ESPnet's).
 OURS = {"ctc-v1": {}, "conv2d": {"subsampling": "conv2d", "subsampling_channels": None}}
 # The largest relative difference of parameters between ours and the peer: outside the
@@ -332,6 +346,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--peer-site", type=Path, default=PEER_SITE,
                         help="the folder ESPnet was installed to (pip --target)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--install", action="store_true",
+                        help="install the peer into --peer-site (unless it is there) and exit")
     args = parser.parse_args(argv)
     args.ours = [name for name in args.ours.split(",") if name]
     args.modes = (args.modes.split(",") if args.modes
@@ -349,6 +365,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.install:
+        install_peer(args.peer_site)
+        return 0
     try:
         peer = import_peer(args.peer_site)
     except PeerMissing as error:

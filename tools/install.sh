@@ -88,5 +88,8 @@ fi
 # 2 minutes on 2 cores; the recipes build lmplz on demand for lm.json "estimator": "lmplz").
 if $dev; then
   bash "$root/tools/build_kenlm_binary.sh" build_binary lmplz
+  # ESPnet, the peer of bench/peer_update.py, goes beside the environment (into it, pip
+  # would downgrade pinned packages); the script knows its pins and skips a done install.
+  "$venv/bin/python" "$root/bench/peer_update.py" --install
 fi
 log "environment ready: $venv"
