@@ -124,11 +124,10 @@ class Prefetcher:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __getattr__(self, name: str) -> Any:
-        # What the loader says of itself (`counts` of a RingLoader, ...).
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
+    @property
+    def counts(self) -> dict[str, int]:
+        """The loader's `RingLoader.counts` (batches through a ring slot, and plain)."""
+        return self.loader.counts
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_running()
