@@ -20,6 +20,13 @@ found infeasible (the model's `num_infeasible`: no alignment, loss 0 and no grad
 counted per update for the epoch's record, AMP (float16 autocast +
 GradScaler) is used on GPU only, and the learning rate follows the scheduler per update.
 
+The host waits for the device once per update: the model reads the batch's lengths and
+labels on the CPU (its checks, its counts) and keeps its statistics on the device, and
+the update's loss sums, infeasible counts and gradient norm come to the host in one copy,
+before the optimizer step that the norm decides on (`cat.models.stats`; the heads' own
+reads aside: a transducer's lengths, CTC-CRF's labels, one copy a micro-batch).
+`tests/training/test_update.py` counts them with `cat.testing.device_reads`.
+
 Usage:
     updater = Updater(model, config["scheduler"], options, context)
     batches, exhausted, wait = updater.take(iterator, note)
@@ -42,6 +49,7 @@ import torch.distributed as dist
 
 from cat.core import config as config_module
 from cat.loading.batch import Batch
+from cat.models.stats import host_values
 from cat.training.distributed import DistributedContext
 from cat.training.scheduler import build_scheduler
 
@@ -85,8 +93,9 @@ class Updater:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
         self.ddp = None
         if context.distributed:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            # No device_ids: DDP would copy every input to the device, the CPU lengths and
+            # labels the model reads without waiting for the device too (`update`).
+            self.ddp = torch.nn.parallel.DistributedDataParallel(model)
         self.skipped = 0
 
     def state(self) -> dict[str, Any]:
@@ -130,27 +139,35 @@ class Updater:
     def update(self, batches: list[Batch], step_normalizer: float) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step; returns logging stats (`loss`,
         `grad_norm`, `lr`, `skipped`, and `infeasible`: the update's utterances without a
-        loss)."""
+        loss).
+
+        The host waits for the device once per update: the model gets each batch's CPU
+        lengths and labels (its checks and counts read them there) and keeps its
+        statistics on the device, and the loss sums, infeasible counts and gradient norm
+        are copied to the host together, before the step that the norm decides on."""
         model = self.ddp or self.model
-        loss_sum = normalizer_sum = infeasible = 0.0
+        pending: list[float | torch.Tensor] = []  # loss sum, infeasible count per micro-batch
+        normalizer_sum = 0.0
         for position, batch in enumerate(batches):
+            host = batch  # the model reads its lengths and labels on the CPU
             batch = batch.to(self.device, non_blocking=True)
             sync = position == len(batches) - 1 or self.ddp is None
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), \
                     torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
-                loss, stats = model(batch.feats, batch.feat_lens, batch.labels, batch.label_lens)
-                normalizer = batch_normalizer(batch, self.loss_normalization)
+                loss, stats = model(batch.feats, host.feat_lens, host.labels, host.label_lens)
+                normalizer = batch_normalizer(host, self.loss_normalization)
                 if stats["normalizer"] != normalizer:
                     raise RuntimeError(f"the model normalised by {stats['normalizer']}, the "
                                        f"trainer expected {normalizer}")
                 scale = normalizer * self.context.world_size / step_normalizer
                 self.scaler.scale(loss * scale).backward()
-            loss_sum += stats["loss_sum"]
+            pending += [stats.value("loss_sum"), stats.value("num_infeasible")]
             normalizer_sum += normalizer
-            infeasible += stats.get("num_infeasible", 0.0)
         self.scaler.unscale_(self.optimizer)
         max_norm = self.options.grad_norm if self.options.grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm, *values = host_values(
+            [torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm), *pending])
+        loss_sum, infeasible = sum(values[0::2]), sum(values[1::2])
         skipped = not math.isfinite(grad_norm) and not self.amp
         if not skipped:
             # With AMP the scaler skips non-finite updates itself and lowers its scale.
@@ -175,16 +192,19 @@ class Updater:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, 0)
         self.model.eval()
-        totals = [0.0, 0.0]
+        loss_sums: list[float | torch.Tensor] = []  # read once, at the end
+        normalizer = 0.0
         for batch in loader:
             if not len(batch):
                 continue
+            host = batch
             batch = batch.to(self.device, non_blocking=True)
             with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
-                _, stats = self.model(batch.feats, batch.feat_lens, batch.labels,
-                                      batch.label_lens)
-            totals[0] += stats["loss_sum"]
-            totals[1] += stats["normalizer"]
+                _, stats = self.model(batch.feats, host.feat_lens, host.labels,
+                                      host.label_lens)
+            loss_sums.append(stats.value("loss_sum"))
+            normalizer += stats["normalizer"]
         self.model.train()
+        totals = [sum(host_values(loss_sums)), normalizer]
         loss_sum, normalizer = self.context.all_reduce_sum(totals)
         return loss_sum / normalizer if normalizer else math.nan

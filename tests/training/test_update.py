@@ -1,0 +1,115 @@
+"""One update over the ranks (`cat.training.update.Updater`): the host waits for the
+device once per update, and what it reads stays what it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cat.core.config import TrainOptions, train_option_defaults
+from cat.loading.batch import Batch
+from cat.models.registry import build_model
+from cat.testing.device_reads import DeviceReads
+from cat.testing.training import tiny_model_config
+from cat.training.distributed import DistributedContext
+from cat.training.update import Updater, batch_normalizer
+
+VOCAB = 20
+
+
+def tiny_updater(kind: str, tmp_path, normalization: str = "utterance",
+                 **options) -> Updater:
+    """An Updater of a tiny model of `kind` (ctc, rnnt, crf) with SpecAugment's time warp
+    and delayed start, which read lengths and a counter."""
+    config = tiny_model_config("rnnt" if kind == "rnnt" else "ctc", 8)
+    config["specaug"] = {"num_freq_masks": 1, "num_time_masks": 1, "max_time_warp": 3,
+                         "start_batch": 1}
+    config["trainer"] = {"loss_normalization": normalization}
+    if kind == "crf":
+        from cat.graph.denominator import build_den_graph, save_den_graph
+
+        rng = np.random.default_rng(0)
+        save_den_graph(build_den_graph([list(rng.integers(1, VOCAB, 6)) for _ in range(40)],
+                                       VOCAB, order=2), tmp_path / "den_lm.npz")
+        config["trainer"].update(use_crf=True, den_lm=str(tmp_path / "den_lm.npz"))
+    torch.manual_seed(0)
+    model = build_model(config, VOCAB)
+    options = TrainOptions(**{**train_option_defaults(), "trset": [], "devset": [],
+                              "tokenizer": "unused", **options})
+    return Updater(model, config["scheduler"], options, DistributedContext())
+
+
+def batch(seed: int) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    return Batch(["a", "b", "c"], torch.randn(3, 60, 8, generator=generator),
+                 torch.tensor([60, 50, 41]),
+                 torch.randint(1, VOCAB, (3, 5), generator=generator), torch.tensor([5, 4, 3]))
+
+
+def host_tensors(batches: list[Batch]) -> list[torch.Tensor]:
+    return [t for b in batches for t in (b.feats, b.feat_lens, b.labels, b.label_lens)]
+
+
+@pytest.mark.parametrize(("kind", "reads_per_batch"), [("ctc", 0), ("rnnt", 1), ("crf", 1)])
+@pytest.mark.parametrize("normalization", ["utterance", "token"])
+def test_an_update_reads_the_device_once(kind, reads_per_batch, normalization, tmp_path):
+    """Once for the update's figures; a transducer reads its lengths to trim the logits,
+    CTC-CRF its labels for the token LM, once a micro-batch."""
+    updater = tiny_updater(kind, tmp_path, normalization, grad_accum=2)
+    batches = [batch(0), batch(1)]
+    step_normalizer = sum(batch_normalizer(b, normalization) for b in batches)
+    updater.update(batches, step_normalizer)  # SpecAugment's counter read, Adam's state
+    with DeviceReads(device=updater.model, host=host_tensors(batches)) as reads:
+        stats = updater.update(batches, step_normalizer)
+    assert len(reads.found) == 1 + reads_per_batch * len(batches), reads.summary()
+    assert stats["loss"] > 0 and stats["grad_norm"] > 0 and stats["infeasible"] == 0
+    assert isinstance(stats["loss"], float) and isinstance(stats["grad_norm"], float)
+
+
+def test_update_figures_are_those_of_the_model(tmp_path):
+    updater = tiny_updater("ctc", tmp_path)
+    updater.model.specaug = None
+    batches = [batch(0), batch(1)]
+    sums = []
+    for b in batches:
+        _, stats = updater.model(b.feats, b.feat_lens, b.labels, b.label_lens)
+        sums.append(stats["loss_sum"])
+    updater.model.zero_grad()
+    stats = updater.update(batches, 6.0)
+    assert stats["loss"] == pytest.approx(sum(sums) / 6.0, rel=1e-6)
+    assert stats["lr"] > 0 and stats["skipped"] is False
+
+
+def test_evaluate_reads_the_device_once(tmp_path):
+    updater = tiny_updater("ctc", tmp_path)
+    batches = [batch(0), batch(1), batch(2)]
+    with DeviceReads(device=updater.model, host=host_tensors(batches)) as reads:
+        loss = updater.evaluate(batches)
+    expected = []
+    updater.model.eval()
+    with torch.no_grad():
+        for b in batches:
+            expected.append(updater.model(b.feats, b.feat_lens, b.labels, b.label_lens)[1])
+    assert loss == pytest.approx(sum(s["loss_sum"] for s in expected) / 9.0, rel=1e-6)
+    assert len(reads.found) == 1, reads.summary()
+
+
+def test_a_model_normalising_otherwise_than_the_trainer_is_an_error(tmp_path):
+    updater = tiny_updater("ctc", tmp_path)
+    updater.loss_normalization = "token"
+    with pytest.raises(RuntimeError, match=r"the model normalised by 3\.0, the trainer "
+                                           r"expected 12\.0"):
+        updater.update([batch(0)], 12.0)
+
+
+def test_a_batch_with_bad_labels_is_refused_before_the_step(tmp_path):
+    updater = tiny_updater("ctc", tmp_path)
+    bad = batch(0)
+    bad.labels[1, 2] = VOCAB
+    before = [p.detach().clone() for p in updater.model.parameters()]
+    with pytest.raises(ValueError, match=r"labels of utterance 1 in the batch hold ids "
+                                         r"outside \[1, 20\)"):
+        updater.update([bad], 3.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, updater.model.parameters(),
+                                                 strict=True))
