@@ -44,8 +44,10 @@ and `--resume-restart-epoch` starts the interrupted epoch again from its beginni
 instead (its utterances trained so far are counted as retrained).
 
 Resume also compares what decides an update (config.json, and `grad_accum`, `grad_norm`,
-`amp`) with what the checkpoint recorded, and stops naming the changed keys unless
-`--resume-allow-config-change` is given (then the changes are logged).
+`amp`, and the dtype AMP trains in: `amp_dtype` as resolved on the device; float16 for
+checkpoints written before it was recorded) with what the checkpoint recorded, and stops
+naming the changed keys unless `--resume-allow-config-change` is given (then the changes
+are logged).
 
 No success without training: an update skipped for a non-finite gradient norm counts
 its utterances as skipped, not trained; more than `max_skipped_updates` of an epoch's
@@ -100,7 +102,7 @@ from cat.training.report import (
     epoch_record,
     write_coverage,
 )
-from cat.training.update import Updater
+from cat.training.update import Updater, dtype_name
 from cat.training.watchdog import NoWatchdog, Watchdog, start_watchdog
 
 logger = logging.getLogger(__name__)
@@ -115,12 +117,14 @@ class ConfigChangedError(RuntimeError):
     """`--resume` found the training settings changed since the checkpoint."""
 
 
-def training_settings(experiment: Experiment) -> dict[str, Any]:
-    """What decides an update, recorded in checkpoints: config.json, and the train.option
-    keys of UPDATE_OPTIONS."""
+def training_settings(experiment: Experiment, amp_dtype: str | None = None) -> dict[str, Any]:
+    """What decides an update, recorded in checkpoints: config.json, the train.option keys
+    of UPDATE_OPTIONS, and the dtype AMP trains in (`train.option.amp_dtype` resolved on
+    the device; None without AMP)."""
     return {"config.json": experiment.config,
-            "hyper-p.json": {f"train.option.{key}": getattr(experiment.options, key)
-                             for key in UPDATE_OPTIONS}}
+            "hyper-p.json": {**{f"train.option.{key}": getattr(experiment.options, key)
+                                for key in UPDATE_OPTIONS},
+                             "train.option.amp_dtype": amp_dtype}}
 
 
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -225,7 +229,7 @@ class Manager:
                 "dev_loss": dev_loss, "data": data, "rng": rng,
                 "meta": {"num_classes": self.num_classes,
                          "train_bin": self.experiment.train_bin,
-                         "settings": training_settings(self.experiment),
+                         "settings": self._settings(),
                          "elapsed_seconds": self.elapsed()},
             }
             path = self.checkpoints.save(state, self.epoch, self.step, dev_loss)
@@ -262,12 +266,20 @@ class Manager:
                 torch.cuda.set_rng_state(rng[self.context.rank]["cuda"], device)
         logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
 
+    def _settings(self) -> dict[str, Any]:
+        return training_settings(self.experiment, dtype_name(self.updater.amp_dtype))
+
     def _check_settings(self, recorded: dict[str, Any] | None, path: Path) -> None:
         """Stop (or, with --resume-allow-config-change, log) when the training settings
         differ from those the checkpoint was trained with."""
         if recorded is None:
             return  # a checkpoint written before settings were recorded
-        changes = setting_changes(recorded, training_settings(self.experiment))
+        hyper = recorded.get("hyper-p.json", {})
+        if "train.option.amp_dtype" not in hyper:
+            # written before amp_dtype: AMP trained in float16 (on a GPU)
+            recorded = {**recorded, "hyper-p.json": {**hyper, "train.option.amp_dtype": (
+                "float16" if hyper.get("train.option.amp") and self.updater.amp else None)}}
+        changes = setting_changes(recorded, self._settings())
         if not changes:
             return
         listed = "; ".join(changes)

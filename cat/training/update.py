@@ -17,8 +17,9 @@ Non-final micro-batches run under `no_sync`. Gradients are clipped to `grad_norm
 update with a non-finite gradient norm is skipped (counted; its utterances count as
 skipped, not trained, and too many stop training: `Manager`), the utterances the loss
 found infeasible (the model's `num_infeasible`: no alignment, loss 0 and no gradient) are
-counted per update for the epoch's record, AMP (float16 autocast +
-GradScaler) is used on GPU only, and the learning rate follows the scheduler per update.
+counted per update for the epoch's record, AMP (autocast to `amp_dtype`: bfloat16 where the
+GPU supports it, else float16 with a GradScaler) is used on GPU only, evaluation autocasts
+alike, and the learning rate follows the scheduler per update.
 
 The host waits for the device once per update: the model reads the batch's lengths and
 labels on the CPU (its checks, its counts) and keeps its statistics on the device, and
@@ -56,6 +57,25 @@ from cat.training.scheduler import build_scheduler
 logger = logging.getLogger(__name__)
 
 
+def amp_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype of `train.option.amp_dtype` on `device`: "auto" is bfloat16 on a
+    CUDA device that supports it, else float16. ValueError for bfloat16 where the device
+    has none."""
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if name == "auto":
+        return torch.bfloat16 if bf16 else torch.float16
+    if name == "bfloat16" and not bf16:
+        raise ValueError(f"train.option.amp_dtype bfloat16: "
+                         f"{torch.cuda.get_device_name(device)} does not support it "
+                         "(torch.cuda.is_bf16_supported()); use float16 or auto")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """The name of `dtype` (torch.bfloat16: "bfloat16"), or None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def batch_normalizer(batch: Batch, loss_normalization: str) -> float:
     """The model's loss normaliser of a batch: utterances, or label tokens (at least 1)."""
     if loss_normalization == "token":
@@ -90,7 +110,15 @@ class Updater:
         self.amp = options.amp and self.device.type == "cuda"
         if options.amp and not self.amp:
             logger.warning("train.option.amp is ignored on CPU")
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
+        self.amp_dtype = amp_dtype(options.amp_dtype, self.device) if self.amp else None
+        if self.amp:
+            logger.info("mixed precision: %s autocast%s (train.option.amp_dtype %s)",
+                        dtype_name(self.amp_dtype),
+                        " with gradient scaling" if self.amp_dtype == torch.float16 else "",
+                        options.amp_dtype)
+        # float16 needs its gradients scaled (its range is small); bfloat16 has float32's.
+        self.scaler = torch.amp.GradScaler(self.device.type,
+                                           enabled=self.amp_dtype == torch.float16)
         self.ddp = None
         if context.distributed:
             # No device_ids: DDP would copy every input to the device, the CPU lengths and
@@ -153,7 +181,7 @@ class Updater:
             batch = batch.to(self.device, non_blocking=True)
             sync = position == len(batches) - 1 or self.ddp is None
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), \
-                    torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+                    torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
                 loss, stats = model(batch.feats, host.feat_lens, host.labels, host.label_lens)
                 normalizer = batch_normalizer(host, self.loss_normalization)
                 if stats["normalizer"] != normalizer:
@@ -168,9 +196,9 @@ class Updater:
         grad_norm, *values = host_values(
             [torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm), *pending])
         loss_sum, infeasible = sum(values[0::2]), sum(values[1::2])
-        skipped = not math.isfinite(grad_norm) and not self.amp
+        skipped = not math.isfinite(grad_norm) and not self.scaler.is_enabled()
         if not skipped:
-            # With AMP the scaler skips non-finite updates itself and lowers its scale.
+            # With float16 the scaler skips non-finite updates itself and lowers its scale.
             self.scaler.step(self.optimizer)
         else:
             self.skipped += 1
@@ -199,7 +227,7 @@ class Updater:
                 continue
             host = batch
             batch = batch.to(self.device, non_blocking=True)
-            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
                 _, stats = self.model(batch.feats, host.feat_lens, host.labels,
                                       host.label_lens)
             loss_sums.append(stats.value("loss_sum"))

@@ -295,3 +295,31 @@ def test_streamed_dev_set_gives_the_dev_loss_of_the_pack(tmp_path, monkeypatch):
         assert manager.dev_data.loader.counts["ring"] > 0
         manager.close()
     assert losses[0] > 0 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_checkpoints_written_before_amp_dtype_resume_as_float16_ones(tmp_path, monkeypatch):
+    """Checkpoints record the dtype AMP trained in; those written before it trained float16
+    on a GPU (nothing on the CPU, which ignores amp)."""
+    from pathlib import Path
+
+    from cat.training.manager import ConfigChangedError, training_settings
+
+    write_tiny_experiment(tmp_path, options={"amp": True})
+    monkeypatch.chdir(tmp_path)
+    manager = Manager(config_module.load_experiment(NAME), DistributedContext())
+    try:
+        recorded = training_settings(manager.experiment)
+        assert recorded["hyper-p.json"]["train.option.amp_dtype"] is None  # on the CPU
+        del recorded["hyper-p.json"]["train.option.amp_dtype"]
+        manager._check_settings(recorded, Path("old.pt"))
+        # on a GPU with bfloat16 (simulated), the old float16 run is a change
+        manager.updater.amp, manager.updater.amp_dtype = True, torch.bfloat16
+        with pytest.raises(ConfigChangedError, match=r"old\.pt: the training settings changed "
+                                                     r"since this checkpoint was written: "
+                                                     r"hyper-p\.json: train\.option\.amp_dtype: "
+                                                     r"'float16' -> 'bfloat16'"):
+            manager._check_settings(recorded, Path("old.pt"))
+        manager.updater.amp_dtype = torch.float16
+        manager._check_settings(recorded, Path("old.pt"))
+    finally:
+        manager.close()

@@ -7,19 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from cat.core.config import TrainOptions, train_option_defaults
+from cat.core.config import ConfigError, TrainOptions, train_option_defaults, validate_hyper
 from cat.loading.batch import Batch
 from cat.models.registry import build_model
 from cat.testing.device_reads import DeviceReads
 from cat.testing.training import tiny_model_config
 from cat.training.distributed import DistributedContext
-from cat.training.update import Updater, batch_normalizer
+from cat.training.update import Updater, amp_dtype, batch_normalizer
 
 VOCAB = 20
 
 
 def tiny_updater(kind: str, tmp_path, normalization: str = "utterance",
-                 **options) -> Updater:
+                 device: torch.device | None = None, **options) -> Updater:
     """An Updater of a tiny model of `kind` (ctc, rnnt, crf) with SpecAugment's time warp
     and delayed start, which read lengths and a counter."""
     config = tiny_model_config("rnnt" if kind == "rnnt" else "ctc", 8)
@@ -37,7 +37,8 @@ def tiny_updater(kind: str, tmp_path, normalization: str = "utterance",
     model = build_model(config, VOCAB)
     options = TrainOptions(**{**train_option_defaults(), "trset": [], "devset": [],
                               "tokenizer": "unused", **options})
-    return Updater(model, config["scheduler"], options, DistributedContext())
+    context = DistributedContext(device=device or torch.device("cpu"))
+    return Updater(model, config["scheduler"], options, context)
 
 
 def batch(seed: int) -> Batch:
@@ -113,3 +114,55 @@ def test_a_batch_with_bad_labels_is_refused_before_the_step(tmp_path):
         updater.update([bad], 3.0)
     assert all(torch.equal(a, b) for a, b in zip(before, updater.model.parameters(),
                                                  strict=True))
+
+
+@pytest.mark.parametrize(("name", "bf16", "expected"), [
+    ("auto", True, torch.bfloat16), ("auto", False, torch.float16),
+    ("bfloat16", True, torch.bfloat16), ("float16", True, torch.float16),
+    ("float16", False, torch.float16)])
+def test_amp_dtype_resolution(name, bf16, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert amp_dtype(name, torch.device("cuda", 0)) == expected
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ValueError, match=r"amp_dtype bfloat16: Tesla V100-SXM2-16GB does not "
+                                         r"support it .*use float16 or auto"):
+        amp_dtype("bfloat16", torch.device("cuda", 0))
+
+
+def test_amp_dtype_is_an_option_of_the_schema():
+    assert train_option_defaults()["amp_dtype"] == "auto"
+    hyper = {"train": {"option": {"amp": True, "amp_dtype": "half"}}}
+    with pytest.raises(ConfigError, match=r"train\.option\.amp_dtype: 'half' is not one of "
+                                          r"\['auto', 'bfloat16', 'float16'\]"):
+        validate_hyper(hyper)
+
+
+@pytest.mark.parametrize(("option", "bf16", "dtype", "scaled"), [
+    ("auto", True, torch.bfloat16, False), ("auto", False, torch.float16, True),
+    ("float16", True, torch.float16, True), ("bfloat16", True, torch.bfloat16, False)])
+def test_float16_trains_with_a_gradient_scaler_and_bfloat16_without(
+        option, bf16, dtype, scaled, tmp_path, monkeypatch, caplog):
+    """What the Updater builds on a GPU (simulated: the model stays on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    caplog.set_level("INFO", logger="cat.training.update")
+    updater = tiny_updater("ctc", tmp_path, device=torch.device("cuda", 0), amp=True,
+                           amp_dtype=option)
+    assert updater.amp and updater.amp_dtype == dtype
+    assert updater.scaler.is_enabled() is scaled
+    name = str(dtype).removeprefix("torch.")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"mixed precision: {name} autocast{' with gradient scaling' if scaled else ''} "
+        f"(train.option.amp_dtype {option})"]
+
+
+def test_without_amp_there_is_no_autocast_dtype_nor_scaler(tmp_path, caplog):
+    caplog.set_level("INFO", logger="cat.training.update")
+    updater = tiny_updater("ctc", tmp_path, amp=True)  # on the CPU: ignored
+    assert not updater.amp and updater.amp_dtype is None
+    assert not updater.scaler.is_enabled()
+    assert [r.getMessage() for r in caplog.records] == ["train.option.amp is ignored on CPU"]
