@@ -119,6 +119,10 @@ class Updater:
         # float16 needs its gradients scaled (its range is small); bfloat16 has float32's.
         self.scaler = torch.amp.GradScaler(self.device.type,
                                            enabled=self.amp_dtype == torch.float16)
+        if options.compile:
+            model.encoder.compile_blocks()
+            logger.info("train.option.compile: the encoder's blocks are compiled with "
+                        "torch.compile (the first batch of each new length compiles them)")
         self.ddp = None
         if context.distributed:
             # No device_ids: DDP would copy every input to the device, the CPU lengths and

@@ -166,3 +166,27 @@ def test_without_amp_there_is_no_autocast_dtype_nor_scaler(tmp_path, caplog):
     assert not updater.amp and updater.amp_dtype is None
     assert not updater.scaler.is_enabled()
     assert [r.getMessage() for r in caplog.records] == ["train.option.amp is ignored on CPU"]
+
+
+def test_compile_option_compiles_the_encoder_blocks_in_place(tmp_path, caplog):
+    caplog.set_level("INFO", logger="cat.training.update")
+    eager = tiny_updater("ctc", tmp_path)
+    compiled = tiny_updater("ctc", tmp_path, compile=True)
+    assert all(cell._compiled_call_impl is not None for cell in compiled.model.encoder.cells)
+    assert all(cell._compiled_call_impl is None for cell in eager.model.encoder.cells)
+    # checkpoints keep their keys
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())
+    assert "train.option.compile: the encoder's blocks are compiled" in caplog.text
+
+
+@pytest.mark.slow  # compiling takes 25-45 s on 2 cores
+def test_a_tiny_model_trains_compiled_as_it_does_eagerly(tmp_path):
+    eager = tiny_updater("ctc", tmp_path)
+    compiled = tiny_updater("ctc", tmp_path, compile=True)
+    for updater in (eager, compiled):
+        updater.model.specaug = None  # the same input to both
+    results = [u.update([batch(0)], 3.0) for u in (eager, compiled)]
+    assert results[1]["loss"] == pytest.approx(results[0]["loss"], rel=1e-4)
+    assert results[1]["grad_norm"] == pytest.approx(results[0]["grad_norm"], rel=1e-3)
+    for a, b in zip(eager.model.parameters(), compiled.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
