@@ -7,8 +7,10 @@ matrix product, convolution and attention kernel the update dispatches (element-
 the loss and the optimizer step are not counted; they are not what the device's peak
 measures). The count is of the padded shapes the device computes.
 
-Counting costs Python work per operation, so training counts once, on the first update of
-a run, and scales the count to later batches (`UpdateFlops.scaled`): the FLOPs of
+Counting costs Python work per operation, so training counts once, on the first batches of
+a run (a forward and backward of a copy of the model, `count_model_flops`, so that the
+training goes on as it would have), and scales the count to later batches
+(`UpdateFlops.scaled`): the FLOPs of
 operations over pairs of frames (attention: `bmm`, scaled dot-product attention) grow
 with the utterances x the padded frames squared, the rest with the utterances x the
 padded frames. That is exact for the counted shape and for shapes with the same ratio of
@@ -26,8 +28,8 @@ device seconds they took.
 
 Usage:
     flops = count_flops(lambda: model(*batch)[0].backward())
-    update = UpdateFlops.from_count(flops, utterances=8, padded_frames=600)
-    update.scaled(16, 420)                         # FLOPs of another batch's update
+    update = UpdateFlops.from_count(flops, [(8, 600)])   # 8 utterances of 600 frames
+    update.scaled([(16, 420)])                     # FLOPs of another batch's update
     peak, why = device_peak(torch.device("cuda"), torch.bfloat16)
     mfu(update.total, 0.158, peak)                 # None when peak is None
     audio_hours_per_device_hour(58007, 0.158)
@@ -35,10 +37,11 @@ Usage:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,30 +119,56 @@ def count_flops(run: Callable[[], object]) -> FlopCount:
     return FlopCount(by_op, seconds)
 
 
+Shape = tuple[int, int]  # a batch's utterances and padded input frames
+
+
+def count_model_flops(model: torch.nn.Module, inputs: Sequence[tuple[Any, ...]]) -> FlopCount:
+    """The FLOPs of a forward (`loss, _ = model(*args)`) and backward of `model` on each of
+    `inputs`, counted on a copy of it with the random state restored afterwards: counting
+    changes the rounding of some kernels, and the model and its training go on exactly as
+    if nothing had been counted (a compiled model's copy runs eagerly: the same FLOPs)."""
+    copied = copy.deepcopy(model)
+    devices = sorted({t.device for args in inputs for t in args
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"}, key=str)
+
+    def run() -> None:
+        for args in inputs:
+            loss, _ = copied(*args)
+            loss.backward()
+
+    with torch.random.fork_rng(devices=devices):
+        return count_flops(run)
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateFlops:
-    """The counted FLOPs of one batch's update, and how they scale to other batches."""
+    """The counted FLOPs of one update (of one or more batches), and how they scale to the
+    batches of other updates."""
 
     total: float
     pairwise: float  # of `total`: attention over pairs of frames
-    utterances: int
-    padded_frames: int  # input frames per utterance, padded (the batch's time axis)
+    frames: int  # sum over the counted batches of utterances x padded frames
+    frames_squared: int  # ... of utterances x padded frames squared
     count_seconds: float = 0.0  # the counted update's seconds, counting included
 
     @classmethod
-    def from_count(cls, count: FlopCount, utterances: int, padded_frames: int) -> UpdateFlops:
-        return cls(float(count.total), float(count.pairwise), utterances, padded_frames,
-                   count.seconds)
+    def from_count(cls, count: FlopCount, shapes: Sequence[Shape]) -> UpdateFlops:
+        """The count of an update of batches of `shapes` (utterances, padded frames)."""
+        return cls(float(count.total), float(count.pairwise), _frames(shapes, 1),
+                   _frames(shapes, 2), count.seconds)
 
-    def scaled(self, utterances: int, padded_frames: int) -> float:
-        """The FLOPs of an update of `utterances` x `padded_frames` (see the module
-        docstring): the pairwise part with utterances x frames squared, the rest with
-        utterances x frames."""
-        if not self.utterances or not self.padded_frames:
+    def scaled(self, shapes: Sequence[Shape]) -> float:
+        """The FLOPs of an update of batches of `shapes` (see the module docstring): the
+        pairwise part with utterances x frames squared, the rest with utterances x
+        frames."""
+        if not self.frames:
             return 0.0
-        linear = (utterances * padded_frames) / (self.utterances * self.padded_frames)
-        square = linear * padded_frames / self.padded_frames
-        return (self.total - self.pairwise) * linear + self.pairwise * square
+        return ((self.total - self.pairwise) * _frames(shapes, 1) / self.frames
+                + self.pairwise * _frames(shapes, 2) / self.frames_squared)
+
+
+def _frames(shapes: Sequence[Shape], power: int) -> int:
+    return sum(utterances * frames**power for utterances, frames in shapes)
 
 
 # --------------------------------------------------------------------------- peaks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -323,3 +324,42 @@ def test_checkpoints_written_before_amp_dtype_resume_as_float16_ones(tmp_path, m
         manager._check_settings(recorded, Path("old.pt"))
     finally:
         manager.close()
+
+
+def test_throughput_is_logged_in_audio_hours_and_mfu(tmp_path, monkeypatch, caplog):
+    """Audio-hours per device-hour from the trained frames; MFU where the device has a
+    peak (here a pretended one of 1 TFLOP/s), from the FLOPs counted on the first update."""
+    from cat.training import manager as manager_module
+
+    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1, "log_interval": 1})
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="cat.training.manager")
+    counts = []
+    original = manager_module.count_model_flops
+    monkeypatch.setattr(manager_module, "count_model_flops",
+                        lambda *args: counts.append(original(*args)) or counts[-1])
+    monkeypatch.setattr(manager_module, "device_peak", lambda device, dtype: (1e12, "1 TFLOP/s"))
+    train(NAME, "cat.ctc.train")
+    assert len(counts) == 1 and counts[0].total > 0  # once, on the first update
+    assert "throughput: MFU against 1 TFLOP/s" in caplog.text
+    assert re.search(r"throughput: [0-9.]+ GFLOP counted in the update of 4 x \d+ "
+                     r"\(utterances x padded frames\), in [0-9.]+ s", caplog.text)
+    utts = _scalars(experiment, "throughput/utts_per_second")
+    hours = _scalars(experiment, "throughput/audio_hours_per_hour")
+    mfus = _scalars(experiment, "throughput/mfu")
+    assert len(utts) == len(hours) == len(mfus) == 10
+    # hours of audio per hour / utterances per second: the interval's mean utterance seconds
+    durations = [len(f) * 0.01 for f in experiment.train.features.values()]
+    for per_hour, per_second in zip(hours, utts, strict=True):
+        assert min(durations) <= per_hour / per_second <= max(durations)
+    assert all(0 < value < 1 for value in mfus)
+
+
+def test_no_mfu_without_a_peak(tmp_path, monkeypatch, caplog):
+    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1, "log_interval": 5})
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="cat.training.manager")
+    train(NAME, "cat.ctc.train")
+    assert "throughput: MFU against nothing (not logged: no peak known for cpu)" in caplog.text
+    assert _scalars(experiment, "throughput/mfu") == []
+    assert len(_scalars(experiment, "throughput/audio_hours_per_hour")) == 2

@@ -3,6 +3,8 @@ the throughput arithmetic (`cat.training.throughput`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,15 +76,18 @@ def test_counted_update_flops_are_those_of_the_matrix_products():
 
 def test_scaled_count_is_within_a_few_percent_of_a_fresh_count():
     model = tiny_model()
-    counted = UpdateFlops.from_count(update_flops(model, 4, 400), 4, 400)
-    assert counted.scaled(4, 400) == pytest.approx(counted.total)
+    counted = UpdateFlops.from_count(update_flops(model, 4, 400), [(4, 400)])
+    assert counted.scaled([(4, 400)]) == pytest.approx(counted.total)
     for utterances, frames in ((8, 100), (2, 800), (16, 300)):
         fresh = update_flops(model, utterances, frames).total
-        assert counted.scaled(utterances, frames) == pytest.approx(fresh, rel=0.05)
+        assert counted.scaled([(utterances, frames)]) == pytest.approx(fresh, rel=0.05)
+    # two batches in one update (gradient accumulation)
+    both = update_flops(model, 8, 100).total + update_flops(model, 2, 800).total
+    assert counted.scaled([(8, 100), (2, 800)]) == pytest.approx(both, rel=0.05)
     # only frames: the attention grows with their square
-    linear_only = UpdateFlops(counted.total, 0.0, 4, 400)
+    linear_only = dataclasses.replace(counted, pairwise=0.0)
     fresh = update_flops(model, 2, 800).total
-    assert abs(linear_only.scaled(2, 800) - fresh) > abs(counted.scaled(2, 800) - fresh)
+    assert abs(linear_only.scaled([(2, 800)]) - fresh) > abs(counted.scaled([(2, 800)]) - fresh)
 
 
 def test_fused_attention_on_the_cpu_is_counted_as_the_explicit_products():
@@ -140,3 +145,16 @@ def test_throughput_arithmetic():
     assert audio_hours_per_device_hour(58_007, 0.158) == pytest.approx(3671.3, rel=1e-4)
     assert mfu(2e12, 0.5, 8e12) == pytest.approx(0.5)
     assert mfu(2e12, 0.0, 8e12) is None
+
+
+def test_counting_on_a_copy_leaves_the_model_and_the_random_state_alone():
+    model = tiny_model()
+    model.encoder.cells[0].attn.dropout.p = 0.5  # draws random numbers in training mode
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = torch.get_rng_state()
+    count = throughput.count_model_flops(model, [batch(2, 120), batch(3, 100)])
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(p.grad is None and torch.equal(p, before[name])
+               for name, p in model.named_parameters())
+    alone = update_flops(model, 2, 120).total + update_flops(model, 3, 100).total
+    assert count.total == alone
