@@ -44,8 +44,9 @@ Parts (each prints its rows, or why it did not run; `--json` writes the same fig
    over small feature shards and Opus audio shards (speed perturbation, fbank in the
    workers) written by the stage-2 packers, iterated with a simulated step: the batch is
    moved to the device, then the step's compute is a sleep of part 2's update's seconds
-   per input frame (fp16 on CUDA, fp32 on the CPU: what training runs there) times the
-   batch's frames, or `--step-ms` per `--step-frames`.
+   per input frame (AMP on CUDA, bf16 where the GPU has it, else fp16; fp32 on the CPU:
+   what training runs there) times the batch's frames, or `--step-ms` per
+   `--step-frames`.
    Printed: the share of wall time spent waiting for batches, over the second epoch, and
    without its first batch.
 5. `ddp`: the fp16 update of part 2 under DistributedDataParallel over every GPU (NCCL,
@@ -1100,7 +1101,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma-separated parts to run (of {','.join(PARTS)})")
     parser.add_argument("--step-ms", type=float,
                         help="loader part: milliseconds of compute per --step-frames input "
-                             "frames (default: part 2's measured update, fp16 on CUDA and "
+                             "frames (default: part 2's measured update, AMP on CUDA and "
                              "fp32 on the CPU)")
     parser.add_argument("--step-frames", type=int, default=60000,
                         help="input frames the --step-ms step computes (exp/ctc-v1's "
