@@ -1,6 +1,8 @@
 """What a GPU changes, in one run: the CTC-CRF loss on the device against the CPU, an update
-of the `exp/ctc-v1` Conformer in fp32 / fp16 / bf16, RNN-T loss memory at a WenetSpeech
-batch, the streaming loader's data wait at the device's step time, and DDP over the GPUs.
+of the `exp/ctc-v1` Conformer in fp32 / fp16 / bf16 (its FLOPs, MFU and audio-hours per
+device-hour, the attention before and after `scaled_dot_product_attention`, compiled, the
+host's waits for the device), RNN-T loss memory at a WenetSpeech batch, the streaming
+loader's data wait at the device's step time, and DDP over the GPUs.
 
 Parts (each prints its rows, or why it did not run; `--json` writes the same figures):
 
@@ -15,9 +17,23 @@ Parts (each prints its rows, or why it did not run; `--json` writes the same fig
    same shape.
 2. `train_step`: one update (forward, backward, gradient clipping, AdamW step) of the
    `exp/ctc-v1` model built by `cat.models.registry` (79.5 M parameters with AISHELL-1's
-   4,233 characters), in fp32, fp16 autocast with a GradScaler (what
-   `cat.training.update` trains with `amp`) and bf16 autocast: median step time after
-   warm-up and, on CUDA, peak memory per mode (a fresh model each).
+   4,233 characters), in fp32, fp16 autocast with a GradScaler and bf16 autocast (what
+   `cat.training.update` trains with `amp`: `amp_dtype` "auto" is bf16 where the GPU has
+   it): median step time after warm-up and, on CUDA, peak memory per mode (a fresh model
+   each), features on the device and lengths on the CPU as the trainer passes them. The
+   update's FLOPs are counted once (`cat.training.throughput.count_model_flops`:
+   FlopCounterMode, forward + backward, as the training log counts them; the seconds
+   counting took are printed); per mode: achieved TFLOP/s, MFU against the GPU's dense
+   datasheet peak in that dtype (`throughput.GPU_PEAKS`; "n/a" for an unknown GPU) or, on
+   the CPU, against a measured matrix product (labelled "measured"), and audio-hours per
+   device-hour. Rows beside them in the mode training runs: `+explicit`, the attention's
+   softmax written out as it was before `scaled_dot_product_attention` (the same batch:
+   before/after), and `+compile`, the encoder's blocks compiled (`train.option.compile`;
+   on CUDA, or with `--compile`), with its compile seconds. Last, where the host waits
+   for the device in an update of `cat.training.update.Updater`: on CUDA each
+   synchronisation `torch.cuda.set_sync_debug_mode("warn")` reports, counted by place;
+   on the CPU, where there is none, the reads of device data that
+   `cat.testing.device_reads` finds (checked: one per update).
 3. `rnnt`: the RNN-T model's loss path (`cat.rnnt.model.TransducerHead` of
    `egs/wenetspeech/exp/train_l/rnnt-v1`: predictor, joiner, `torchaudio`'s `rnnt_loss`)
    forward + backward from given encoder outputs at a WenetSpeech batch (32 x 250 encoder
@@ -49,12 +65,14 @@ Usage:
     python bench/gpu.py                                    # CUDA, full sizes (minutes)
     python bench/gpu.py --json bench/out/gpu.json          # the figures as JSON too
     python bench/gpu.py --device cpu                       # tiny sizes, every part
+    python bench/gpu.py --device cpu --parts train_step --compile   # and the compiled row
     python bench/gpu.py --parts loader --step-ms 300 --step-frames 57600
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -68,7 +86,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -442,8 +460,55 @@ def update_function(model: torch.nn.Module, module: torch.nn.Module, config: dic
     return update
 
 
+def explicit_attention(self: Any, x: torch.Tensor, pos_emb: torch.Tensor,
+                       padding_mask: torch.Tensor, attn_mask: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """`RelPositionMultiHeadAttention.forward` as it was before scaled_dot_product_attention:
+    scores, masked keys at the finite minimum, softmax, masked weights set to 0, dropout."""
+    scores, value = self.scores(x, pos_emb)
+    key_mask = padding_mask[:, None, None, :]
+    if attn_mask is not None:
+        key_mask = key_mask | attn_mask[None, None]
+    scores = scores.masked_fill(key_mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1).masked_fill(key_mask, 0.0)
+    context = torch.matmul(self.dropout(weights), value)
+    batch, _, time, _ = context.shape
+    return self.linear_out(context.transpose(1, 2).reshape(batch, time, -1))
+
+
+@contextlib.contextmanager
+def attention_variant(variant: str) -> Iterator[None]:
+    """The relative-position attention as trained ("sdpa") or the explicit softmax."""
+    from cat.models.layer import RelPositionMultiHeadAttention
+
+    forward = RelPositionMultiHeadAttention.forward
+    if variant == "explicit":
+        RelPositionMultiHeadAttention.forward = explicit_attention
+    try:
+        yield
+    finally:
+        RelPositionMultiHeadAttention.forward = forward
+
+
+def training_mode(ctx: Context) -> str:
+    """What training runs here: AMP in train.option.amp_dtype's "auto" dtype on CUDA
+    (cat.training.update.amp_dtype), fp32 on the CPU."""
+    if not ctx.cuda:
+        return "fp32"
+    from cat.training.update import amp_dtype
+
+    return "bf16" if amp_dtype("auto", ctx.device) == torch.bfloat16 else "fp16"
+
+
+def on_device(ctx: Context, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The batch as the trainer hands it to the model: features on the device, lengths
+    and labels on the CPU (cat.training.update)."""
+    return [batch[0].to(ctx.device), *batch[1:]]
+
+
 def train_mode(ctx: Context, mode: str, config: dict[str, Any],
-               batch: Sequence[torch.Tensor]) -> dict[str, Any]:
+               batch: Sequence[torch.Tensor], attention: str = "sdpa",
+               compiled: bool = False) -> dict[str, Any]:
     """Step times and peak memory of a fresh model trained in `mode`."""
     from cat.models.registry import build_model, count_parameters
 
@@ -454,19 +519,114 @@ def train_mode(ctx: Context, mode: str, config: dict[str, Any],
     torch.manual_seed(0)
     model = build_model(config, AISHELL_CHARS).to(ctx.device)
     model.train()
+    compile_seconds = None
+    if compiled:
+        model.encoder.compile_blocks()
     update = update_function(model, model, config, ctx.device, MODES[mode],
                              hyper_option(AISHELL / "ctc-v1")["grad_norm"])
-    on_device = [t.to(ctx.device) for t in batch]
+    inputs = on_device(ctx, batch)
     losses: list[float] = []
-    times = median_times(lambda: losses.append(update(on_device)), ctx.sync,
-                         ctx.sizes.warmup_steps, ctx.sizes.timed_steps)
-    return {"mode": mode, "status": "ok", "parameters": count_parameters(model),
-            "step_seconds": statistics.median(times), "step_times": times,
-            "peak_mb": peak_mb(ctx.device), "last_loss": losses[-1]}
+    with attention_variant(attention):
+        if compiled:  # the first update compiles: timed apart
+            start = time.perf_counter()
+            losses.append(update(inputs))
+            ctx.sync()
+            compile_seconds = time.perf_counter() - start
+        times = median_times(lambda: losses.append(update(inputs)), ctx.sync,
+                             ctx.sizes.warmup_steps, ctx.sizes.timed_steps)
+    return {"mode": mode, "attention": attention, "compiled": compiled, "status": "ok",
+            "parameters": count_parameters(model), "step_seconds": statistics.median(times),
+            "step_times": times, "peak_mb": peak_mb(ctx.device), "last_loss": losses[-1],
+            "compile_seconds": compile_seconds}
+
+
+def mode_peak(ctx: Context, mode: str) -> tuple[float | None, str]:
+    """(peak FLOP/s for updates in `mode`, what it is): CUDA's from the datasheet table
+    (cat.training.throughput.GPU_PEAKS), the CPU's measured by a matrix product."""
+    from cat.training.throughput import device_peak, measured_matmul_peak
+
+    if ctx.cuda:
+        return device_peak(ctx.device, MODES[mode])
+    size = 1024 if MODES[mode] is None else 512  # emulated half precision is slow
+    peak = measured_matmul_peak(ctx.device, MODES[mode] or torch.float32, size)
+    return peak, f"measured: {size}x{size} matrix product on this CPU, {peak / 1e9:.1f} GFLOP/s"
+
+
+def count_update_flops(ctx: Context, config: dict[str, Any],
+                       batch: Sequence[torch.Tensor]) -> Any:
+    """The FLOPs of an update of part 2's model on its batch, as training counts them
+    (cat.training.throughput.count_model_flops), and the seconds that took."""
+    from cat.models.registry import build_model
+    from cat.training.throughput import UpdateFlops, count_model_flops
+
+    torch.manual_seed(0)
+    model = build_model(config, AISHELL_CHARS).to(ctx.device)
+    model.train()
+    count_model_flops(model, [on_device(ctx, batch)])  # warm-up (lazy initialisation)
+    count = count_model_flops(model, [on_device(ctx, batch)])
+    return UpdateFlops.from_count(count, [(len(batch[1]), batch[0].size(1))])
+
+
+def host_waits(ctx: Context, config: dict[str, Any], batch: Sequence[torch.Tensor],
+               mode: str) -> dict[str, Any]:
+    """Where the host waits for the device in an update of cat.training.update.Updater (the
+    second; the first initialises lazily): on CUDA the warnings of
+    torch.cuda.set_sync_debug_mode("warn"), each a synchronisation; on the CPU the reads
+    of device data that cat.testing.device_reads finds (torch's C++ code unseen)."""
+    import warnings
+
+    from cat.core.config import TrainOptions, train_option_defaults
+    from cat.loading.batch import Batch
+    from cat.models.registry import build_model
+    from cat.testing.device_reads import DeviceReads
+    from cat.training.distributed import DistributedContext
+    from cat.training.update import Updater
+
+    torch.manual_seed(0)
+    model = build_model(config, AISHELL_CHARS).to(ctx.device)
+    dtype = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}[mode]
+    options = TrainOptions(**{
+        **train_option_defaults(), "trset": [], "devset": [], "tokenizer": "unused",
+        "grad_norm": hyper_option(AISHELL / "ctc-v1")["grad_norm"],
+        "amp": dtype is not None, "amp_dtype": dtype or "auto"})
+    updater = Updater(model, config["scheduler"], options, DistributedContext(device=ctx.device))
+    feats, feat_lens, labels, label_lens = batch
+    host = Batch([str(i) for i in range(len(feat_lens))], feats, feat_lens, labels, label_lens)
+    updater.update([host], float(len(host)))
+    ctx.sync()
+    if ctx.cuda:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                updater.update([host], float(len(host)))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        places: dict[str, int] = {}
+        for warning in caught:
+            if "synchroniz" in str(warning.message):
+                where = f"{Path(warning.filename).name}:{warning.lineno}"
+                places[where] = places.get(where, 0) + 1
+        return {"how": 'torch.cuda.set_sync_debug_mode("warn")', "count": sum(places.values()),
+                "places": places}
+    with DeviceReads(device=model, host=[feats, feat_lens, labels, label_lens]) as reads:
+        updater.update([host], float(len(host)))
+    return {"how": "cat.testing.device_reads (CUDA's sync debug mode needs a GPU)",
+            "count": len(reads.found), "places": reads.summary()}
+
+
+def print_mode_row(ctx: Context, label: str, row: dict[str, Any]) -> None:
+    steps = " ".join(f"{t:.3f}" for t in row["step_times"])
+    mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.1%}"
+    print(f"{label:<14} {row['parameters']:>11,} {row['step_seconds']:>9.4f} {steps:>28} "
+          f"{mb_text(row['peak_mb']):>9} {row['last_loss']:>8.2f} {row['tflops']:>9.4g} "
+          f"{mfu:>7} {row['audio_hours_per_hour']:>10,.4g}")
 
 
 def part_train_step(ctx: Context) -> dict[str, Any]:
     """Part 2 (see the module docstring)."""
+    from cat.training.throughput import audio_hours_per_device_hour, mfu
+
     config = ctc_v1_config(ctx.sizes)
     batch = step_batch(ctx.sizes, seed=0)
     frames = int(batch[1].sum())
@@ -474,28 +634,71 @@ def part_train_step(ctx: Context) -> dict[str, Any]:
           f"{batch[0].shape[1]}), {int(batch[3].sum()):,} labels; {AISHELL_CHARS} classes; "
           f"encoder {config['encoder']['kwargs']['num_cells']} x "
           f"{config['encoder']['kwargs']['hdim']}")
-    print(f"{'mode':<6} {'parameters':>11} {'step s (median)':>15} {'steps s':>28} "
-          f"{'peak MB':>9} {'loss':>9}")
-    rows = []
-    for mode in MODES:
+    flops = count_update_flops(ctx, config, batch)
+    print(f"counted: {flops.total / 1e9:,.4g} GFLOP per update (FlopCounterMode, forward + "
+          f"backward; {flops.pairwise / flops.total:.1%} in attention over frame pairs); "
+          f"counting took {flops.count_seconds:.2f} s")
+    trained = training_mode(ctx)
+    variants = [(mode, "sdpa", False) for mode in MODES]
+    variants.append((trained, "explicit", False))
+    compile_row = ctx.cuda or ctx.args.compile
+    if compile_row:
+        variants.append((trained, "sdpa", True))
+    print(f"{'mode':<14} {'parameters':>11} {'step s':>9} {'steps s':>28} {'peak MB':>9} "
+          f"{'loss':>8} {'TFLOP/s':>9} {'MFU':>7} {'audio h/h':>10}")
+    rows, peaks = [], {}
+    for mode, attention, compiled in variants:
+        label = mode + ("+explicit" if attention == "explicit" else "") + (
+            "+compile" if compiled else "")
         try:
-            row = train_mode(ctx, mode, config, batch)
+            row = train_mode(ctx, mode, config, batch, attention, compiled)
         except Skipped as reason:
-            row = {"mode": mode, "status": "skipped", "reason": str(reason)}
+            row = {"mode": mode, "attention": attention, "compiled": compiled,
+                   "status": "skipped", "reason": str(reason)}
+        row["label"] = label
         rows.append(row)
         if row["status"] != "ok":
-            print(f"{mode:<6} skipped: {row['reason']}")
+            print(f"{label:<14} skipped: {row['reason']}")
             continue
-        ctx.check(f"train_step {mode} loss finite (1 if not)",
+        if mode not in peaks:
+            peaks[mode] = mode_peak(ctx, mode)
+        peak, row["peak"] = peaks[mode]
+        row["peak_flops"] = peak
+        row["flops"] = flops.total
+        row["tflops"] = flops.total / row["step_seconds"] / 1e12
+        row["mfu"] = mfu(flops.total, row["step_seconds"], peak)
+        row["audio_hours_per_hour"] = audio_hours_per_device_hour(frames, row["step_seconds"])
+        ctx.check(f"train_step {label} loss finite (1 if not)",
                   0.0 if math.isfinite(row["last_loss"]) else 1.0, 0.0)
-        steps = " ".join(f"{t:.3f}" for t in row["step_times"])
-        print(f"{mode:<6} {row['parameters']:>11,} {row['step_seconds']:>15.4f} {steps:>28} "
-              f"{mb_text(row['peak_mb']):>9} {row['last_loss']:>9.2f}")
+        print_mode_row(ctx, label, row)
+    by_label = {row["label"]: row for row in rows if row["status"] == "ok"}
+    for other in (f"{trained}+explicit", f"{trained}+compile"):
+        if other in by_label and trained in by_label:
+            print(f"{other} / {trained}: step time "
+                  f"{by_label[other]['step_seconds'] / by_label[trained]['step_seconds']:.2f}"
+                  + (f"; compiling took {by_label[other]['compile_seconds']:.1f} s"
+                     if by_label[other]["compiled"] else ""))
+    if not compile_row:
+        print("+compile: not run on the CPU without --compile (compiling takes minutes here)")
     print(f"median of {ctx.sizes.timed_steps} steps after {ctx.sizes.warmup_steps} warm-up "
-          "steps; fp16 with GradScaler, bf16 without; peak memory: "
+          "steps; fp16 with GradScaler, bf16 without; +explicit: the attention's softmax "
+          "written out instead of scaled_dot_product_attention; +compile: the encoder's "
+          "blocks compiled (train.option.compile); peak memory: "
           + ("torch.cuda.max_memory_allocated, reset per mode" if ctx.cuda
              else "not measured on the CPU (torch keeps no CPU allocation statistics)"))
-    return {"batch_utterances": len(batch[1]), "batch_frames": frames, "rows": rows}
+    print("TFLOP/s: counted FLOPs / step s; MFU against " + "; ".join(
+        f"{mode} {text}" for mode, (_, text) in peaks.items())
+        + "; audio h/h: hours of audio (10 ms frames) per device-hour at this step time")
+    waits = host_waits(ctx, config, batch, trained)
+    places = ", ".join(f"{where} x{n}" for where, n in sorted(
+        waits["places"].items(), key=lambda item: -item[1])) or "none"
+    print(f"host waits in a {trained} update of cat.training.update.Updater: "
+          f"{waits['count']}, found by {waits['how']}: {places}")
+    if not ctx.cuda:
+        ctx.check("train_step host reads of device data per update", waits["count"], 1)
+    return {"batch_utterances": len(batch[1]), "batch_frames": frames, "rows": rows,
+            "flops": dataclasses.asdict(flops), "training_mode": trained,
+            "host_waits": waits}
 
 
 # --------------------------------------------------------------------------- 3. RNN-T
@@ -592,10 +795,12 @@ def step_seconds_per_frame(ctx: Context) -> tuple[float, str]:
         return (ctx.args.step_ms / 1000 / ctx.args.step_frames,
                 f"--step-ms {ctx.args.step_ms:g} per {ctx.args.step_frames:,} frames")
     train = ctx.results.get("train_step", {})
-    rows = {row["mode"]: row for row in train.get("rows", []) if row["status"] == "ok"}
-    # What training runs: AMP (fp16) on a GPU, fp32 on the CPU (cat.training.update).
+    rows = {row["mode"]: row for row in train.get("rows", []) if row["status"] == "ok"
+            and row["attention"] == "sdpa" and not row["compiled"]}
+    # What training runs: AMP on a GPU (bf16 where it has it), fp32 on the CPU
+    # (cat.training.update).
     scale = ctx.sizes.step_scale
-    for mode in ("fp16", "bf16", "fp32") if ctx.cuda else ("fp32",):
+    for mode in (training_mode(ctx), "fp16", "bf16", "fp32") if ctx.cuda else ("fp32",):
         if mode in rows:
             seconds = rows[mode]["step_seconds"]
             return (scale * seconds / train["batch_frames"],
@@ -784,7 +989,8 @@ def part_ddp(ctx: Context) -> dict[str, Any]:
 
 PART_FUNCTIONS: dict[str, tuple[str, Callable[[Context], dict[str, Any]]]] = {
     "crf": ("1. CTC-CRF loss: device against CPU, and against ctc_loss", part_crf),
-    "train_step": ("2. exp/ctc-v1 update: fp32, fp16 + GradScaler, bf16", part_train_step),
+    "train_step": ("2. exp/ctc-v1 update: fp32, fp16 + GradScaler, bf16; FLOPs, MFU, audio-hours; "
+                   "attention, compile, host waits", part_train_step),
     "rnnt": ("3. RNN-T loss at a WenetSpeech batch: time and peak memory", part_rnnt),
     "loader": ("4. streaming loader: data-wait share at the measured step time", part_loader),
     "ddp": ("5. DDP: every GPU against one (on the CPU: two gloo processes)", part_ddp),
@@ -837,11 +1043,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"comma-separated parts to run (of {','.join(PARTS)})")
     parser.add_argument("--step-ms", type=float,
                         help="loader part: milliseconds of compute per --step-frames input "
-                             "frames (default: part 2's measured update, fp16 on CUDA and "
+                             "frames (default: part 2's measured update, AMP on CUDA and "
                              "fp32 on the CPU)")
     parser.add_argument("--step-frames", type=int, default=60000,
                         help="input frames the --step-ms step computes (exp/ctc-v1's "
                              "max_frames)")
+    parser.add_argument("--compile", action="store_true",
+                        help="train_step part: also the compiled row on the CPU (on CUDA "
+                             "always; compiling takes minutes on a CPU)")
     parser.add_argument("--rnnt-vocab", type=int, default=5537,
                         help="RNN-T part: output classes (WenetSpeech characters)")
     args = parser.parse_args(argv)

@@ -10,9 +10,17 @@ for CTC and CTC-CRF). The test compares with the reference:
 * the hypotheses of both searches, exactly;
 * the training loss of every update (`exp/<name>/log/scalars.jsonl`) and the sum and sum
   of squares (float64) of every tensor of the final model, to a relative tolerance of
-  1e-4 (a sum's tolerance is relative to its tensor's norm), since floating point may
-  differ in the last bits from one CPU to another. Tensor names recorded in an earlier
-  layout are compared under their current names (`cat.models.model.upgrade_state_dict`).
+  1e-4, since floating point may differ in the last bits from one CPU to another. A
+  sum's tolerance is relative to its tensor's norm times the square root of its size:
+  the sum of a tensor of mixed signs cancels, and Adam turns an element's small
+  gradient into a full step whatever its last bits, so a few elements of a tensor with
+  small gradients move by rounding (the relative-position projection of the tiny
+  model's attention did, 2.7e-4 of its norm, between two CPUs). The attention's key
+  bias is not compared: softmax over the keys is the same whatever is added to all of
+  a query's scores, so its gradient is zero but for rounding, which Adam makes full
+  steps of (9e-9 against 1e-2 to 35 for the other tensors of the tiny model). Tensor
+  names recorded in an earlier layout are compared under their current names
+  (`cat.models.model.upgrade_state_dict`).
 
 A refactor that is meant to leave training and decoding alone must leave these results
 alone. A change that means to change them (initialisation, optimizer, loss, data order,
@@ -47,6 +55,8 @@ REFERENCE_DIR = Path(__file__).parent / "reference"
 NAME = "exp/tiny"
 SEED = 3
 REL_TOL = 1e-4
+#: Tensors whose gradient is zero in exact arithmetic (see the module docstring).
+ROUNDING_ONLY = ("attn.linear_k.bias",)
 METHODS = ("greedy", "beam")
 OPTIONS = {"epochs": 3, "batch_size": 4, "threads": 1, "workers": 0, "log_interval": 1}
 
@@ -82,14 +92,16 @@ def _losses(experiment: TinyExperiment) -> list[float]:
 
 
 def _weights(experiment: TinyExperiment) -> dict[str, list[float]]:
-    """[sum, sum of squares] (float64) of every floating-point tensor of the final model."""
+    """[sum, sum of squares] (float64) of every floating-point tensor of the final model,
+    and its size (not written to the reference)."""
     model = load_checkpoint(_checkpoint(experiment))["model"]
     summary = {}
     for key in sorted(model):
         tensor = model[key]
         if tensor.is_floating_point():
             tensor = tensor.to(torch.float64)
-            summary[key] = [tensor.sum().item(), tensor.square().sum().item()]
+            summary[key] = [tensor.sum().item(), tensor.square().sum().item(),
+                            tensor.numel()]
     return summary
 
 
@@ -131,8 +143,10 @@ def _weight_differences(reference: dict[str, list[float]], actual: dict[str, lis
                 f"{sorted(reference.keys() - actual.keys())}, only now "
                 f"{sorted(actual.keys() - reference.keys())}"]
     differing = [key for key, (ref_sum, ref_squares) in reference.items()
-                 if not (_close(ref_sum, actual[key][0], math.sqrt(ref_squares))
-                         and _close(ref_squares, actual[key][1], 0.0))]
+                 if not key.endswith(ROUNDING_ONLY)
+                 and not (_close(ref_sum, actual[key][0],
+                                 math.sqrt(ref_squares * actual[key][2]))
+                          and _close(ref_squares, actual[key][1], 0.0))]
     if not differing:
         return []
     key = differing[0]
@@ -169,7 +183,9 @@ def test_tiny_experiments_give_the_reference_results(kind, tmp_path, monkeypatch
     path = REFERENCE_DIR / f"{kind}.json"
     if os.environ.get(UPDATE_VARIABLE) == "1":
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(actual, ensure_ascii=False, indent=1) + "\n",
+        recorded = {**actual, "weights": {key: value[:2]
+                                          for key, value in actual["weights"].items()}}
+        path.write_text(json.dumps(recorded, ensure_ascii=False, indent=1) + "\n",
                         encoding="utf-8")
         return
     assert path.is_file(), (f"{path.name}: no reference; write it with {UPDATE_VARIABLE}=1 "

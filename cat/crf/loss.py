@@ -295,9 +295,9 @@ class CtcCrfLoss(torch.nn.Module):
         return self._den[key]
 
     def lm_log_probs(self, labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
-        rows = labels.tolist()
-        return torch.tensor([self.graph.lm_log_prob(row[:n])
-                             for row, n in zip(rows, label_lens.tolist(), strict=True)],
+        # The token LM scores on the host: labels and lengths read in one copy.
+        rows = torch.cat([label_lens[:, None].to(labels.dtype), labels], dim=1).tolist()
+        return torch.tensor([self.graph.lm_log_prob(row[1:1 + row[0]]) for row in rows],
                             dtype=torch.float64)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
@@ -310,7 +310,8 @@ class CtcCrfLoss(torch.nn.Module):
         labels, label_lens = labels.to(x.device), label_lens.to(x.device)
         num = graph_log_sum(x, lengths, ctc_graphs(labels, label_lens, x.dtype))
         den = graph_log_sum(x, lengths, self.den_graph(x.device, x.dtype))
-        lm = self.lm_log_probs(labels, label_lens).to(device=x.device, dtype=x.dtype)
+        lm = self.lm_log_probs(labels, label_lens).to(device=x.device, dtype=x.dtype,
+                                                      non_blocking=True)
         # A transcript the token LM cannot produce (an n-gram the training text lacks, in
         # a dev set under the chain estimator) is scored without its LM term, a constant
         # per utterance: the loss still ranks checkpoints.

@@ -115,46 +115,34 @@ class Batch:
     waves: torch.Tensor | None = None  # [B, S] int16, padded with 0
     wave_lens: torch.Tensor | None = None  # [B] int64
     fbank: FbankOptions | None = None
-    #: `feat_lens` and `label_lens` kept on the host when the batch moved to a device, so
-    #: that counting its frames never waits for the device.
-    host_lens: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        """`(feat_lens, label_lens)` as host arrays (no copy from a device when kept)."""
-        if self.host_lens is not None:
-            return self.host_lens
-        return self.feat_lens.cpu().numpy(), self.label_lens.cpu().numpy()
-
     @property
     def num_frames(self) -> int:
         """Unpadded input frames."""
-        return int(self.lengths()[0].sum())
+        return int(self.feat_lens.sum())
 
     @property
     def padded_frames(self) -> int:
         """Input frames with the padding: utterances x the longest."""
-        return len(self) * int(self.lengths()[0].max(initial=0))
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        names = ("feats", "feat_lens", "labels", "label_lens", "waves", "wave_lens")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return len(self) * int(self.feat_lens.max()) if len(self) else 0
 
     def pin_memory(self) -> Batch:
-        """Page-locked copy of the tensors (DataLoader `pin_memory=True` calls this)."""
-        return dataclasses.replace(self, **{name: tensor.pin_memory()
-                                            for name, tensor in self._tensors().items()})
+        """Page-locked copy of the speech (DataLoader `pin_memory=True` calls this)."""
+        return dataclasses.replace(self, **{
+            name: getattr(self, name).pin_memory() for name in ("feats", "waves")
+            if getattr(self, name) is not None})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """The batch with its tensors on `device` (its lengths also kept on the host)."""
-        host = self.host_lens
-        if host is None and self.feat_lens.device.type == "cpu":
-            host = (self.feat_lens.numpy(), self.label_lens.numpy())
-        return dataclasses.replace(self, host_lens=host, **{
-            name: tensor.to(device, non_blocking=non_blocking)
-            for name, tensor in self._tensors().items()})
+        """The batch with its speech (`feats` or `waves`) on `device`. Lengths and labels
+        stay on the host: the model checks and counts them there and copies what its
+        loss needs itself (`cat.models.model.AsrModel.forward`), so that neither the
+        trainer nor the model waits for the device to read them."""
+        speech = {name: getattr(self, name).to(device, non_blocking=non_blocking)
+                  for name in ("feats", "waves") if getattr(self, name) is not None}
+        return dataclasses.replace(self, **speech)
 
     def featurize(self) -> Batch:
         """The batch with `feats` computed from `waves` on their device

@@ -151,8 +151,7 @@ class Prefetcher:
                 if event is not None:
                     stream = torch.cuda.current_stream(self.device)
                     stream.wait_event(event)
-                    for tensor in (batch.feats, batch.feat_lens, batch.labels, batch.label_lens):
-                        tensor.record_stream(stream)
+                    batch.feats.record_stream(stream)
                 self.rates.consumed(len(batch), waited)
                 self._report()
                 yield batch

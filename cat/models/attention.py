@@ -171,7 +171,7 @@ class AttentionHead(nn.Module):
 
     def losses(self, memory: torch.Tensor, memory_lens: torch.Tensor, labels: torch.Tensor,
                label_lens: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float | torch.Tensor]]:
         """Per-utterance attention losses [B] of the encoder output `memory` [B, T, D], no
         infeasible utterance, and the decoder's token accuracy (`att_acc`, left to right,
         `<eos>` included)."""
@@ -181,9 +181,10 @@ class AttentionHead(nn.Module):
             reverse, _ = self._decoder_losses(self.r2l, memory, memory_lens, labels,
                                               label_lens, reverse=True)
             losses = (1 - self.reverse_weight) * losses + self.reverse_weight * reverse
-        positions = float((label_lens + 1).sum())
+        positions = (label_lens + 1).sum().clamp(min=1)
+        # a tensor until read (cat.models.stats): no wait for the device here
         return (losses, torch.zeros_like(label_lens, dtype=torch.bool),
-                {"att_acc": float(correct) / max(positions, 1.0)})
+                {"att_acc": correct.double() / positions.double()})
 
     def rescore(self, memory: torch.Tensor, lengths: torch.Tensor,
                 nbest: Sequence[Sequence[tuple[Sequence[int], float]]], first: Any,

@@ -86,7 +86,8 @@ class Encoder(Protocol):
     * `output_lengths(feat_lens)`: T' without running the network (the length filter);
     * `normalizer`: the global CMVN it holds (`FeatureNormalizer`), or None;
     * chunk decoding: `set_decode_chunk_size(n)` (0: full context) and the chunk settings
-      it was trained with (`max_chunk_size`, `left_chunks`), which streaming checks.
+      it was trained with (`max_chunk_size`, `left_chunks`), which streaming checks;
+    * `compile_blocks()`: compile its blocks with `torch.compile` (`train.option.compile`).
     """
 
     output_dim: int
@@ -100,6 +101,8 @@ class Encoder(Protocol):
     def output_lengths(self, feat_lens: torch.Tensor) -> torch.Tensor: ...
 
     def set_decode_chunk_size(self, chunk_size: int) -> None: ...
+
+    def compile_blocks(self) -> None: ...
 
     def __call__(self, feats: torch.Tensor,
                  feat_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -222,6 +225,15 @@ class ConformerNet(nn.Module):
         (0: full context): the hypotheses a streaming decoder gives with that chunk size."""
         self.check_chunk_size(chunk_size)
         self.decode_chunk_size = chunk_size
+
+    def compile_blocks(self) -> None:
+        """Compile each Conformer block in place (`nn.Module.compile`: the state dict keeps
+        its keys) with dynamic shapes. The blocks hold the model's FLOPs; the whole encoder
+        with `dynamic=True` fails to compile on torch 2.11 (an inductor error on a symbolic
+        stride order). On that version the compiled backward still fixes the time axis, so
+        each new padded length compiles anew (bench/README.md: `train.option.compile`)."""
+        for cell in self.cells:
+            cell.compile(dynamic=True)
 
     def _chunk_size(self) -> int:
         if self.training and self.max_chunk_size:

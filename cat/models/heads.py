@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from cat.models.stats import Stats
+
 if TYPE_CHECKING:
     from cat.lm.scorer import Fusion
 
@@ -33,8 +35,9 @@ class Head(Protocol):
 
     * `losses(hidden [B, T', D], lengths [B], labels [B, U], label_lens [B]) ->
       (per-utterance losses [B], infeasible [B] bool, stats)`: `infeasible` marks the
-      utterances the head cannot align (loss 0 there, no gradient); `stats` floats the
-      trainer logs beside the loss;
+      utterances the head cannot align (loss 0 there, no gradient); `stats` what the
+      trainer logs beside the loss, floats or one-element tensors (read when logged:
+      `cat.models.stats`);
     * `stat_name`: the prefix of the head's `<stat_name>_loss_sum` in a model of several
       heads;
     * `ctc_alignment`: the head needs as many encoder frames as labels plus repeats (the
@@ -46,7 +49,7 @@ class Head(Protocol):
 
     def losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
                label_lens: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]: ...
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float | torch.Tensor]]: ...
 
 
 @runtime_checkable
@@ -104,13 +107,16 @@ class FramePosteriors(Protocol):
 
 
 def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Move lengths and labels to the features' device (collate output may be on CPU)."""
-    return tuple(t.to(device) for t in tensors)
+    """Move lengths and labels to the features' device (collate output may be on CPU),
+    without waiting for the copies: the host goes on queuing work."""
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
 
 
 def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
                 label_lens: torch.Tensor, num_classes: int) -> None:
-    """Raise ValueError on shapes or label values a model cannot train on."""
+    """Raise ValueError on shapes or label values a model cannot train on. It reads the
+    lengths and labels: on the CPU that costs nothing, on a GPU it waits for the device
+    (the trainer hands the model the CPU ones)."""
     batch = feats.size(0)
     if feats.dim() != 3:
         raise ValueError(f"feats must be [B, T, D], got shape {tuple(feats.shape)}")
@@ -182,19 +188,26 @@ def pad_hyps(hyps: list[list[int]], device: torch.device) -> tuple[torch.Tensor,
 
 def batch_loss(losses: torch.Tensor, labels: torch.Tensor, label_lens: torch.Tensor,
                lengths: torch.Tensor, infeasible: torch.Tensor, loss_normalization: str
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+               ) -> tuple[torch.Tensor, Stats]:
     """The batch's loss from per-utterance `losses`, divided by its utterances or label
     tokens (`loss_normalization`), and the statistics the trainer logs and sums;
     `num_infeasible` counts the utterances of `infeasible` (no alignment: their loss is 0,
     they get no gradient), which the trainer adds up per epoch (`log/epoch-<EEE>.json`,
-    `log/coverage.jsonl`: `infeasible`)."""
+    `log/coverage.jsonl`: `infeasible`). Counts of `label_lens` given on the CPU are
+    floats; the others stay tensors until read (`Stats`), so nothing here waits for the
+    device."""
     loss_sum = losses.sum()
-    num_tokens = int(label_lens.sum())
-    normalizer = float(labels.size(0) if loss_normalization == "utterance"
-                       else max(num_tokens, 1))
+    num_tokens = label_lens.sum()
+    if label_lens.device.type == "cpu":
+        num_tokens = float(num_tokens)
+    if loss_normalization == "utterance":
+        normalizer: float | torch.Tensor = float(labels.size(0))
+    elif isinstance(num_tokens, float):
+        normalizer = max(num_tokens, 1.0)
+    else:
+        normalizer = num_tokens.clamp(min=1).float()
     loss = loss_sum / normalizer
-    stats = {"loss": float(loss.detach()), "loss_sum": float(loss_sum.detach()),
-             "normalizer": normalizer, "num_utts": float(labels.size(0)),
-             "num_tokens": float(num_tokens), "num_frames": float(lengths.sum()),
-             "num_infeasible": float(infeasible.sum())}
+    stats = Stats(loss=loss, loss_sum=loss_sum, normalizer=normalizer,
+                  num_utts=float(labels.size(0)), num_tokens=num_tokens,
+                  num_frames=lengths.sum(), num_infeasible=infeasible.sum())
     return loss, stats

@@ -16,7 +16,9 @@ Blocks:
     keeps every `factor`-th frame (no parameters).
   * `RelPositionalEncoding` + `RelPositionMultiHeadAttention`: Transformer-XL
     style self-attention with relative positions and the global content and
-    position biases (u, v), as in ESPnet's `RelPositionMultiHeadedAttention`.
+    position biases (u, v), as in ESPnet's `RelPositionMultiHeadedAttention`;
+    its softmax runs in `torch.nn.functional.scaled_dot_product_attention` with
+    the position term as an additive bias.
   * `FeedForward`, `ConvolutionModule`, `ConformerBlock` (macaron FFN halves,
     MHSA, convolution module, final LayerNorm).
 """
@@ -255,8 +257,10 @@ class RelPositionMultiHeadAttention(nn.Module):
         batch, time, _ = x.shape
         return x.view(batch, time, self.num_heads, self.head_dim)
 
-    def scores(self, x: torch.Tensor, pos_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-softmax scores [B, H, T, T] and the value tensor [B, H, T, d_head]."""
+    def _terms(self, x: torch.Tensor, pos_emb: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(q + u)` [B, H, T, d], key and value [B, H, T, d], and the position term
+        `(q + v) . W_pos p_{i-j}` [B, H, T, T] (not yet divided by sqrt(d))."""
         time = x.size(1)
         query = self._split_heads(self.linear_q(x))  # [B, T, H, d]
         key = self._split_heads(self.linear_k(x)).transpose(1, 2)  # [B, H, T, d]
@@ -264,27 +268,48 @@ class RelPositionMultiHeadAttention(nn.Module):
         position = self._split_heads(self.linear_pos(pos_emb)).transpose(1, 2)  # [1, H, 2T-1, d]
         query_u = (query + self.pos_bias_u).transpose(1, 2)
         query_v = (query + self.pos_bias_v).transpose(1, 2)
-        content = torch.matmul(query_u, key.transpose(-2, -1))  # [B, H, T, T]
         by_position = torch.matmul(query_v, position.transpose(-2, -1))  # [B, H, T, 2T-1]
         # Column j of query row i must read relative position i - j, stored at index T-1-i+j.
         rows = torch.arange(time, device=x.device)
         index = (time - 1) - rows.unsqueeze(1) + rows.unsqueeze(0)
         by_position = by_position.gather(-1, index.expand(*by_position.shape[:2], time, time))
+        return query_u, key, value, by_position
+
+    def scores(self, x: torch.Tensor, pos_emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-softmax scores [B, H, T, T] and the value tensor [B, H, T, d_head]."""
+        query_u, key, value, by_position = self._terms(x, pos_emb)
+        content = torch.matmul(query_u, key.transpose(-2, -1))  # [B, H, T, T]
         return (content + by_position) / math.sqrt(self.head_dim), value
 
     def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, padding_mask: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """`x` [B, T, D], `pos_emb` [1, 2T-1, D], `padding_mask` [B, T] -> [B, T, D];
         `attn_mask` [T, T] (True: query row may not see key column) limits the context,
-        e.g. to chunks (`cat.models.chunked.chunk_attention_mask`)."""
-        scores, value = self.scores(x, pos_emb)
+        e.g. to chunks (`cat.models.chunked.chunk_attention_mask`).
+
+        The content term and the softmax run in `scaled_dot_product_attention` (a fused
+        kernel where the device has one), the position term and the masks entering it as
+        an additive bias: masked keys get -inf, hence weight 0. A query row without any
+        valid key (a padded frame under a chunk mask, an utterance of no frames) would be
+        all -inf, which a plain softmax turns into NaN (torch's math and CPU kernels give
+        0, not every kernel promises to): such rows attend to every key instead and their
+        output is set to 0, so they pass on neither values nor gradients, as before.
+        """
+        query_u, key, value, by_position = self._terms(x, pos_emb)
         key_mask = padding_mask[:, None, None, :]
         if attn_mask is not None:
             key_mask = key_mask | attn_mask[None, None]
-        # A finite minimum (not -inf) keeps rows with no valid key free of NaN.
-        scores = scores.masked_fill(key_mask, torch.finfo(scores.dtype).min)
-        weights = torch.softmax(scores, dim=-1).masked_fill(key_mask, 0.0)
-        context = torch.matmul(self.dropout(weights), value)  # [B, H, T, d]
+        empty_rows = key_mask.all(dim=-1, keepdim=True)  # [B, 1, T or 1, 1]
+        # One dtype for the kernel: under autocast the projections are in its dtype, while
+        # adding the float32 biases u (above) promoted the query to float32.
+        dtype = key.dtype
+        bias = (by_position / math.sqrt(self.head_dim)).to(dtype).masked_fill(
+            key_mask & ~empty_rows, float("-inf"))
+        context = nn.functional.scaled_dot_product_attention(
+            query_u.to(dtype), key, value, attn_mask=bias,
+            dropout_p=self.dropout.p if self.training else 0.0,
+            scale=1.0 / math.sqrt(self.head_dim))  # [B, H, T, d]
+        context = context.masked_fill(empty_rows, 0.0)
         batch, _, time, _ = context.shape
         return self.linear_out(context.transpose(1, 2).reshape(batch, time, -1))
 

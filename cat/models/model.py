@@ -25,7 +25,11 @@ What the trainer and decoding use:
       - `stats`: floats `loss` (= loss.item()), `loss_sum`, `normalizer`, `num_utts`,
         `num_tokens`, `num_frames` (encoder frames) and `num_infeasible` (utterances the
         first head cannot align: their loss is 0 and they get no gradient); with several
-        heads also each head's `<stat_name>_loss_sum` and its own stats (`att_acc`).
+        heads also each head's `<stat_name>_loss_sum` and its own stats (`att_acc`). They
+        are read when first asked for (`cat.models.stats.Stats`: one copy from the device
+        for all of them), and lengths and labels given on the CPU are checked and counted
+        there, so that the forward never waits for the device (the trainer passes the
+        batch's CPU lengths and labels beside its features on the device).
   * `decode(feats, feat_lens, method, beam_size, **search) -> token ids per utterance`,
     `decode_methods` the methods it has and `search_settings` the names of the
     `DecodeOptions` its searches take (e.g. `blank_penalty`; `method_settings(method)` adds a
@@ -77,6 +81,7 @@ from cat.models.heads import (
     on_device,
 )
 from cat.models.specaug import SpecAugment
+from cat.models.stats import Stats
 
 #: Key prefixes of checkpoints written before the model had heads, and where they are now.
 OLD_KEY_PREFIXES: Mapping[str, str] = {
@@ -183,13 +188,16 @@ class AsrModel(nn.Module):
                 prepare(units)
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
-                label_lens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+                label_lens: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         """Return (normalised loss, stats); see the module docstring."""
-        feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
+        # Lengths and labels given on the CPU are checked and counted there, and moved
+        # to the device without waiting: nothing here waits for the device.
         check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
+        given_label_lens = label_lens
         clean = feats
         if self.training and self.specaug is not None:
             feats = self.specaug(feats, feat_lens)
+        feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
         hidden, lengths = self.encoder(feats, feat_lens)
         combined, infeasible, extra = self._head_losses(hidden, lengths, labels, label_lens)
         if self.chunking is not None:
@@ -200,23 +208,23 @@ class AsrModel(nn.Module):
             chunked, chunk_infeasible, _ = self._head_losses(hidden, chunk_lengths, labels,
                                                              label_lens)
             combined, infeasible = combined + chunked, infeasible | chunk_infeasible
-            extra["chunk_loss_sum"] = float(chunked.detach().masked_fill(infeasible, 0).sum())
+            extra["chunk_loss_sum"] = chunked.detach().masked_fill(infeasible, 0).sum()
             if simulation is not None:
-                extra["simu_loss_sum"] = float(simulation.detach().sum())
+                extra["simu_loss_sum"] = simulation.detach().sum()
                 combined = combined + simulation
         combined = combined.masked_fill(infeasible, 0.0)
-        loss, stats = batch_loss(combined, labels, label_lens, lengths, infeasible,
+        loss, stats = batch_loss(combined, labels, given_label_lens, lengths, infeasible,
                                  self.loss_normalization)
         stats.update(extra)
         return loss, stats
 
     def _head_losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
                      label_lens: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float | torch.Tensor]]:
         """The heads' weighted per-utterance losses summed, the first head's infeasible
         utterances, and with several heads each head's stats and loss sum."""
         combined = infeasible = None
-        extra: dict[str, float] = {}
+        extra: dict[str, float | torch.Tensor] = {}
         for name, head in self.heads.items():
             losses, head_infeasible, stats = head.losses(hidden, lengths, labels, label_lens)
             weighted = losses if len(self.head_names) == 1 else self.weights[name] * losses
@@ -227,7 +235,7 @@ class AsrModel(nn.Module):
                 combined = combined + weighted
             if len(self.head_names) > 1:
                 extra.update(stats)
-                extra[f"{head.stat_name}_loss_sum"] = float(losses.detach().sum())
+                extra[f"{head.stat_name}_loss_sum"] = losses.detach().sum()
         return combined, infeasible, extra
 
     def encode(self, feats: torch.Tensor,

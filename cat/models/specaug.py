@@ -26,6 +26,8 @@ the global torch RNG), so a seeded generator gives identical masks.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -93,6 +95,13 @@ class SpecAugment(nn.Module):
         self.mask_value = mask_value
         self.start_batch = start_batch
         self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
+        # `batches_seen` as the host knows it: read from the (device) buffer once, then
+        # counted here, so that the check of `start_batch` does not wait for the device.
+        self._seen_on_host: int | None = None
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._seen_on_host = None  # the buffer is about to change: read it again
+        super()._load_from_state_dict(*args, **kwargs)
 
     @staticmethod
     def _max_width(extent: torch.Tensor, width: int | None, ratio: float | None) -> torch.Tensor:
@@ -131,11 +140,14 @@ class SpecAugment(nn.Module):
                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Return an augmented copy of `feats` [B, T, D]; frames >= `feat_lens` are untouched."""
         self.batches_seen += 1
-        if int(self.batches_seen) <= self.start_batch:
-            return feats
+        if self.start_batch:
+            self._seen_on_host = (int(self.batches_seen) if self._seen_on_host is None
+                                  else self._seen_on_host + 1)
+            if self._seen_on_host <= self.start_batch:
+                return feats
         batch, time, dim = feats.shape
         feats = self.time_warp(feats, feat_lens, generator)
-        lengths = feat_lens.to(device=feats.device, dtype=torch.float32)
+        lengths = feat_lens.to(device=feats.device, dtype=torch.float32, non_blocking=True)
         mask = torch.zeros(batch, time, dim, dtype=torch.bool, device=feats.device)
         if self.num_freq_masks > 0:
             extent = torch.full((batch,), float(dim), device=feats.device)

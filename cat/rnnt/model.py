@@ -31,7 +31,7 @@ computed in sub-batches (`loss_parts`): the loss kernel indexes them with 32-bit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -162,14 +162,15 @@ class JointNet(nn.Module):
 RNNT_LOSS_MAX_ELEMENTS = 2**31 - 1
 
 
-def loss_parts(lengths: torch.Tensor, label_lens: torch.Tensor, num_classes: int,
-               limit: int | None = None) -> list[slice]:
+def loss_parts(lengths: torch.Tensor | Sequence[int], label_lens: torch.Tensor | Sequence[int],
+               num_classes: int, limit: int | None = None) -> list[slice]:
     """Consecutive sub-batches whose logits, each trimmed to its own longest T' and U+1,
     hold at most `limit` (default `RNNT_LOSS_MAX_ELEMENTS`) elements: one part for
-    every batch that fits. One utterance over the limit is a ValueError naming its size."""
+    every batch that fits. One utterance over the limit is a ValueError naming its size.
+    The lengths may be tensors or, read already, lists."""
     limit = RNNT_LOSS_MAX_ELEMENTS if limit is None else limit
-    frames = lengths.clamp(min=1).tolist()
-    labels = label_lens.tolist()
+    frames = [max(int(t), 1) for t in _listed(lengths)]
+    labels = [int(u) for u in _listed(label_lens)]
     parts: list[slice] = []
     start, longest_t, longest_u = 0, 0, 0
     for index, (t, u) in enumerate(zip(frames, labels, strict=True)):
@@ -185,6 +186,10 @@ def loss_parts(lengths: torch.Tensor, label_lens: torch.Tensor, num_classes: int
     if len(frames) > start or not parts:
         parts.append(slice(start, len(frames)))
     return parts
+
+
+def _listed(values: torch.Tensor | Sequence[int]) -> Sequence[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else values
 
 
 def simple_losses(am_logits: torch.Tensor, lm_logits: torch.Tensor, labels: torch.Tensor,
@@ -260,18 +265,20 @@ class TransducerHead(nn.Module):
         """Per-utterance RNN-T losses, in sub-batches where the logits would be too many
         (`loss_parts`); utterances without encoder frames are infeasible (loss 0)."""
         infeasible = lengths < 1
+        # The sub-batches and their trimming need the lengths on the host: one copy.
+        frames, label_counts = (torch.stack([lengths.long(), label_lens.long()]).tolist()
+                                if lengths.numel() else ([], []))
         losses = torch.cat([self._losses(hidden[part], lengths[part], labels[part],
-                                         label_lens[part])
-                            for part in loss_parts(lengths, label_lens, self.num_classes)])
+                                         label_lens[part], max(frames[part], default=0),
+                                         max(label_counts[part], default=0))
+                            for part in loss_parts(frames, label_counts, self.num_classes)])
         return losses.masked_fill(infeasible, 0.0), infeasible, {}
 
     def _losses(self, encoder_out: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
-                label_lens: torch.Tensor) -> torch.Tensor:
+                label_lens: torch.Tensor, max_frames: int, max_labels: int) -> torch.Tensor:
         """Per-utterance RNN-T losses (with the simple loss, when it has a scale) of a
-        (sub-)batch, trimmed to its longest T' and U (rnnt_loss needs the padded sizes to
-        equal the longest lengths)."""
-        max_frames = int(lengths.max()) if lengths.numel() else 0
-        max_labels = int(label_lens.max()) if label_lens.numel() else 0
+        (sub-)batch, trimmed to its longest T' (`max_frames`) and U (`max_labels`):
+        rnnt_loss needs the padded sizes to equal the longest lengths."""
         encoder_out = encoder_out[:, :max(max_frames, 1)]
         labels = labels[:, :max_labels]
         if max_frames == 0:

@@ -25,8 +25,12 @@ the exact mean over every utterance (or token) of the update on every rank.
 
 Logging: tqdm on rank 0; TensorBoard scalars in `exp/<name>/log/tensorboard/` and the same
 scalars in `exp/<name>/log/scalars.jsonl` (train/dev loss, lr, grad norm, utterances/s,
-data-wait fraction = time blocked on the loader / wall time); `exp/<name>/monitor.png`
-plots them after training. Utterances left out are listed per epoch in
+data-wait fraction = time blocked on the loader / wall time, audio-hours trained per
+device-hour and, on a GPU of known peak, the model FLOPs utilisation: rank 0's input
+frames and FLOPs over the wall time; the FLOPs are counted with FlopCounterMode on a copy
+of the model on the run's first batches and scaled to each later batch's shape,
+`cat.training.throughput`);
+`exp/<name>/monitor.png` plots them after training. Utterances left out are listed per epoch in
 `exp/<name>/log/drops/` (`<utt> <reason> [detail]`), and with `log_utterances` the trained
 utterance ids in `exp/<name>/log/utts/` (one line per batch); both stay true across a
 resume (`cat.training.train_data.EpochLog`).
@@ -44,8 +48,10 @@ and `--resume-restart-epoch` starts the interrupted epoch again from its beginni
 instead (its utterances trained so far are counted as retrained).
 
 Resume also compares what decides an update (config.json, and `grad_accum`, `grad_norm`,
-`amp`) with what the checkpoint recorded, and stops naming the changed keys unless
-`--resume-allow-config-change` is given (then the changes are logged).
+`amp`, and the dtype AMP trains in: `amp_dtype` as resolved on the device; float16 for
+checkpoints written before it was recorded) with what the checkpoint recorded, and stops
+naming the changed keys unless `--resume-allow-config-change` is given (then the changes
+are logged).
 
 No success without training: an update skipped for a non-finite gradient norm counts
 its utterances as skipped, not trained; more than `max_skipped_updates` of an epoch's
@@ -82,6 +88,7 @@ from cat.core import config as config_module
 from cat.core.config import Experiment
 from cat.core.io import atomic_write
 from cat.core.threads import ThreadGovernor
+from cat.loading.batch import Batch
 from cat.training import setup
 from cat.training.checkpoint import (
     CheckpointManager,
@@ -100,7 +107,14 @@ from cat.training.report import (
     epoch_record,
     write_coverage,
 )
-from cat.training.update import Updater
+from cat.training.throughput import (
+    UpdateFlops,
+    audio_hours_per_device_hour,
+    count_model_flops,
+    device_peak,
+    mfu,
+)
+from cat.training.update import Updater, dtype_name
 from cat.training.watchdog import NoWatchdog, Watchdog, start_watchdog
 
 logger = logging.getLogger(__name__)
@@ -115,12 +129,14 @@ class ConfigChangedError(RuntimeError):
     """`--resume` found the training settings changed since the checkpoint."""
 
 
-def training_settings(experiment: Experiment) -> dict[str, Any]:
-    """What decides an update, recorded in checkpoints: config.json, and the train.option
-    keys of UPDATE_OPTIONS."""
+def training_settings(experiment: Experiment, amp_dtype: str | None = None) -> dict[str, Any]:
+    """What decides an update, recorded in checkpoints: config.json, the train.option keys
+    of UPDATE_OPTIONS, and the dtype AMP trains in (`train.option.amp_dtype` resolved on
+    the device; None without AMP)."""
     return {"config.json": experiment.config,
-            "hyper-p.json": {f"train.option.{key}": getattr(experiment.options, key)
-                             for key in UPDATE_OPTIONS}}
+            "hyper-p.json": {**{f"train.option.{key}": getattr(experiment.options, key)
+                                for key in UPDATE_OPTIONS},
+                             "train.option.amp_dtype": amp_dtype}}
 
 
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -186,6 +202,11 @@ class Manager:
             raise FileExistsError(f"{self.checkpoints.directory} already holds checkpoints; "
                                   "pass --resume to continue, or remove them")
         self.monitor = Monitor(self.log_dir, context.is_main)
+        # The FLOPs of an update, counted on the run's first one (throughput.UpdateFlops).
+        self.update_flops: UpdateFlops | None = None
+        self.peak_flops, peak = device_peak(context.device, self.updater.amp_dtype)
+        logger.info("throughput: MFU against %s", peak if self.peak_flops else
+                    f"nothing (not logged: {peak})")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -225,7 +246,7 @@ class Manager:
                 "dev_loss": dev_loss, "data": data, "rng": rng,
                 "meta": {"num_classes": self.num_classes,
                          "train_bin": self.experiment.train_bin,
-                         "settings": training_settings(self.experiment),
+                         "settings": self._settings(),
                          "elapsed_seconds": self.elapsed()},
             }
             path = self.checkpoints.save(state, self.epoch, self.step, dev_loss)
@@ -262,12 +283,20 @@ class Manager:
                 torch.cuda.set_rng_state(rng[self.context.rank]["cuda"], device)
         logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
 
+    def _settings(self) -> dict[str, Any]:
+        return training_settings(self.experiment, dtype_name(self.updater.amp_dtype))
+
     def _check_settings(self, recorded: dict[str, Any] | None, path: Path) -> None:
         """Stop (or, with --resume-allow-config-change, log) when the training settings
         differ from those the checkpoint was trained with."""
         if recorded is None:
             return  # a checkpoint written before settings were recorded
-        changes = setting_changes(recorded, training_settings(self.experiment))
+        hyper = recorded.get("hyper-p.json", {})
+        if "train.option.amp_dtype" not in hyper:
+            # written before amp_dtype: AMP trained in float16 (on a GPU)
+            recorded = {**recorded, "hyper-p.json": {**hyper, "train.option.amp_dtype": (
+                "float16" if hyper.get("train.option.amp") and self.updater.amp else None)}}
+        changes = setting_changes(recorded, self._settings())
         if not changes:
             return
         listed = "; ".join(changes)
@@ -368,7 +397,8 @@ class Manager:
         self.resume_state = None
         self.in_epoch = True
         self.model.train()
-        interval = {"time": time.perf_counter(), "wait": 0.0, "utts": 0.0, "steps": 0}
+        interval = {"time": time.perf_counter(), "wait": 0.0, "utts": 0.0, "steps": 0,
+                    "frames": 0.0, "flops": 0.0}
         progress = tqdm(total=data.steps_hint(), desc=f"epoch {epoch}", unit="step",
                         disable=None if self.context.is_main else True, leave=False)
         iterator = iter(data)
@@ -384,7 +414,7 @@ class Manager:
                 for batch in batches:
                     data.note(batch, trained=False)
                 break
-            stats = self.updater.update(batches, totals.normalizer)
+            stats = self._update(batches, totals.normalizer, interval)
             for batch in batches:
                 data.note(batch, trained=True)  # taken: the epoch's position moves on
             if stats["skipped"]:
@@ -433,6 +463,25 @@ class Manager:
         data.end_epoch(updates)
         return stopped
 
+    def _update(self, batches: list[Batch], normalizer: float, interval: dict[str, float]
+                ) -> dict[str, float]:
+        """The update, its input frames and FLOPs added to `interval`; the run's first
+        batches have their FLOPs counted (`cat.training.throughput`: counted once, on a
+        copy of the model, and scaled to the later batches' shapes)."""
+        shapes = [(len(batch), batch.feats.size(1)) for batch in batches]
+        if self.update_flops is None:
+            device = self.context.device
+            count = count_model_flops(self.model, [
+                (b.feats.to(device), b.feat_lens, b.labels, b.label_lens) for b in batches])
+            self.update_flops = UpdateFlops.from_count(count, shapes)
+            logger.info("throughput: %.1f GFLOP counted in the update of %s (utterances x "
+                        "padded frames), in %.2f s", count.total / 1e9,
+                        " + ".join(f"{u} x {t}" for u, t in shapes), count.seconds)
+        stats = self.updater.update(batches, normalizer)
+        interval["frames"] += sum(float(batch.feat_lens.sum()) for batch in batches)
+        interval["flops"] += self.update_flops.scaled(shapes)
+        return stats
+
     def _log_interval(self, interval: dict[str, float], stats: dict[str, float]) -> None:
         now = time.perf_counter()
         seconds = max(now - interval["time"], 1e-9)
@@ -440,7 +489,13 @@ class Manager:
                          grad_norm=stats["grad_norm"],
                          throughput__utts_per_second=interval["utts"] / seconds,
                          data__wait_fraction=min(1.0, interval["wait"] / seconds))
-        interval.update(time=now, wait=0.0, utts=0.0, steps=0)
+        # this rank's: its batches' audio and FLOPs over the wall time, per device
+        self.monitor.add(self.step, throughput__audio_hours_per_hour=(
+            audio_hours_per_device_hour(interval["frames"], seconds)))
+        if self.peak_flops:
+            self.monitor.add(self.step,
+                             throughput__mfu=mfu(interval["flops"], seconds, self.peak_flops))
+        interval.update(time=now, wait=0.0, utts=0.0, steps=0, frames=0.0, flops=0.0)
 
     def _finish_epoch(self, epoch: int, steps: int) -> None:
         summary = {**self.train_data.summary(), **self.train_data.padding(), "updates": steps,

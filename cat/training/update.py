@@ -17,8 +17,16 @@ Non-final micro-batches run under `no_sync`. Gradients are clipped to `grad_norm
 update with a non-finite gradient norm is skipped (counted; its utterances count as
 skipped, not trained, and too many stop training: `Manager`), the utterances the loss
 found infeasible (the model's `num_infeasible`: no alignment, loss 0 and no gradient) are
-counted per update for the epoch's record, AMP (float16 autocast +
-GradScaler) is used on GPU only, and the learning rate follows the scheduler per update.
+counted per update for the epoch's record, AMP (autocast to `amp_dtype`: bfloat16 where the
+GPU supports it, else float16 with a GradScaler) is used on GPU only, evaluation autocasts
+alike, and the learning rate follows the scheduler per update.
+
+The host waits for the device once per update: the model reads the batch's lengths and
+labels on the CPU (its checks, its counts) and keeps its statistics on the device, and
+the update's loss sums, infeasible counts and gradient norm come to the host in one copy,
+before the optimizer step that the norm decides on (`cat.models.stats`; the heads' own
+reads aside: a transducer's lengths, CTC-CRF's labels, one copy a micro-batch).
+`tests/training/test_update.py` counts them with `cat.testing.device_reads`.
 
 Usage:
     updater = Updater(model, config["scheduler"], options, context)
@@ -42,10 +50,30 @@ import torch.distributed as dist
 
 from cat.core import config as config_module
 from cat.loading.batch import Batch
+from cat.models.stats import host_values
 from cat.training.distributed import DistributedContext
 from cat.training.scheduler import build_scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def amp_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype of `train.option.amp_dtype` on `device`: "auto" is bfloat16 on a
+    CUDA device that supports it, else float16. ValueError for bfloat16 where the device
+    has none."""
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if name == "auto":
+        return torch.bfloat16 if bf16 else torch.float16
+    if name == "bfloat16" and not bf16:
+        raise ValueError(f"train.option.amp_dtype bfloat16: "
+                         f"{torch.cuda.get_device_name(device)} does not support it "
+                         "(torch.cuda.is_bf16_supported()); use float16 or auto")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """The name of `dtype` (torch.bfloat16: "bfloat16"), or None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def batch_normalizer(batch: Batch, loss_normalization: str) -> float:
@@ -82,11 +110,24 @@ class Updater:
         self.amp = options.amp and self.device.type == "cuda"
         if options.amp and not self.amp:
             logger.warning("train.option.amp is ignored on CPU")
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp)
+        self.amp_dtype = amp_dtype(options.amp_dtype, self.device) if self.amp else None
+        if self.amp:
+            logger.info("mixed precision: %s autocast%s (train.option.amp_dtype %s)",
+                        dtype_name(self.amp_dtype),
+                        " with gradient scaling" if self.amp_dtype == torch.float16 else "",
+                        options.amp_dtype)
+        # float16 needs its gradients scaled (its range is small); bfloat16 has float32's.
+        self.scaler = torch.amp.GradScaler(self.device.type,
+                                           enabled=self.amp_dtype == torch.float16)
+        if options.compile:
+            model.encoder.compile_blocks()
+            logger.info("train.option.compile: the encoder's blocks are compiled with "
+                        "torch.compile (the first batch of each new length compiles them)")
         self.ddp = None
         if context.distributed:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            # No device_ids: DDP would copy every input to the device, the CPU lengths and
+            # labels the model reads without waiting for the device too (`update`).
+            self.ddp = torch.nn.parallel.DistributedDataParallel(model)
         self.skipped = 0
 
     def state(self) -> dict[str, Any]:
@@ -130,14 +171,23 @@ class Updater:
     def update(self, batches: list[Batch], step_normalizer: float) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, step; returns logging stats (`loss`,
         `grad_norm`, `lr`, `skipped`, and `infeasible`: the update's utterances without a
-        loss)."""
+        loss).
+
+        The host waits for the device once per update: the model gets each batch's CPU
+        lengths and labels (its checks and counts read them there) and keeps its
+        statistics on the device, and the loss sums, infeasible counts and gradient norm
+        are copied to the host together, before the step that the norm decides on."""
         model = self.ddp or self.model
-        loss_sum = normalizer_sum = infeasible = 0.0
+        pending: list[float | torch.Tensor] = []  # loss sum, infeasible count per micro-batch
+        normalizer_sum = 0.0
         for position, batch in enumerate(batches):
+            # The batch's speech goes to the device (its features computed there when
+            # the device computes them); its lengths and labels stay on the host, where
+            # the model reads them (`Batch.to`).
             batch = batch.to(self.device, non_blocking=True).featurize()
             sync = position == len(batches) - 1 or self.ddp is None
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), \
-                    torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+                    torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
                 loss, stats = model(batch.feats, batch.feat_lens, batch.labels, batch.label_lens)
                 normalizer = batch_normalizer(batch, self.loss_normalization)
                 if stats["normalizer"] != normalizer:
@@ -145,15 +195,16 @@ class Updater:
                                        f"trainer expected {normalizer}")
                 scale = normalizer * self.context.world_size / step_normalizer
                 self.scaler.scale(loss * scale).backward()
-            loss_sum += stats["loss_sum"]
+            pending += [stats.value("loss_sum"), stats.value("num_infeasible")]
             normalizer_sum += normalizer
-            infeasible += stats.get("num_infeasible", 0.0)
         self.scaler.unscale_(self.optimizer)
         max_norm = self.options.grad_norm if self.options.grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        skipped = not math.isfinite(grad_norm) and not self.amp
+        grad_norm, *values = host_values(
+            [torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm), *pending])
+        loss_sum, infeasible = sum(values[0::2]), sum(values[1::2])
+        skipped = not math.isfinite(grad_norm) and not self.scaler.is_enabled()
         if not skipped:
-            # With AMP the scaler skips non-finite updates itself and lowers its scale.
+            # With float16 the scaler skips non-finite updates itself and lowers its scale.
             self.scaler.step(self.optimizer)
         else:
             self.skipped += 1
@@ -175,16 +226,18 @@ class Updater:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, 0)
         self.model.eval()
-        totals = [0.0, 0.0]
+        loss_sums: list[float | torch.Tensor] = []  # read once, at the end
+        normalizer = 0.0
         for batch in loader:
             if not len(batch):
                 continue
             batch = batch.to(self.device, non_blocking=True).featurize()
-            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.amp):
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
                 _, stats = self.model(batch.feats, batch.feat_lens, batch.labels,
                                       batch.label_lens)
-            totals[0] += stats["loss_sum"]
-            totals[1] += stats["normalizer"]
+            loss_sums.append(stats.value("loss_sum"))
+            normalizer += stats["normalizer"]
         self.model.train()
+        totals = [sum(host_values(loss_sums)), normalizer]
         loss_sum, normalizer = self.context.all_reduce_sum(totals)
         return loss_sum / normalizer if normalizer else math.nan

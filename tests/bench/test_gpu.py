@@ -68,17 +68,37 @@ def check_report(report: dict[str, Any]) -> None:
         assert _positive(row["crf_seconds"]) and _positive(row["ctc_loss_seconds"])
         assert row["ratio"] == pytest.approx(row["crf_seconds"] / row["ctc_loss_seconds"])
 
-    train = {row["mode"]: row for row in parts["train_step"]["rows"]}
-    assert set(train) == {"fp32", "fp16", "bf16"}
-    for mode in ("fp32", "bf16"):
-        assert train[mode]["status"] == "ok"
-        assert _positive(train[mode]["step_seconds"])
-        assert len(train[mode]["step_times"]) >= 2
-        assert math.isfinite(train[mode]["last_loss"])
-        assert train[mode]["peak_mb"] is None  # not measured on the CPU
+    step = parts["train_step"]
+    train = {row["label"]: row for row in step["rows"]}
+    # every mode, and the attention written out (no compiled row on the CPU without
+    # --compile)
+    assert set(train) == {"fp32", "fp16", "bf16", "fp32+explicit"}
+    assert step["training_mode"] == "fp32"
+    flops = step["flops"]
+    assert flops["total"] > flops["pairwise"] > 0 and flops["count_seconds"] > 0
+    for mode in ("fp32", "bf16", "fp32+explicit"):
+        row = train[mode]
+        assert row["status"] == "ok"
+        assert _positive(row["step_seconds"])
+        assert len(row["step_times"]) >= 2
+        assert math.isfinite(row["last_loss"])
+        assert row["peak_mb"] is None  # not measured on the CPU
+        assert row["flops"] == flops["total"]
+        assert row["tflops"] == pytest.approx(flops["total"] / row["step_seconds"] / 1e12)
+        # against the measured matrix-product rate, labelled so
+        assert row["peak"].startswith("measured: ") and _positive(row["peak_flops"])
+        assert row["mfu"] == pytest.approx(row["tflops"] * 1e12 / row["peak_flops"])
+        assert row["audio_hours_per_hour"] == pytest.approx(
+            step["batch_frames"] * 0.01 / row["step_seconds"])
     assert train["fp16"]["status"] == "ok" or train["fp16"]["reason"]
     assert len({row["parameters"] for row in train.values() if row["status"] == "ok"}) == 1
-    assert parts["train_step"]["batch_frames"] > 0
+    assert step["batch_frames"] > 0
+    assert train["fp32+explicit"]["attention"] == "explicit"
+    # the same loss with the attention written out
+    assert train["fp32+explicit"]["last_loss"] == pytest.approx(train["fp32"]["last_loss"],
+                                                                rel=1e-4)
+    waits = step["host_waits"]
+    assert waits["count"] == 1 and "device_reads" in waits["how"]
 
     rnnt = {row["mode"]: row for row in parts["rnnt"]["rows"]}
     assert set(rnnt) == {"fp32", "fp16"}
@@ -117,7 +137,7 @@ def test_cpu_run_reports_every_part(cpu_run):
 
 
 @pytest.mark.parametrize("damage", ["drop part", "skip part", "failed check", "zero time",
-                                    "wait share"])
+                                    "wait share", "no explicit row", "host waits", "mfu"])
 def test_report_check_rejects_a_damaged_report(cpu_run, damage):
     """The assertions above can fail: each damage of a good report is caught."""
     report = json.loads(json.dumps(cpu_run[0]))
@@ -129,6 +149,12 @@ def test_report_check_rejects_a_damaged_report(cpu_run, damage):
         report["checks"][0]["ok"] = False
     elif damage == "zero time":
         report["parts"]["train_step"]["rows"][0]["step_seconds"] = 0.0
+    elif damage == "no explicit row":
+        report["parts"]["train_step"]["rows"].pop()
+    elif damage == "host waits":
+        report["parts"]["train_step"]["host_waits"]["count"] = 13
+    elif damage == "mfu":
+        report["parts"]["train_step"]["rows"][0]["mfu"] *= 2
     else:
         report["parts"]["loader"]["rows"][1]["wait_share"] = 1.5
     with pytest.raises(AssertionError):

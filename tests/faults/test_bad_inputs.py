@@ -510,8 +510,8 @@ def _set_config(experiment, change) -> None:
 
 def test_unknown_key(experiment):
     with pytest.raises(ConfigError, match=r"hyper-p\.json: train\.option: unknown key "
-                                          r"'mixup'; allowed keys: amp, audio, bad_shard_limit, "
-                                          r"batch_size"):
+                                          r"'mixup'; allowed keys: amp, amp_dtype, audio, "
+                                          r"bad_shard_limit, batch_size"):
         _hyper_with(experiment, mixup=True)
 
 

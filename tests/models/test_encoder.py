@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -156,6 +157,100 @@ def test_relative_attention_scores_match_the_definition():
                             + (query[i, h] + attention.pos_bias_v[h])
                             @ position[time - 1 - relative, h]) / math.sqrt(head_dim)
                 torch.testing.assert_close(scores[0, h, i, j], expected, rtol=1e-5, atol=1e-5)
+
+
+def explicit_attention(attention: RelPositionMultiHeadAttention, x: torch.Tensor,
+                       pos_emb: torch.Tensor, padding_mask: torch.Tensor,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention as it was computed before scaled_dot_product_attention: scores,
+    masked keys at the finite minimum, softmax, masked weights set to 0, dropout."""
+    scores, value = attention.scores(x, pos_emb)
+    key_mask = padding_mask[:, None, None, :]
+    if attn_mask is not None:
+        key_mask = key_mask | attn_mask[None, None]
+    scores = scores.masked_fill(key_mask, torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1).masked_fill(key_mask, 0.0)
+    context = torch.matmul(attention.dropout(weights), value)
+    batch, _, time, _ = context.shape
+    return attention.linear_out(context.transpose(1, 2).reshape(batch, time, -1))
+
+
+def _attention_case(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x [3, 12, 16], padding mask, attention mask) of a masking case."""
+    from cat.models.encoder import chunk_attention_mask
+
+    time = 12
+    lengths = {"full": [12, 12, 12], "padding": [12, 7, 3], "chunks": [12, 7, 3],
+               "empty rows": [12, 5, 0]}[case]
+    padding = lengths_to_padding_mask(torch.tensor(lengths), time)
+    attn_mask = None
+    if case in ("chunks", "empty rows"):
+        # left_chunks 0: a padded query whose chunk starts past its utterance's end sees
+        # no valid key at all
+        attn_mask = chunk_attention_mask(time, 4, 0 if case == "empty rows" else -1,
+                                         torch.device("cpu"))
+    return torch.randn(3, time, 16), padding, attn_mask
+
+
+@pytest.mark.parametrize("backend", ["default", "math"])
+@pytest.mark.parametrize("case", ["full", "padding", "chunks", "empty rows"])
+def test_attention_equals_the_explicit_softmax_with_gradients(case, backend):
+    """Equal outputs and gradients, with the kernel torch picks here and with its reference
+    (math) kernel, which other devices fall back to."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(3)
+    attention = RelPositionMultiHeadAttention(16, 4, dropout=0.0)
+    x, padding, attn_mask = _attention_case(case)
+    pos_emb = RelPositionalEncoding(16, 0.0).position_embeddings(12, x.device, x.dtype)
+    if case == "empty rows":
+        key_mask = padding[:, None, :] | attn_mask[None]
+        assert key_mask.all(dim=-1).any()  # the case has rows without a valid key
+    outputs, gradients = [], []
+    for function in (attention, lambda *a: explicit_attention(attention, *a)):
+        attention.zero_grad()
+        x_grad = x.clone().requires_grad_(True)
+        with (sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext()):
+            out = function(x_grad, pos_emb, padding, attn_mask)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outputs.append(out)
+        gradients.append([x_grad.grad] + [p.grad.clone() for p in attention.parameters()])
+    assert torch.isfinite(outputs[0]).all()
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    for new, old in zip(*gradients, strict=True):
+        assert torch.isfinite(new).all()
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["padding", "empty rows"])
+def test_attention_equals_the_explicit_softmax_in_eval_mode(case):
+    torch.manual_seed(4)
+    attention = RelPositionMultiHeadAttention(16, 4, dropout=0.5).eval()
+    x, padding, attn_mask = _attention_case(case)
+    pos_emb = RelPositionalEncoding(16, 0.0).position_embeddings(12, x.device, x.dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x, pos_emb, padding, attn_mask),
+                                   explicit_attention(attention, x, pos_emb, padding,
+                                                      attn_mask), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_acts_in_training_only():
+    torch.manual_seed(5)
+    attention = RelPositionMultiHeadAttention(16, 4, dropout=0.5)
+    x, padding, _ = _attention_case("padding")
+    pos_emb = RelPositionalEncoding(16, 0.0).position_embeddings(12, x.device, x.dtype)
+    with torch.no_grad():
+        first, second = (attention(x, pos_emb, padding) for _ in range(2))
+        assert not torch.allclose(first, second)  # fresh dropout masks
+        attention.eval()
+        torch.testing.assert_close(attention(x, pos_emb, padding),
+                                   attention(x, pos_emb, padding))
+        # without dropout, training mode gives the eval output
+        attention.train()
+        attention.dropout.p = 0.0
+        torch.testing.assert_close(attention(x, pos_emb, padding),
+                                   explicit_attention(attention.eval(), x, pos_emb, padding),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_position_term_depends_only_on_relative_distance():

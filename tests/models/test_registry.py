@@ -463,5 +463,5 @@ def test_a_built_encoder_must_be_an_encoder(monkeypatch):
     with pytest.raises(TypeError, match=r"config.json: encoder: ConformerNet \(Bare\) is not an "
                                         r"Encoder: it lacks __call__|config.json: encoder: "
                                         r"ConformerNet \(Bare\) is not an Encoder: it lacks "
-                                        r"frame_rate_factor"):
+                                        r"compile_blocks, frame_rate_factor"):
         build_model(ctc_config(), num_classes=6)

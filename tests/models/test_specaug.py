@@ -156,3 +156,26 @@ def test_start_batch_delays_augmentation_and_counts_in_the_state_dict():
     generator = torch.Generator().manual_seed(0)
     assert not torch.equal(augment(feats, lengths, generator), feats)
     assert int(augment.state_dict()["batches_seen"]) == 3
+
+
+def test_start_batch_counts_on_from_a_loaded_state_without_reading_the_device():
+    from cat.testing.device_reads import DeviceReads
+
+    augment = SpecAugment(num_freq_masks=2, max_freq_mask_width=4, num_time_masks=2,
+                          max_time_mask_width=5, start_batch=3)
+    feats = torch.ones(3, 20, 8)
+    lengths = torch.tensor([20, 15, 10])
+    assert torch.equal(augment(feats, lengths), feats)  # batch 1: the count read once
+    with DeviceReads(device=augment, host=[feats, lengths]) as reads:
+        for _ in range(5):
+            augment(feats, lengths)
+    assert reads.found == []
+    assert int(augment.batches_seen) == 6
+    # a resumed run: the loaded count decides, not the one counted before loading
+    resumed = SpecAugment(num_freq_masks=2, max_freq_mask_width=4, num_time_masks=2,
+                          max_time_mask_width=5, start_batch=3)
+    assert torch.equal(resumed(feats, lengths), feats)
+    resumed.load_state_dict({"batches_seen": torch.tensor(2)})
+    assert torch.equal(resumed(feats, lengths), feats)  # batch 3
+    generator = torch.Generator().manual_seed(0)
+    assert not torch.equal(resumed(feats, lengths, generator), feats)  # batch 4

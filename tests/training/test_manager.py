@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -295,3 +296,70 @@ def test_streamed_dev_set_gives_the_dev_loss_of_the_pack(tmp_path, monkeypatch):
         assert manager.dev_data.loader.counts["ring"] > 0
         manager.close()
     assert losses[0] > 0 and losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_checkpoints_written_before_amp_dtype_resume_as_float16_ones(tmp_path, monkeypatch):
+    """Checkpoints record the dtype AMP trained in; those written before it trained float16
+    on a GPU (nothing on the CPU, which ignores amp)."""
+    from pathlib import Path
+
+    from cat.training.manager import ConfigChangedError, training_settings
+
+    write_tiny_experiment(tmp_path, options={"amp": True})
+    monkeypatch.chdir(tmp_path)
+    manager = Manager(config_module.load_experiment(NAME), DistributedContext())
+    try:
+        recorded = training_settings(manager.experiment)
+        assert recorded["hyper-p.json"]["train.option.amp_dtype"] is None  # on the CPU
+        del recorded["hyper-p.json"]["train.option.amp_dtype"]
+        manager._check_settings(recorded, Path("old.pt"))
+        # on a GPU with bfloat16 (simulated), the old float16 run is a change
+        manager.updater.amp, manager.updater.amp_dtype = True, torch.bfloat16
+        with pytest.raises(ConfigChangedError, match=r"old\.pt: the training settings changed "
+                                                     r"since this checkpoint was written: "
+                                                     r"hyper-p\.json: train\.option\.amp_dtype: "
+                                                     r"'float16' -> 'bfloat16'"):
+            manager._check_settings(recorded, Path("old.pt"))
+        manager.updater.amp_dtype = torch.float16
+        manager._check_settings(recorded, Path("old.pt"))
+    finally:
+        manager.close()
+
+
+def test_throughput_is_logged_in_audio_hours_and_mfu(tmp_path, monkeypatch, caplog):
+    """Audio-hours per device-hour from the trained frames; MFU where the device has a
+    peak (here a pretended one of 1 TFLOP/s), from the FLOPs counted on the first update."""
+    from cat.training import manager as manager_module
+
+    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1, "log_interval": 1})
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="cat.training.manager")
+    counts = []
+    original = manager_module.count_model_flops
+    monkeypatch.setattr(manager_module, "count_model_flops",
+                        lambda *args: counts.append(original(*args)) or counts[-1])
+    monkeypatch.setattr(manager_module, "device_peak", lambda device, dtype: (1e12, "1 TFLOP/s"))
+    train(NAME, "cat.ctc.train")
+    assert len(counts) == 1 and counts[0].total > 0  # once, on the first update
+    assert "throughput: MFU against 1 TFLOP/s" in caplog.text
+    assert re.search(r"throughput: [0-9.]+ GFLOP counted in the update of 4 x \d+ "
+                     r"\(utterances x padded frames\), in [0-9.]+ s", caplog.text)
+    utts = _scalars(experiment, "throughput/utts_per_second")
+    hours = _scalars(experiment, "throughput/audio_hours_per_hour")
+    mfus = _scalars(experiment, "throughput/mfu")
+    assert len(utts) == len(hours) == len(mfus) == 10
+    # hours of audio per hour / utterances per second: the interval's mean utterance seconds
+    durations = [len(f) * 0.01 for f in experiment.train.features.values()]
+    for per_hour, per_second in zip(hours, utts, strict=True):
+        assert min(durations) <= per_hour / per_second <= max(durations)
+    assert all(0 < value < 1 for value in mfus)
+
+
+def test_no_mfu_without_a_peak(tmp_path, monkeypatch, caplog):
+    experiment = write_tiny_experiment(tmp_path, options={"epochs": 1, "log_interval": 5})
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level("INFO", logger="cat.training.manager")
+    train(NAME, "cat.ctc.train")
+    assert "throughput: MFU against nothing (not logged: no peak known for cpu)" in caplog.text
+    assert _scalars(experiment, "throughput/mfu") == []
+    assert len(_scalars(experiment, "throughput/audio_hours_per_hour")) == 2
