@@ -205,8 +205,10 @@ class Manager:
         # The FLOPs of an update, counted on the run's first one (throughput.UpdateFlops).
         self.update_flops: UpdateFlops | None = None
         self.peak_flops, peak = device_peak(context.device, self.updater.amp_dtype)
-        logger.info("throughput: MFU against %s", peak if self.peak_flops else
-                    f"nothing (not logged: {peak})")
+        if self.peak_flops:
+            logger.info("throughput: MFU against %s", peak)
+        else:
+            logger.info("throughput: MFU not logged (%s)", peak)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -474,7 +476,7 @@ class Manager:
             count = count_model_flops(self.model, [
                 (b.feats.to(device), b.feat_lens, b.labels, b.label_lens) for b in batches])
             self.update_flops = UpdateFlops.from_count(count, shapes)
-            logger.info("throughput: %.1f GFLOP counted in the update of %s (utterances x "
+            logger.info("throughput: %.4g GFLOP counted in the update of %s (utterances x "
                         "padded frames), in %.2f s", count.total / 1e9,
                         " + ".join(f"{u} x {t}" for u, t in shapes), count.seconds)
         stats = self.updater.update(batches, normalizer)

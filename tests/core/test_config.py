@@ -162,7 +162,7 @@ def test_large_dataset_options(tmp_path):
     (lambda h: h["train"]["option"].update({"large-dataset": True}),
      r"hyper-p.json: train.option: unknown key 'large-dataset' \(did you mean "
      r"'large_dataset'\?\); allowed keys: amp, amp_dtype, audio, bad_shard_limit, batch_size, "
-     r"check_freq, compile"),
+     r"buckets, check_freq, compile"),
     (lambda h: h.update(commit="abc"), r"hyper-p.json: \(top level\): unknown key 'commit'"),
     (lambda h: h["inference"]["avgmodel"].update(nbest=3),
      r"inference.avgmodel: unknown key 'nbest'; allowed keys: mode, num"),

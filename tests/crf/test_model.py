@@ -105,7 +105,7 @@ def test_training_counts_the_utterances_the_crf_loss_finds_infeasible(tmp_path, 
     assert (record["trained"], record["infeasible"]) == (18, 2)
     coverage = json.loads((experiment.exp_dir / "log/coverage.jsonl").read_text())
     assert coverage["infeasible"] == 2
-    assert "epoch 1: 5 updates, 18 utterances trained (2 of them infeasible for the loss)" \
+    assert "epoch 1: 5 updates, 18 utterances trained (2 of them infeasible for the loss;" \
         in caplog.text
     assert ("epoch 1: 2 trained utterance(s) were infeasible for the loss (no alignment of "
             "the transcript fits the frames, or none passes the CTC-CRF graphs): they got "
