@@ -83,7 +83,7 @@ def _block_step(block: ConformerBlock, x: torch.Tensor, pos_emb: torch.Tensor,
     attn_in = block.norm_attn(x)
     keys_in = torch.cat([attn_cache, attn_in], dim=1)
     x = x + _attend(block.attn, attn_in, keys_in, pos_emb)
-    new_attn_cache = keys_in if keep < 0 else keys_in[:, keys_in.size(1) - keep:]
+    new_attn_cache = keys_in if keep < 0 else keys_in[:, max(0, keys_in.size(1) - keep):]
     x, new_conv_cache = _conv_and_ffn_step(block, x, conv_cache)
     return x, new_attn_cache, new_conv_cache
 

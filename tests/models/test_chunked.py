@@ -38,7 +38,8 @@ def _stream(encoder: ConformerNet, chunk_size: int, feats: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize(("time_reduction", "left_chunks", "conv_norm"),
-                         [(1, -1, "batchnorm"), (2, -1, "layernorm"), (2, 2, "batchnorm")])
+                         [(1, -1, "batchnorm"), (2, -1, "layernorm"), (2, 2, "batchnorm"),
+                          (1, 4, "batchnorm")])
 @pytest.mark.parametrize("chunk_size", [1, 3, 8])
 def test_chunks_equal_the_chunk_masked_forward(time_reduction, left_chunks, conv_norm,
                                                chunk_size):
