@@ -5,7 +5,8 @@
 //
 // For automation, `?autostart=SECONDS` records the microphone for that long as soon as the
 // page loads, then ends the audio; when the server has closed the connection the body's
-// `data-state` is "done" (or "error") and #final-text holds the final texts.
+// `data-state` is "done" (or "error"), #final-text holds the final texts and
+// `window.catMessages` every message of the connection.
 
 "use strict";
 
@@ -39,11 +40,16 @@ class Connection {
     this.socket.binaryType = "arraybuffer";
     this.socket.onopen = () => this.socket.send(JSON.stringify(
       {sample_rate: RATE, format: "float32", hotwords: hotwords()}));
-    this.socket.onmessage = (event) => this.receive(JSON.parse(event.data));
+    this.socket.onmessage = (event) => {
+      const message = JSON.parse(event.data);
+      window.catMessages.push(message);
+      this.receive(message);
+    };
     this.socket.onclose = (event) => onClose(event.code, event.reason);
     $("partial").textContent = "";
     $("final-text").textContent = "";
     $("finals").textContent = "";
+    window.catMessages = [];
   }
 
   receive(message) {
