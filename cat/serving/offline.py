@@ -137,14 +137,15 @@ class OfflineEngine:
             [Utterance(str(index), features[index], NO_LABEL) for index in decoded]),
             strict=True)) if decoded else {}
         results = []
-        for index, (state, (first, _)) in enumerate(segments):
+        for index, (state, (first, audio)) in enumerate(segments):
             result = found.get(index)
             if result is None or not result.ids:
                 results.append([])
                 continue
             start = first / self.sample_rate
             results.append([Result(state.number, True, start, result.text,
-                                   offset_tokens(result.times or (), start))])
+                                   offset_tokens(result.times or (), start),
+                                   (first + len(audio)) / self.sample_rate)])
             state.number += 1
         return results
 

@@ -18,11 +18,14 @@ The server answers the start with `{"type": "ready", "sample_rate": ..., "stream
 true|false, "chunk_seconds": ...}`, then sends results, each a JSON object:
 
     {"type": "partial" | "final", "final": false | true, "segment": 0,
-     "start": 0.0, "text": "...", "tokens": [{"text": "你", "start": 0.32, "end": 0.48}, ...]}
+     "start": 0.0, "text": "...", "tokens": [{"text": "你", "start": 0.32, "end": 0.48}, ...],
+     "decoded": 0.52}
 
 `segment` numbers the utterances of the connection (an endpoint ends one: a pause, or the
-longest utterance); `start` and token times are seconds from the connection's first sample.
-Partials of a segment are followed by its final; a segment without a token has none.
+longest utterance); `start` and token times are seconds from the connection's first sample,
+and `decoded` how much of the audio (seconds from the first sample) the result decodes, so
+that a client can tell how long after its audio a result came. Partials of a segment are
+followed by its final; a segment without a token has none.
 
 Close codes (`CloseCode`) name what went wrong in their reason.
 """
@@ -179,11 +182,14 @@ class Result:
     start: float
     text: str
     tokens: Sequence[TimedToken] = ()
+    #: Seconds of the connection's audio this result decodes.
+    decoded: float = 0.0
 
     def message(self) -> str:
         record: dict[str, Any] = {
             "type": "final" if self.final else "partial", "final": self.final,
             "segment": self.segment, "start": round(self.start, 3), "text": self.text,
             "tokens": [{"text": token.text, "start": round(token.start, 3),
-                        "end": round(token.end, 3)} for token in self.tokens]}
+                        "end": round(token.end, 3)} for token in self.tokens],
+            "decoded": round(self.decoded, 3)}
         return json.dumps(record, ensure_ascii=False)

@@ -33,7 +33,8 @@ TAIL_SECONDS = 0.3
 
 
 class SherpaState:
-    """One stream: sherpa-onnx's stream, the samples given to it and decoded."""
+    """One stream: sherpa-onnx's stream, the client's samples given to it, those decoded
+    (whole chunks, the tail's too)."""
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
@@ -111,7 +112,8 @@ class SherpaEngine:
             spans = [(round(t / frame), round(t / frame), 0.0) for t in found.timestamps]
             times = token_times(spans, self.frame_rate, list(found.tokens))
             results.append(Result(state.segment, endpoint, start, text,
-                                  offset_tokens(times, start)))
+                                  offset_tokens(times, start),
+                                  min(state.accepted, state.decoded) / self.sample_rate))
         state.last_text = "" if endpoint else text
         if endpoint:
             state.segment += bool(text)

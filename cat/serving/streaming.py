@@ -235,7 +235,15 @@ class StreamingEngine:
                             frames * self.frame_rate * FRAME_SHIFT_SECONDS)
         start = state.start_frame * self.frame_seconds
         return Result(state.segment, final, start, state.search.text(self.tokenizer),
-                      offset_tokens(times, start))
+                      offset_tokens(times, start), self._decoded(state))
+
+    def _decoded(self, state: StreamState) -> float:
+        """Seconds of the stream's audio the chunks so far needed: the windows of the
+        frames encoded and of the `lookahead` frames after them."""
+        options = state.features.options
+        needed = ((state.consumed + self.lookahead - 1) * options.window_shift
+                  + options.window_size + options.first_sample)
+        return min(state.features.total, needed) / self.sample_rate
 
     def finish(self, state: StreamState) -> list[Result]:
         """Encode the rest of the stream's audio (`StreamingRecognizer.finish`'s way);

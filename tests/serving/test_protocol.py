@@ -83,9 +83,9 @@ def test_close_reasons_fit_a_close_frame():
 
 def test_a_result_as_json():
     result = Result(2, True, 3.25, "天地", (TimedToken("天", 3.5, 3.7), TimedToken("地", 3.7,
-                                                                                4.0)))
+                                                                                4.0)), 4.5)
     assert json.loads(result.message()) == {
         "type": "final", "final": True, "segment": 2, "start": 3.25, "text": "天地",
         "tokens": [{"text": "天", "start": 3.5, "end": 3.7},
-                   {"text": "地", "start": 3.7, "end": 4.0}]}
+                   {"text": "地", "start": 3.7, "end": 4.0}], "decoded": 4.5}
     assert json.loads(Result(0, False, 0.0, "").message())["type"] == "partial"

@@ -78,6 +78,9 @@ def test_partial_results_grow_and_the_final_is_cat_streams(server, audio, refere
         assert len(partials) >= 2, key
         assert all(b.startswith(a) and b != a for a, b in pairwise(partials)), partials
         assert reference[key].startswith(partials[-1])
+        decoded = [message["decoded"] for message in transcript.messages[1:]]
+        assert decoded == sorted(decoded) and decoded[0] > 0
+        assert decoded[-1] == pytest.approx(len(samples) / SAMPLE_RATE, abs=1e-3)
         assert transcript.messages[0]["type"] == "ready"
         assert transcript.messages[0]["chunk_seconds"] == pytest.approx(0.16)
     _idle(server)
