@@ -74,6 +74,8 @@ class SherpaEngine:
         shift = float(meta["frame_shift_ms"]) / 1000
         self.chunk_seconds = int(meta["stride"]) * shift
         self.chunk_samples = round(self.chunk_seconds * self.sample_rate)
+        # A chunk is decoded once a frame after it exists: its window's samples too.
+        self.window_samples = round(float(meta["frame_length_ms"]) / 1000 * self.sample_rate)
 
     def open(self, start: Start) -> SherpaState:
         if start.hotwords:
@@ -113,7 +115,8 @@ class SherpaEngine:
             times = token_times(spans, self.frame_rate, list(found.tokens))
             results.append(Result(state.segment, endpoint, start, text,
                                   offset_tokens(times, start),
-                                  min(state.accepted, state.decoded) / self.sample_rate))
+                                  min(state.accepted, state.decoded + self.window_samples)
+                                  / self.sample_rate))
         state.last_text = "" if endpoint else text
         if endpoint:
             state.segment += bool(text)
