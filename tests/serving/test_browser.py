@@ -16,7 +16,12 @@ from cat.testing.browser import Chromium, find_chromium
 from cat.testing.processes import PROC, command_line
 from cat.testing.serving import CHUNK_SIZE, ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_chromium() is None, reason=(
+        "no Chromium on PATH: Debian's chromium package (tools/install.sh --dev installs it) "
+        "runs the page test")),
+]
 
 ARTEFACTS = Path(os.environ.get("CAT_TEST_ARTEFACTS",
                                 Path(__file__).resolve().parents[2] / "tests/out"))
@@ -28,9 +33,6 @@ def _processes_naming(text: str) -> list[str]:
 
 
 def test_the_page_in_chromium_gives_cat_streams_text(tone, reference, tmp_path):
-    if find_chromium() is None:
-        pytest.skip("no Chromium on PATH: Debian's chromium package (tools/install.sh --dev "
-                    "installs it) runs the page test")
     experiment, checkpoint = tone
     key = next(iter(sorted(reference)))
     wav = experiment.test_audio()[key]

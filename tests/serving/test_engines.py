@@ -148,3 +148,52 @@ def test_hotwords_bias_their_own_connection(tone, monkeypatch):
         heaven, earth, plain = asyncio.run(three())
     assert (heaven.text, earth.text) == ("山天水", "山地水")
     assert plain.text in ("山天水", "山地水", "山水")
+
+
+def _held(state) -> tuple[int, int, int, int]:
+    """What a stream's state holds: feature frames not yet encoded, samples kept for the
+    fbank's next windows, the utterance's encoder frames, its attention cache's frames."""
+    return (len(state.pending), len(state.features.samples),
+            sum(out.size(0) for out in state.hidden), state.encoder.attn_cache.size(2))
+
+
+def test_a_streams_state_is_bounded_by_its_utterance(tone, audio, reference):
+    """Utterances one after another on one stream, each ended by a pause: at each endpoint
+    the utterance's state is dropped, so the fifth utterance holds no more than the second
+    (without the endpoint's fresh start the encoder frames and the cache grow with the
+    stream), and the fbank's samples and the frames waiting are bounded throughout."""
+    experiment, checkpoint = tone
+    with contextlib.chdir(experiment.root):
+        model, tokenizer = load_model(experiment.name, checkpoint, "ctc", torch.device("cpu"))
+    engine = StreamingEngine(model, tokenizer, CtcChunkSearch, CHUNK_SIZE, FbankOptions(),
+                             EndpointRules())
+    key = next(iter(audio))
+    rng = np.random.default_rng(0)
+    pause = (serving.NOISE_FLOOR * rng.standard_normal(2 * SAMPLE_RATE)).astype(np.float32)
+    period = np.concatenate([audio[key], pause])
+    repeats, piece = 5, SAMPLE_RATE // 10
+    stream = np.tile(period, repeats)
+    state = engine.open(Start(SAMPLE_RATE))
+    finals, held = [], [[] for _ in range(repeats)]
+    for first in range(0, len(stream), piece):
+        engine.accept(state, stream[first:first + piece])
+        while engine.ready(state):
+            for result in engine.step([state])[0]:
+                if result.final:
+                    finals.append(result)
+                    assert _held(state)[2:] == (0, 0)  # a fresh utterance
+            held[min(first // len(period), repeats - 1)].append(_held(state))
+    finals.extend(result for result in engine.finish(state) if result.final)
+    assert [final.text for final in finals] == [reference[key]] * repeats
+    assert [final.segment for final in finals] == list(range(repeats))
+    peaks = [np.max(found, axis=0) for found in held]
+    assert peaks[0][2] > 0 and peaks[0][3] > 0
+    # From the second on, an utterance's state also holds the rest of the pause before it;
+    # the later ones hold no more (give or take a chunk), whatever went before them.
+    slack = np.array([0, 0, CHUNK_SIZE, CHUNK_SIZE])
+    for later in peaks[2:]:
+        assert np.all(later <= peaks[1] + slack), peaks
+    frames = engine.frame_rate * engine.frame_seconds  # seconds per encoder frame
+    assert peaks[1][2] * frames < EndpointRules().rule3.min_utterance_length
+    assert all(peak[0] < engine.stride + engine.lookahead for peak in peaks)
+    assert all(peak[1] <= engine.fbank.window_size + piece for peak in peaks)
