@@ -23,9 +23,17 @@ partial and its final latency are under 1 s (a server that falls behind sees its
 grow through the run). With `--find-max`, N is raised past the last row that holds (or
 bisected below the first that does not) to the largest N that holds, within 10 %.
 
+With `--cycles C`, before the load rows, the PyTorch server takes C rounds of 8 clients
+that stream an utterance as fast as it reads, half of them vanishing mid-utterance (the
+connection aborted, no end message), and the server's resident memory (VmRSS) is printed
+every tenth of the rounds, with the streams it still holds: memory that grows with the
+connections served shows there.
+
 Usage (from the recipe directory, after stage 3 of a chunk-trained experiment):
     python ../../bench/serve.py exp/synth-ctc-stream --chunk-size 16 --clients 1,4,16,64 \
-        --seconds 30 --find-max
+        --seconds 20 --find-max
+    python ../../bench/serve.py exp/synth-ctc-stream --chunk-size 16 --cycles 500 \
+        --runtimes none
 """
 
 from __future__ import annotations
@@ -176,6 +184,56 @@ def _load(runtime: str, server: ServerProcess, pid: int, audio: list, count: int
                sum(e for _, e in done))
 
 
+# -- memory over many connections ---------------------------------------------------------
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status: no VmRSS line")
+
+
+async def _vanish(url: str, samples: np.ndarray, rate: int) -> None:
+    """Stream half of an utterance, then drop the connection without a close frame."""
+    from websockets.asyncio.client import connect
+
+    websocket = await connect(url, max_size=None)
+    await websocket.send(json.dumps({"sample_rate": rate}))
+    await websocket.recv()
+    piece = int(PIECE_SECONDS * rate)
+    for start in range(0, len(samples) // 2, piece):
+        await websocket.send(samples[start:start + piece].astype("<f4").tobytes())
+    await asyncio.sleep(0.05)
+    websocket.transport.abort()
+
+
+def run_cycles(args: list[str], audio: list[tuple[np.ndarray, int]], cycles: int,
+               seed: int) -> None:
+    """`cycles` rounds of 8 clients, half of them vanishing; the server's RSS as it goes."""
+    from cat.testing.serving import stream_audio
+
+    rng = np.random.default_rng(seed)
+    with ServerProcess(args) as server:
+        pid = server.process.pid
+
+        async def one_round() -> None:
+            picks = [audio[i] for i in rng.integers(0, len(audio), 8)]
+            await asyncio.gather(*(
+                _vanish(server.ws_url, samples, rate) if index % 2
+                else stream_audio(server.ws_url, samples, realtime=0)
+                for index, (samples, rate) in enumerate(picks)))
+
+        began = time.monotonic()
+        print("| rounds | connections | server RSS MiB | streams held | seconds |\n"
+              "|---:|---:|---:|---:|---:|", flush=True)
+        for done in range(cycles + 1):
+            if done % max(1, cycles // 10) == 0 or done == cycles:
+                status = server.wait_for(lambda s: s["streams"] == 0, 60, "streams freed")
+                print(f"| {done} | {status['opened']} | {_rss_mib(pid):.1f} | "
+                      f"{status['streams']} | {time.monotonic() - began:.0f} |", flush=True)
+            if done < cycles:
+                asyncio.run(one_round())
+
+
 # -- the peer: sherpa-onnx's OnlineRecognizer in a loop -----------------------------------
 def run_sherpa_loop(export_dir: Path, audio: list[tuple[np.ndarray, int]], counts: list[int],
                     seconds: float, seed: int) -> list[Run]:
@@ -308,6 +366,8 @@ def main() -> None:
     parser.add_argument("--max-clients", type=int, default=256)
     parser.add_argument("--runtimes", default="pytorch,sherpa-server,sherpa-loop")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cycles", type=int, default=0,
+                        help="rounds of connect / disconnect first, with the server's RSS")
     args = parser.parse_args()
     counts = [int(n) for n in args.clients.split(",")]
     audio = [read_audio(spec) for _, spec in sorted(read_table(
@@ -324,11 +384,16 @@ def main() -> None:
         servers = {"pytorch": ("cat.serve EXP (PyTorch)",
                                [args.exp, "--chunk-size", str(args.chunk_size)]),
                    "sherpa-server": ("cat.serve EXPORT (sherpa-onnx)", [str(export_dir)])}
-        print("| runtime | clients | audio s | RTF | partial latency p50 / p95 s | "
-              "final latency p50 / p95 s | server CPU (of 1 core) | client CPU | real time |\n"
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|", flush=True)
+        if args.cycles:
+            run_cycles([args.exp, "--chunk-size", str(args.chunk_size)], audio, args.cycles,
+                       args.seed)
+        runtimes = [r for r in args.runtimes.split(",") if r not in ("", "none")]
+        if runtimes:
+            print("| runtime | clients | audio s | RTF | partial latency p50 / p95 s | "
+                  "final latency p50 / p95 s | server CPU (of 1 core) | client CPU | "
+                  "real time |\n|---|---:|---:|---:|---:|---:|---:|---:|---|", flush=True)
         largest = {}
-        for runtime in args.runtimes.split(","):
+        for runtime in runtimes:
             if runtime == "sherpa-loop":
                 runs = run_sherpa_loop(export_dir, audio, counts, args.seconds, args.seed)
                 name = runs[0].runtime
