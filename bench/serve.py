@@ -32,7 +32,7 @@ connections served shows there.
 Usage (from the recipe directory, after stage 3 of a chunk-trained experiment):
     python ../../bench/serve.py exp/synth-ctc-stream --chunk-size 16 --clients 1,4,16,64 \
         --seconds 20 --find-max
-    python ../../bench/serve.py exp/synth-ctc-stream --chunk-size 16 --cycles 500 \
+    python ../../bench/serve.py exp/synth-ctc-stream --chunk-size 16 --cycles 1000 \
         --runtimes none
 """
 
