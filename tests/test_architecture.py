@@ -23,7 +23,7 @@ FLOORS = {
     "training": 7,
     "decoding": 8,
     "ctc": 9, "rnnt": 9,
-    "shared": 10, "crf": 10,
+    "shared": 10, "crf": 10, "serving": 10,
     "utils": 11,
     "testing": 12,
 }

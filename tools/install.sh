@@ -65,6 +65,23 @@ if [ ${#missing[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+# The server's page is tested in headless Chromium (with a CJK font for its screenshot).
+# Where it cannot be installed that test skips, saying why; nothing else needs it.
+if $dev; then
+  browser=()
+  for pkg in chromium fonts-wqy-microhei; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || browser+=("$pkg")
+  done
+  if [ ${#browser[@]} -gt 0 ]; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+      log "installing Debian packages for the browser test: ${browser[*]}"
+      apt_install "${browser[@]}" || { apt_update && apt_install "${browser[@]}"; } \
+        || log "WARNING: could not install ${browser[*]}; the browser test will skip"
+    else
+      log "WARNING: ${browser[*]} not installed (not root); the browser test will skip"
+    fi
+  fi
+fi
 
 # --- python environment -----------------------------------------------------
 "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \

@@ -41,12 +41,13 @@ MIN_INPUT_FRAMES = 7
 
 
 def _attend(attn: RelPositionMultiHeadAttention, x: torch.Tensor, keys_in: torch.Tensor,
-            pos_emb: torch.Tensor) -> torch.Tensor:
+            pos_emb: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Self-attention of the chunk `x` [B, C, D] over `keys_in` [B, L + C, D] (the cached
-    frames, then the chunk), `pos_emb` [1, 2(L + C) - 1, D]."""
+    frames, then the chunk), `pos_emb` [1, 2(L + C) - 1, D]; `valid` as
+    `_attend_projected`'s."""
     key = attn._split_heads(attn.linear_k(keys_in)).transpose(1, 2)  # [B, H, L+C, d]
     value = attn._split_heads(attn.linear_v(keys_in)).transpose(1, 2)
-    return _attend_projected(attn, x, key, value, pos_emb)
+    return _attend_projected(attn, x, key, value, pos_emb, valid)
 
 
 def _attend_projected(attn: RelPositionMultiHeadAttention, x: torch.Tensor, key: torch.Tensor,
@@ -76,14 +77,16 @@ def _attend_projected(attn: RelPositionMultiHeadAttention, x: torch.Tensor, key:
 
 
 def _block_step(block: ConformerBlock, x: torch.Tensor, pos_emb: torch.Tensor,
-                attn_cache: torch.Tensor, conv_cache: torch.Tensor, keep: int
+                attn_cache: torch.Tensor, conv_cache: torch.Tensor, keep: int,
+                valid: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One Conformer block on a chunk, from and to its caches (`keep` < 0: all frames)."""
+    """One Conformer block on a chunk, from and to its caches (`keep` < 0: all frames;
+    `valid` [B, L + C]: the cached frames and the chunk's that exist, None: all)."""
     x = x + 0.5 * block.ffn_in(block.norm_ffn_in(x))
     attn_in = block.norm_attn(x)
     keys_in = torch.cat([attn_cache, attn_in], dim=1)
-    x = x + _attend(block.attn, attn_in, keys_in, pos_emb)
-    new_attn_cache = keys_in if keep < 0 else keys_in[:, keys_in.size(1) - keep:]
+    x = x + _attend(block.attn, attn_in, keys_in, pos_emb, valid)
+    new_attn_cache = keys_in if keep < 0 else keys_in[:, max(0, keys_in.size(1) - keep):]
     x, new_conv_cache = _conv_and_ffn_step(block, x, conv_cache)
     return x, new_attn_cache, new_conv_cache
 
@@ -155,17 +158,26 @@ class StreamingEncoder(nn.Module):
         return (torch.zeros(len(cells), batch_size, 0, dim),
                 torch.zeros(len(cells), batch_size, dim, kernel - 1))
 
-    def forward(self, feats: torch.Tensor, attn_cache: torch.Tensor, conv_cache: torch.Tensor
+    def forward(self, feats: torch.Tensor, attn_cache: torch.Tensor, conv_cache: torch.Tensor,
+                cache_valid: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`feats` [B, T, idim] (T >= 7) -> (output [B, T', D], attn_cache, conv_cache)."""
+        """`feats` [B, T, idim] (T >= 7) -> (output [B, T', D], attn_cache, conv_cache).
+
+        `cache_valid` [B, L] bool batches streams at different points: the cached frames
+        that exist (a stream's own are the last ones of the cache; the rows before them pad
+        it and are never attended to; None: all exist). Relative positions count from the
+        chunk, so each stream's output is that of its own cache alone."""
         encoder = self.encoder
         x = self.subsample(feats)
         pos_emb = encoder.positional.position_embeddings(attn_cache.size(2) + x.size(1),
                                                          x.device, x.dtype)
+        valid = None
+        if cache_valid is not None:
+            valid = torch.cat([cache_valid, cache_valid.new_ones(x.size(0), x.size(1))], dim=1)
         attn_states, conv_states = [], []
         for index, cell in enumerate(encoder.cells):
             x, attn, conv = _block_step(cell, x, pos_emb, attn_cache[index], conv_cache[index],
-                                        self.keep)
+                                        self.keep, valid)
             attn_states.append(attn)
             conv_states.append(conv)
         return x, torch.stack(attn_states), torch.stack(conv_states)

@@ -82,12 +82,17 @@ def write_audio_experiment(root: PathLike, name: str = "exp/tiny", kind: str = "
                                                                1.1, 0.7, 1.4, 1.0),
                            test_durations: Sequence[float] = (0.6, 1.3, 0.9, 1.6, 1.1, 0.8),
                            epochs: int = 2, seed: int = 0,
-                           front_end_name: str = "kaldi") -> AudioExperiment:
+                           front_end_name: str = "kaldi",
+                           corpus: Callable[[Path, Sequence[float], int], Path] | None = None
+                           ) -> AudioExperiment:
     """Write a complete tiny experiment over synthetic audio (see the module docstring);
-    its features and `data.front_end` are of `front_end_name` (`FRONT_ENDS`)."""
+    its features and `data.front_end` are of `front_end_name` (`FRONT_ENDS`). `corpus(root,
+    durations, seed)` writes the recordings and data dir of a set (default: recordings of
+    sines with random transcripts)."""
     root = Path(root)
-    train_data = _corpus(root / "corpus/train", train_durations, seed)
-    test_data = _corpus(root / "corpus/test", test_durations, seed + 100)
+    corpus = corpus or _corpus
+    train_data = corpus(root / "corpus/train", train_durations, seed)
+    test_data = corpus(root / "corpus/test", test_durations, seed + 100)
     for data_dir, part in ((train_data, "train"), (test_data, "test")):
         extract(data_dir, root / "data/fbank" / part, options=front_end(front_end_name),
                 progress=False)

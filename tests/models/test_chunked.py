@@ -38,7 +38,8 @@ def _stream(encoder: ConformerNet, chunk_size: int, feats: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize(("time_reduction", "left_chunks", "conv_norm"),
-                         [(1, -1, "batchnorm"), (2, -1, "layernorm"), (2, 2, "batchnorm")])
+                         [(1, -1, "batchnorm"), (2, -1, "layernorm"), (2, 2, "batchnorm"),
+                          (1, 4, "batchnorm")])
 @pytest.mark.parametrize("chunk_size", [1, 3, 8])
 def test_chunks_equal_the_chunk_masked_forward(time_reduction, left_chunks, conv_norm,
                                                chunk_size):
@@ -54,6 +55,50 @@ def test_chunks_equal_the_chunk_masked_forward(time_reduction, left_chunks, conv
     torch.testing.assert_close(streamed, masked, atol=1e-5, rtol=1e-5)
     # The chunk mask matters: full context gives other outputs.
     assert (full - masked).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("left_chunks", [-1, 2])
+def test_streams_at_different_points_batch_as_each_alone(left_chunks):
+    """A batch of streams whose caches differ in length (`cache_valid`: each stream's
+    frames right-aligned, padding before them) gives each stream its own output and
+    cache."""
+    encoder = _encoder(2, left_chunks)
+    streaming = StreamingEncoder(encoder, 3)
+    feats = torch.randn(2, 200, 80)
+    states, chunks = [], []
+    with torch.no_grad():
+        for index, seen in enumerate((4, 1)):  # chunks each stream has been through
+            attn, conv = streaming.initial_state()
+            for chunk in range(seen):
+                start = chunk * streaming.stride
+                _, attn, conv = streaming(feats[index:index + 1, start:start +
+                                                streaming.frames_per_chunk], attn, conv)
+            states.append((attn, conv))
+            start = seen * streaming.stride
+            chunks.append(feats[index:index + 1, start:start + streaming.frames_per_chunk])
+        alone = [streaming(chunk, *state) for chunk, state in zip(chunks, states, strict=True)]
+        lengths = [state[0].size(2) for state in states]
+        assert lengths[0] > lengths[1]
+        longest = max(lengths)
+        attn = torch.zeros(states[0][0].size(0), 2, longest, states[0][0].size(3))
+        valid = torch.zeros(2, longest, dtype=torch.bool)
+        for index, ((cache, _), length) in enumerate(zip(states, lengths, strict=True)):
+            attn[:, index, longest - length:] = cache[:, 0]
+            valid[index, longest - length:] = True
+        out, attn_out, conv_out = streaming(torch.cat(chunks), attn,
+                                            torch.cat([state[1] for state in states], dim=1),
+                                            valid)
+    for index, (expected, expected_attn, expected_conv) in enumerate(alone):
+        torch.testing.assert_close(out[index:index + 1], expected, atol=1e-5, rtol=1e-5)
+        kept = expected_attn.size(2)
+        torch.testing.assert_close(attn_out[:, index:index + 1, attn_out.size(2) - kept:],
+                                   expected_attn, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv_out[:, index:index + 1], expected_conv)
+    # Without the mask the shorter stream attends to the padding: another output.
+    with torch.no_grad():
+        unmasked, _, _ = streaming(torch.cat(chunks), attn,
+                                   torch.cat([state[1] for state in states], dim=1))
+    assert (unmasked[1] - alone[1][0][0]).abs().max() > 1e-3
 
 
 def test_chunk_mask():
