@@ -39,10 +39,9 @@ import torch
 import torchaudio
 from torch import nn
 
-from cat.decoding.timestamps import Span
 from cat.lm.scorer import ShallowFusion
-from cat.models.heads import init_blank_bias, pad_hyps
-from cat.models.registry import build_component
+from cat.models.heads import build_component, init_blank_bias, pad_hyps
+from cat.models.spans import Span
 from cat.rnnt.align import rnnt_token_frames
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 
