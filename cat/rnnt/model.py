@@ -314,7 +314,7 @@ class TransducerHead(nn.Module):
     def token_frames(self, hidden: torch.Tensor, lengths: torch.Tensor,
                      hyps: list[list[int]]) -> list[list[Span]]:
         """The frame each token of `hyps` is emitted on, on the Viterbi path through the
-        lattice of the encoder output (`cat.rnnt.align`; `cat.decoding.timestamps`)."""
+        lattice of the encoder output (`cat.rnnt.align`; `cat.models.spans`)."""
         return rnnt_token_frames(self.predictor, self.joiner, hidden, lengths, hyps)
 
     @torch.no_grad()
