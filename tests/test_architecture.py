@@ -1,17 +1,28 @@
-"""The package plan of docs/architecture.md holds: every package of `cat/` has a floor, and
-a module imports only packages on floors below its own (or its own package)."""
+"""The package plan of docs/architecture.md holds: every module of `cat/` has a floor, and
+a module imports only modules on floors below its own (or of its own package or module
+floor), counting the imports inside functions and the modules the registry loads by name
+(`cat.models.registry`: heads, streaming searches and exports) as imports of the
+registry."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import cat
 
 CAT = Path(cat.__file__).resolve().parent
 
-# Bottom to top, as docs/architecture.md draws them; packages on one floor do not import
-# each other.
+#: The floor of the verbs: the top-level commands (`cat/train.py`, ...) and CAT's names of
+#: them in a family's package (`cat.ctc.train`, ...; `registry.ALIASES`) that the registry
+#: does not load, and what a module runs in its `if __name__ == "__main__":` block.
+VERBS = "(verbs)"
+
+# Bottom to top, as docs/architecture.md draws them. A key is a package, or a module that
+# stands on a floor of its own above its package's; units on one floor do not import each
+# other. The families (their heads, searches, streaming searches) stand below the registry
+# that loads them, and the registry below training and decoding, which use it.
 FLOORS = {
     "core": 0,
     "text": 1,
@@ -20,44 +31,142 @@ FLOORS = {
     "features": 4,
     "formats": 5,
     "loading": 6, "models": 6,
-    "training": 7,
-    "decoding": 8,
-    "ctc": 9, "rnnt": 9,
-    "shared": 10, "crf": 10, "serving": 10,
-    "utils": 11,
-    "testing": 12,
+    "ctc": 7, "rnnt": 7,
+    "crf": 8,
+    "models.registry": 9,
+    "training": 10,
+    "decoding": 11,
+    "shared": 12, "serving": 12,
+    "utils": 13,
+    VERBS: 14,
+    "testing": 15,
 }
 
+#: Upward imports that are known and still to be removed: a family's ONNX export writer
+#: uses `cat.decoding.export`'s helpers and its model loading (issue 37: the export hooks
+#: the registry collects). The test fails when one of them goes, so that it is taken off.
+KNOWN_UPWARD = {("ctc.export", "decoding.export"), ("rnnt.export", "decoding.export")}
 
-def imported_packages(path: Path) -> list[tuple[int, str]]:
-    """(line, package) of every `cat.<package>` a module imports, at any depth."""
+
+def module_name(path: Path, root: Path) -> str:
+    """`ctc/head.py` -> `ctc.head`, `ctc/__init__.py` -> `ctc`, `train.py` -> `train`."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(name: str, root: Path) -> str:
+    """The module (under `cat`) that dotted `name` (without `cat.`) is, or that holds it
+    (`ctc.head.CTCHead` -> `ctc.head`)."""
+    parts = name.split(".")
+    while parts and not ((root / Path(*parts)).with_suffix(".py").is_file()
+                         or (root / Path(*parts) / "__init__.py").is_file()):
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__"
+                    for c in test.comparators))
+
+
+def imports_of(path: Path, root: Path = CAT) -> list[tuple[int, str, bool]]:
+    """(line, module under `cat`, in the `__main__` block) of every import of `cat` in the
+    module at `path`, at any depth (functions, `TYPE_CHECKING` blocks): `from cat.x import y`
+    is an import of `x.y` when that is a module, else of `x`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    main_block = {id(node) for statement in tree.body if _is_main_guard(statement)
+                  for node in ast.walk(statement)}
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        names = []
+    for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package
+                base = ".".join(["cat", *package[:len(package) + 1 - node.level]])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            names = [f"{module}.{alias.name}" for alias in node.names]
         for name in names:
             parts = name.split(".")
             if parts[0] == "cat" and len(parts) > 1:
-                found.append((node.lineno, parts[1]))
+                target = _resolve(".".join(parts[1:]), root)
+                if target:
+                    found.append((node.lineno, target, id(node) in main_block))
     return found
 
 
-def upward_imports(root: Path = CAT) -> list[str]:
-    """Every import of a package not below the importing module's package."""
-    problems = []
+def registry_loads() -> dict[str, list[str]]:
+    """The modules `cat.models.registry` imports by name: each head's module
+    (`HEADS`, `KIND_HEADS`) and each family's parts (`FAMILIES` x `FAMILY_PARTS`)."""
+    from cat.models import registry
+
+    loaded = {module for _, module in registry.HEADS.values()}
+    loaded |= {module for heads in registry.KIND_HEADS.values() for module in heads.values()}
+    loaded |= {f"{registry.FAMILIES[registry.DECODES_AS.get(kind, kind)]}.{part}"
+               for kind in registry.FAMILIES for part in registry.FAMILY_PARTS}
+    return {"models.registry": sorted(name.removeprefix("cat.") for name in loaded)}
+
+
+def alias_commands() -> set[str]:
+    """CAT's names of the verbs in the families' packages (`cat.ctc.train`, ...) that are
+    commands only: the registry loads the others (`stream`, `export`)."""
+    from cat.models import registry
+
+    return ({f"{package}.{verb}".removeprefix("cat.") for package in registry.ALIASES
+             for verb in registry.VERBS}
+            - set(registry_loads()["models.registry"]))
+
+
+def floor_of(module: str, floors: Mapping[str, int], commands: Iterable[str] = ()
+             ) -> tuple[str, int]:
+    """(unit, floor) of `module`: its own key in `floors`, or its package's; a command's
+    the verbs'. KeyError for a module of no floor."""
+    if module in commands or ("." not in module and module not in floors):
+        return VERBS, floors[VERBS]
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        key = ".".join(parts[:end])
+        if key in floors:
+            return key, floors[key]
+    raise KeyError(f"cat.{module} has no floor")
+
+
+def upward_imports(root: Path = CAT, floors: Mapping[str, int] = FLOORS,
+                   loads: Mapping[str, Iterable[str]] | None = None,
+                   commands: Iterable[str] | None = None) -> dict[tuple[str, str], str]:
+    """(importing module, imported module) -> what is wrong, for every import (or a load by
+    name, `loads`: module -> the modules it loads) of a module on a floor above the
+    importer's, or of another unit on the importer's floor."""
+    loads = registry_loads() if loads is None else loads
+    commands = alias_commands() if commands is None else set(commands)
+    edges = []
     for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if len(relative.parts) < 2:
+        module = module_name(path, root)
+        if not module:
             continue  # cat/__init__.py
-        package = relative.parts[0]
-        for line, target in imported_packages(path):
-            if target != package and FLOORS[target] >= FLOORS[package]:
-                problems.append(f"cat/{relative}:{line}: cat.{package} (floor "
-                                f"{FLOORS[package]}) imports cat.{target} (floor "
-                                f"{FLOORS[target]})")
+        for line, target, in_main in imports_of(path, root):
+            edges.append((module, f"cat/{path.relative_to(root)}:{line}", target,
+                          VERBS if in_main else None))
+        for target in loads.get(module, ()):
+            edges.append((module, f"cat/{path.relative_to(root)}: loads by name", target,
+                          None))
+    problems = {}
+    for module, where, target, as_unit in edges:
+        unit, floor = ((as_unit, floors[as_unit]) if as_unit
+                       else floor_of(module, floors, commands))
+        target_unit, target_floor = floor_of(target, floors, commands)
+        if target_floor > floor or (target_floor == floor and target_unit != unit):
+            problems.setdefault((module, target), (
+                f"{where}: cat.{module} ({unit}, floor {floor}) imports cat.{target} "
+                f"({target_unit}, floor {target_floor})"))
     return problems
 
 
@@ -67,24 +176,88 @@ def test_every_package_has_a_floor():
 
 
 def test_modules_import_only_downward():
-    assert upward_imports() == []
+    problems = upward_imports()
+    assert {edge: text for edge, text in problems.items() if edge not in KNOWN_UPWARD} == {}
+    assert set(problems) == KNOWN_UPWARD, "a known upward import is gone: take it off"
 
 
-def test_an_upward_import_is_caught(tmp_path):
-    for package in ("loading", "training"):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "loading" / "batch.py").write_text("from cat.training import manager\n")
-    (tmp_path / "training" / "manager.py").write_text("import cat.loading.batch\n")
-    assert upward_imports(tmp_path) == [
-        "cat/loading/batch.py:1: cat.loading (floor 6) imports cat.training (floor 7)"]
+def test_the_registry_loads_modules_that_exist():
+    assert all(_resolve(module, CAT) == module for module in registry_loads()["models.registry"])
+
+
+def test_the_families_stand_below_decoding_and_training():
+    """A head, a search and a streaming search import nothing of decoding or training:
+    the registry loads them, and decoding and training use the registry."""
+    loaded = [floor_of(module, FLOORS)[1] for module in registry_loads()["models.registry"]]
+    assert max(loaded) < FLOORS["models.registry"] < FLOORS["training"] < FLOORS["decoding"]
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(root).parents:
+            if parent != Path(".") and not (root / parent / "__init__.py").exists():
+                (root / parent / "__init__.py").write_text("")
+        path.write_text(text)
+    return root
+
+
+def test_an_upward_import_is_caught_at_any_depth(tmp_path):
+    root = _tree(tmp_path, {
+        "loading/batch.py": "def f():\n    from cat.training import manager\n",
+        "training/manager.py": "import cat.loading.batch\n",
+        "models/heads.py": "from cat.models.registry import build_model\n",
+        "models/registry.py": "from cat.models import heads\n",
+        "ctc/stream.py": ("from cat.models import heads\n"
+                          "if __name__ == '__main__':\n    from cat.decoding import online\n"),
+        "decoding/online.py": "from cat.ctc.stream import ChunkSearch\n",
+        "train.py": "from cat.training import manager\n",
+        "testing/run.py": "from cat import train\n",
+    })
+    assert sorted(upward_imports(root, loads={}, commands=()).values()) == [
+        "cat/loading/batch.py:2: cat.loading.batch (loading, floor 6) imports "
+        "cat.training.manager (training, floor 10)",
+        "cat/models/heads.py:1: cat.models.heads (models, floor 6) imports "
+        "cat.models.registry (models.registry, floor 9)"]
+
+
+def test_a_loop_through_the_registry_is_caught(tmp_path):
+    """decoding -> registry -> (by name) a head -> decoding: the head's import is upward;
+    with the head above the registry, the registry's load is."""
+    root = _tree(tmp_path, {
+        "decoding/searcher.py": "from cat.models.registry import build_model\n",
+        "models/registry.py": "import importlib\n",
+        "ctc/head.py": "from cat.decoding.timestamps import Span\n",
+        "decoding/timestamps.py": "Span = tuple\n",
+    })
+    loads = {"models.registry": ["ctc.head"]}
+    assert list(upward_imports(root, loads=loads, commands=()).values()) == [
+        "cat/ctc/head.py:1: cat.ctc.head (ctc, floor 7) imports cat.decoding.timestamps "
+        "(decoding, floor 11)"]
+    above = {**FLOORS, "ctc": 12}
+    assert sorted(upward_imports(root, above, loads, ()).values()) == [
+        "cat/models/registry.py: loads by name: cat.models.registry (models.registry, "
+        "floor 9) imports cat.ctc.head (ctc, floor 12)"]
+
+
+def test_the_commands_of_a_family_stand_with_the_verbs(tmp_path):
+    root = _tree(tmp_path, {
+        "ctc/train.py": "from cat.training.cli import run_cli\n",
+        "training/cli.py": "from cat.testing import factory\n",
+        "testing/factory.py": "",
+    })
+    assert list(upward_imports(root, loads={}, commands={"ctc.train"}).values()) == [
+        "cat/training/cli.py:1: cat.training.cli (training, floor 10) imports "
+        "cat.testing.factory (testing, floor 15)"]
+    assert len(upward_imports(root, loads={}, commands=())) == 2
 
 
 def test_generic_code_names_no_model_family():
     """The model families are found by name (`cat.models.registry.FAMILIES`)."""
     from cat.models.registry import FAMILIES
 
-    assert all(FLOORS[module.split(".")[1]] > FLOORS["decoding"]
+    assert all(FLOORS[module.split(".")[1]] < FLOORS["models.registry"]
                for module in FAMILIES.values())
 
 

@@ -202,12 +202,14 @@ def experiment_kind(exp_dir: PathLike) -> str:
     return model_kind(load_config(path), str(path))
 
 
-def validate_config(config: Any, source: str = "config.json") -> None:
-    """Raise ConfigError when `config` does not follow the config.json schema."""
+def validate_config(config: Any, source: str = "config.json") -> str:
+    """Raise ConfigError when `config` does not follow the config.json schema; its model
+    kind (`model_kind`) when it does."""
     if not isinstance(config, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
-    model_kind(config, source)
+    kind = model_kind(config, source)
     check_against_schema(config, load_config_schema(), source)
+    return kind
 
 
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -279,13 +281,15 @@ def __getattr__(name: str) -> Any:
 
 @dataclasses.dataclass
 class Experiment:
-    """One experiment: its directory, resolved `hyper-p.json`, `config.json` and options."""
+    """One experiment: its directory, resolved `hyper-p.json`, `config.json` and options, and
+    its model kind (`model_kind` of `config.json`, worked out once here and carried)."""
 
     directory: Path
     hyper: dict[str, Any]
     config: dict[str, Any]
     options: TrainOptions
     train_bin: str
+    kind: str
 
 
 def load_hyper_schema() -> dict[str, Any]:
@@ -471,10 +475,12 @@ def load_experiment(exp_dir: PathLike) -> Experiment:
                           "{\"bin\": \"cat.ctc.train\", \"option\": {...}})")
     train_bin = hyper["train"]["bin"]
     options = resolve_train_options(hyper, exp_dir, str(hyper_path))
-    config = load_config(exp_dir / CONFIG_NAME)
+    config_path = exp_dir / CONFIG_NAME
+    config = read_json(config_path)
+    kind = validate_config(config, str(config_path))
     resolved = json.loads(json.dumps(hyper))
     resolved["train"]["option"] = dataclasses.asdict(options)
-    return Experiment(exp_dir, resolved, config, options, train_bin)
+    return Experiment(exp_dir, resolved, config, options, train_bin, kind)
 
 
 def apply_env(hyper: dict[str, Any]) -> None:

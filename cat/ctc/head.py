@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from cat.decoding.timestamps import Span, ctc_token_frames
 from cat.lm.scorer import Fusion, sequence_score
 from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
 from cat.models.heads import NBest, SearchHead, ctc_losses, init_blank_bias, pad_hyps
+from cat.models.spans import Span, ctc_token_frames
 
 
 class CTCHead(nn.Linear):
@@ -76,7 +76,7 @@ class CTCHead(nn.Linear):
     def token_frames(self, hidden: torch.Tensor, lengths: torch.Tensor,
                      hyps: list[list[int]]) -> list[list[Span]]:
         """Each token's spike on the Viterbi alignment of `hyps` to the log-probabilities
-        (`cat.decoding.timestamps.ctc_token_frames`)."""
+        (`cat.models.spans.ctc_token_frames`)."""
         return ctc_token_frames(self.log_probs(hidden), lengths, hyps)
 
     @torch.no_grad()

@@ -12,8 +12,8 @@ import sys
 import torch
 from torch import nn
 
-from cat.decoding.online import TokenChunkSearch, main
 from cat.models.ctc_search import BLANK
+from cat.models.heads import TokenChunkSearch
 
 
 class CtcChunkSearch(TokenChunkSearch):
@@ -42,4 +42,6 @@ class CtcChunkSearch(TokenChunkSearch):
 ChunkSearch = CtcChunkSearch
 
 if __name__ == "__main__":
+    from cat.decoding.online import main
+
     sys.exit(main("cat.ctc.stream"))

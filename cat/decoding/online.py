@@ -92,19 +92,6 @@ class ChunkSearch(Protocol):
         """The hypothesis so far."""
 
 
-class TokenChunkSearch:
-    """What a family's token search over chunks shares: nothing to do at the end, its
-    text the tokenizer's of its token ids."""
-
-    tokens: list[int]
-
-    def finish(self) -> None:
-        """Nothing is held back: the tokens are final as they come."""
-
-    def text(self, tokenizer: Any) -> str:
-        return tokenizer.decode(self.tokens)
-
-
 class FeatureStream:
     """Stage 1's fbank (of the experiment's front end, `options`) of audio given in pieces:
     `accept` returns the frames whose windows the audio so far holds, `flush` at the end

@@ -13,11 +13,13 @@ Usage:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from cat.core.config import ConfigError
 from cat.models.stats import Stats
 
 if TYPE_CHECKING:
@@ -211,3 +213,28 @@ def batch_loss(losses: torch.Tensor, labels: torch.Tensor, label_lens: torch.Ten
                   num_utts=float(labels.size(0)), num_tokens=num_tokens,
                   num_frames=lengths.sum(), num_infeasible=infeasible.sum())
     return loss, stats
+
+
+def build_component(registry: Mapping[str, type[nn.Module]], section: dict[str, Any],
+                    where: str, source: str, *args: Any) -> nn.Module:
+    """`registry[section["type"]](*args, **section["kwargs"])`, the encoder's or a head's
+    part named in config.json (`registry`: an explicit dict of classes); errors name
+    `where`."""
+    try:
+        return registry[section["type"]](*args, **section.get("kwargs", {}))
+    except ValueError as error:
+        raise ConfigError(f"{source}: {where}: {error}") from None
+
+
+class TokenChunkSearch:
+    """What a family's token search over chunks (its `stream.ChunkSearch`, which
+    `cat.decoding.online` runs) shares: nothing to do at the end, its text the tokenizer's
+    of its token ids."""
+
+    tokens: list[int]
+
+    def finish(self) -> None:
+        """Nothing is held back: the tokens are final as they come."""
+
+    def text(self, tokenizer: Any) -> str:
+        return tokenizer.decode(self.tokens)

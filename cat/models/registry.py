@@ -48,10 +48,10 @@ from typing import Any
 
 from torch import nn
 
-from cat.core.config import ConfigError, model_kind, validate_config
+from cat.core.config import ConfigError, validate_config
 from cat.models.cuside import build_chunking
 from cat.models.encoder import ConformerNet, Encoder
-from cat.models.heads import Head
+from cat.models.heads import Head, build_component
 from cat.models.model import AsrModel
 from cat.models.specaug import SpecAugment
 
@@ -72,6 +72,8 @@ KIND_HEADS: Mapping[str, Mapping[str, str]] = MappingProxyType({
 #: package of their streaming search and export.
 FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc", "rnnt": "cat.rnnt",
                                                 "crf": "cat.crf"})
+#: The modules of a family's package that `family` loads.
+FAMILY_PARTS = ("stream", "export")
 #: Kinds whose searches, streaming and export are another kind's: a CTC-CRF model has the
 #: CTC model's head and decodes as one.
 DECODES_AS: Mapping[str, str] = MappingProxyType({"crf": "ctc"})
@@ -103,6 +105,9 @@ def family(kind: str, part: str) -> ModuleType:
     """The module `part` of the family of model kind `kind`: its `stream` (its
     `ChunkSearch`) or `export` (its `export`), those of `DECODES_AS[kind]` when the kind
     decodes as another."""
+    if part not in FAMILY_PARTS:
+        raise ValueError(f"{part!r} is not a family's part; the parts are "
+                         f"{', '.join(FAMILY_PARTS)}")
     return importlib.import_module(f"{FAMILIES[DECODES_AS.get(kind, kind)]}.{part}")
 
 
@@ -111,20 +116,13 @@ def build_specaug(config: dict[str, Any]) -> SpecAugment | None:
     return SpecAugment(**config["specaug"]) if "specaug" in config else None
 
 
-def build_component(registry: Mapping[str, type[nn.Module]], section: dict[str, Any],
-                    where: str, source: str, *args: Any) -> nn.Module:
-    """`registry[section["type"]](*args, **section["kwargs"])`; errors name `where`."""
-    try:
-        return registry[section["type"]](*args, **section.get("kwargs", {}))
-    except ValueError as error:
-        raise ConfigError(f"{source}: {where}: {error}") from None
-
-
-def build_model(config: dict[str, Any], num_classes: int,
-                source: str = "config.json") -> AsrModel:
-    """Validate `config` and build its model for a vocabulary of `num_classes` (incl. blank)."""
-    validate_config(config, source)
-    kind = model_kind(config, source)
+def build_model(config: dict[str, Any], num_classes: int, source: str = "config.json",
+                kind: str | None = None) -> AsrModel:
+    """Validate `config` and build its model for a vocabulary of `num_classes` (incl. blank).
+    `kind`: the model kind of a `config` validated already (`validate_config`'s, carried as
+    `cat.core.config.Experiment.kind`), which is then not validated again."""
+    if kind is None:
+        kind = validate_config(config, source)
     try:
         specaug = build_specaug(config)
     except ValueError as error:

@@ -51,9 +51,9 @@ from cat.decoding.export import (
     write_export,
     write_tokens,
 )
-from cat.decoding.online import TokenChunkSearch
 from cat.models.chunked import SUBSAMPLING_OVERLAP, KeyValueStreamingEncoder
 from cat.models.cuside import CusideStep
+from cat.models.heads import TokenChunkSearch
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
 MAX_SYMBOLS_PER_FRAME = 3

@@ -39,10 +39,9 @@ import torch
 import torchaudio
 from torch import nn
 
-from cat.decoding.timestamps import Span
 from cat.lm.scorer import ShallowFusion
-from cat.models.heads import init_blank_bias, pad_hyps
-from cat.models.registry import build_component
+from cat.models.heads import build_component, init_blank_bias, pad_hyps
+from cat.models.spans import Span
 from cat.rnnt.align import rnnt_token_frames
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
 
@@ -315,7 +314,7 @@ class TransducerHead(nn.Module):
     def token_frames(self, hidden: torch.Tensor, lengths: torch.Tensor,
                      hyps: list[list[int]]) -> list[list[Span]]:
         """The frame each token of `hyps` is emitted on, on the Viterbi path through the
-        lattice of the encoder output (`cat.rnnt.align`; `cat.decoding.timestamps`)."""
+        lattice of the encoder output (`cat.rnnt.align`; `cat.models.spans`)."""
         return rnnt_token_frames(self.predictor, self.joiner, hidden, lengths, hyps)
 
     @torch.no_grad()

@@ -12,7 +12,7 @@ import sys
 import torch
 from torch import nn
 
-from cat.decoding.online import TokenChunkSearch, main
+from cat.models.heads import TokenChunkSearch
 from cat.rnnt.model import BLANK
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -51,4 +51,6 @@ class RnntChunkSearch(TokenChunkSearch):
 ChunkSearch = RnntChunkSearch
 
 if __name__ == "__main__":
+    from cat.decoding.online import main
+
     sys.exit(main("cat.rnnt.stream"))

@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 from cat.core import config as config_module
-from cat.core.config import model_kind
 from cat.core.io import setup_logging
 from cat.core.process import die_with_parent
 from cat.models.registry import check_command
@@ -49,7 +48,7 @@ def train(exp_dir: str | os.PathLike, command: str = "cat.train", resume: bool =
           restart_epoch: bool = False, allow_config_change: bool = False) -> None:
     """Stage 3 for `exp_dir` (see the module docstring); call once per process."""
     experiment = config_module.load_experiment(exp_dir)
-    kind = model_kind(experiment.config)
+    kind = experiment.kind
     check_command(command, kind, str(Path(exp_dir) / config_module.CONFIG_NAME))
     check_command(experiment.train_bin, kind,
                   f"{Path(exp_dir) / config_module.HYPER_NAME}: train.bin")

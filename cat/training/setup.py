@@ -40,14 +40,15 @@ def build_model(experiment: Experiment, context: DistributedContext
     num_classes = tokenizer.vocab_size
     torch.manual_seed(options.seed)
     model = registry.build_model(experiment.config, num_classes,
-                                 str(experiment.directory / config_module.CONFIG_NAME))
+                                 str(experiment.directory / config_module.CONFIG_NAME),
+                                 experiment.kind)
     if hasattr(model, "prepare_training"):  # e.g. CTC-CRF reads its denominator graph
         model.prepare_training([tokenizer.id_to_piece(i) for i in range(num_classes)])
     # Training randomness (dropout, SpecAugment) differs per rank, reproducibly.
     torch.manual_seed(int(np.random.SeedSequence([options.seed, context.rank])
                           .generate_state(1)[0]))
-    logger.info("model %s: %d parameters, %d classes", config_module.model_kind(
-        experiment.config), sum(p.numel() for p in model.parameters()), num_classes)
+    logger.info("model %s: %d parameters, %d classes", experiment.kind,
+                sum(p.numel() for p in model.parameters()), num_classes)
     return model.to(context.device), num_classes
 
 

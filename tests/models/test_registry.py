@@ -16,7 +16,13 @@ from cat.ctc.head import CTCHead
 from cat.models.cuside import ContextChunking
 from cat.models.encoder import ConformerNet
 from cat.models.model import AsrModel
-from cat.models.registry import ENCODERS, build_model, check_command, count_parameters
+from cat.models.registry import (
+    ENCODERS,
+    build_model,
+    check_command,
+    count_parameters,
+    family,
+)
 from cat.models.specaug import SpecAugment
 from cat.rnnt.model import (
     JOINERS,
@@ -465,3 +471,12 @@ def test_a_built_encoder_must_be_an_encoder(monkeypatch):
                                         r"ConformerNet \(Bare\) is not an Encoder: it lacks "
                                         r"compile_blocks, frame_rate_factor"):
         build_model(ctc_config(), num_classes=6)
+
+
+def test_a_family_part_is_looked_up_only_among_the_parts_the_registry_declares():
+    """The architecture test counts `family`'s loads as the registry's imports: it loads
+    only `FAMILY_PARTS`, and a CTC-CRF model's are the CTC family's."""
+    assert family("crf", "stream").__name__ == "cat.ctc.stream"
+    with pytest.raises(ValueError, match="'head' is not a family's part; the parts are "
+                                         "stream, export"):
+        family("ctc", "head")

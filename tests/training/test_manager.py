@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -52,6 +53,25 @@ def _set_config(experiment, change):
     config = json.loads(path.read_text(encoding="utf-8"))
     change(config)
     path.write_text(json.dumps(config), encoding="utf-8")
+
+
+def test_a_training_start_works_out_the_model_kind_once(tmp_path, monkeypatch):
+    """config.json's model kind is worked out when the experiment is loaded and carried
+    (`Experiment.kind`) to the command checks, the model and the log."""
+    write_tiny_experiment(tmp_path, options={"epochs": 1})
+    monkeypatch.chdir(tmp_path)
+    original, calls = config_module.model_kind, []
+
+    def counting(config, source="config.json"):
+        calls.append(source)
+        return original(config, source)
+
+    for module in list(sys.modules.values()):
+        if (getattr(module, "__name__", "").startswith("cat")
+                and getattr(module, "model_kind", None) is original):
+            monkeypatch.setattr(module, "model_kind", counting)
+    train(NAME, "cat.ctc.train")
+    assert calls == [f"{NAME}/config.json"]
 
 
 def test_map_style_and_shards_both_reduce_the_loss(tmp_path, monkeypatch):
