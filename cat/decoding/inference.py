@@ -35,7 +35,7 @@ Long recordings (audio): an utterance longer than `--max-segment` (seconds, defa
 0: decoded whole) is read and decoded a stretch at a time and their timed results
 joined into one (`cat.decoding.transcribe`), so a recording of any length is
 transcribed in the memory of a few stretches: with `--vad silero` (the default),
-voice-activity segments cut in pauses and merged up to `--segment-target` (15 s;
+voice-activity segments cut in pauses and merged up to `--segment-target` (5 s;
 `--vad-threshold`, `--vad-min-silence` tune the detector, `cat.decoding.segments`); with
 `--vad none`, windows of `--max-segment` overlapping by `--segment-overlap` (default 2),
 which also take speech without a pause longer than `--max-segment`. The segments are

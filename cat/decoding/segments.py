@@ -26,7 +26,7 @@ at `cat.audio.vad.SAMPLE_RATE`; the settings are `cat.decoding.audio.Segmenting`
 
 Usage:
     cuts = plan_cuts(probabilities, num_samples, max_segment=30.0, threshold=0.5,
-                     min_silence=0.2, target=15.0)
+                     min_silence=0.2, target=5.0)
 """
 
 from __future__ import annotations

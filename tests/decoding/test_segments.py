@@ -93,7 +93,7 @@ def test_no_speech_gives_no_segment():
 
 
 def test_settings_out_of_range_are_errors_naming_their_flag():
-    assert Segmenting().target == 15.0 and Segmenting(max_segment=10).target == 10
+    assert Segmenting().target == 5.0 and Segmenting(max_segment=3, overlap=1).target == 3
     for settings, message in [
         ({"vad": "webrtc"}, "--vad 'webrtc': expected one of silero, none"),
         ({"vad_threshold": 1.0}, "--vad-threshold 1: expected a speech probability above "
@@ -102,6 +102,10 @@ def test_settings_out_of_range_are_errors_naming_their_flag():
         ({"vad_min_silence": 0}, "--vad-min-silence 0: expected more than 0 and at most a "
                                  "quarter of --max-segment 30 seconds"),
         ({"vad_min_silence": 8}, "--vad-min-silence 8: expected"),
+        ({"max_segment": 3, "overlap": 1, "vad_min_silence": 1},
+         "--vad-min-silence 1: expected more than "
+                                                     "0 and at most a quarter of --max-segment "
+                                                     "3 seconds"),
         ({"segment_target": 0.5}, "--segment-target 0.5: expected at least 1 and at most "
                                   "--max-segment 30 seconds"),
         ({"segment_target": 31}, "--segment-target 31: expected"),
