@@ -7,6 +7,7 @@ times.
         --wav-scp data/test/wav.scp --text data/test/text [--num-utts 0] [--repeats 1]
     python ../../bench/long_recording.py real --repeats 120 --pause 0.3     # from anywhere
     python ../../bench/long_recording.py real --before ../old-checkout      # and before
+    python ../../bench/long_recording.py mixed --count 40 --seed 1 --settings windows-8
 
 Inputs, each one WAV under `bench/out/long/`:
 
@@ -16,7 +17,10 @@ Inputs, each one WAV under `bench/out/long/`:
   `--repeats` times with `--pause` seconds of silence between (the issue's 9-minute
   loop), transcribed by the tiny model that has learned the real recordings
   (`cat.testing.learned_speech`, trained once into `bench/out/long/learned`: CER 0 on
-  each); the part is the recording alone.
+  each); the part is the recording alone;
+* `mixed`: `--count` real utterances, whole or trimmed to their speech, with pauses of 0.1
+  to 1 s, none, music or noise between them (`learned_speech.mixed_recording`, `--seed`),
+  the same model; the parts are the real recordings.
 
 Each run is a `python -m cat.decode --nj 1 --format json` process, its peak RSS from
 `wait4` (its address space limited to `--limit-gb`, 12 GB: a run that needs more, such as
@@ -199,6 +203,27 @@ def learned_experiment() -> Path:
     return root
 
 
+def mixed_recording(count: int, seed: int) -> tuple[Path, list[tuple[str, float]]]:
+    """`cat.testing.learned_speech.mixed_recording` (written once, by a process of its
+    own): its WAV, and where each utterance lies ((key, seconds its original audio would
+    start at: trimmed utterances start before their audio))."""
+    long = OUT / f"mixed-{count}-{seed}.wav"
+    placement = long.with_suffix(".json")
+    if not placement.is_file():
+        subprocess.run([sys.executable, "-c", "import json, sys\n"
+                        "from cat.testing.learned_speech import mixed_recording, "
+                        "read_real_speech\n"
+                        "speech = {item.key: item for item in read_real_speech(sys.argv[1])}\n"
+                        "mixed = mixed_recording(list(speech.values()), int(sys.argv[2]), "
+                        "int(sys.argv[3]))\n"
+                        "mixed.write(sys.argv[4])\n"
+                        "json.dump([(item.key, item.speech_start - speech[item.key].speech[0] "
+                        "/ 16000) for item in mixed.placed], open(sys.argv[5], 'w'))",
+                        str(REAL), str(count), str(seed), str(long), str(placement)],
+                       check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return long, [tuple(item) for item in json.loads(placement.read_text(encoding="utf-8"))]
+
+
 def speech_onset(path: Path) -> float:
     """Where the VAD finds speech start in a recording (seconds)."""
     from cat.audio.vad import FRAME_SECONDS, SileroVad
@@ -209,7 +234,7 @@ def speech_onset(path: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("input", choices=["synthetic", "real"])
+    parser.add_argument("input", choices=["synthetic", "real", "mixed"])
     parser.add_argument("exp_dir", nargs="?", help="synthetic: the experiment")
     parser.add_argument("--checkpoint")
     parser.add_argument("--wav-scp", default="data/test/wav.scp")
@@ -218,6 +243,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None,
                         help="synthetic: the list this many times (1); real: the recording (120)")
     parser.add_argument("--pause", type=float, default=0.3, help="real: seconds between")
+    parser.add_argument("--count", type=int, default=40, help="mixed: utterances")
+    parser.add_argument("--seed", type=int, default=1, help="mixed: the recording's seed")
     parser.add_argument("--settings", nargs="+", default=["defaults", "windows", "windows-12"],
                         type=setting_name)
     parser.add_argument("--before", type=Path, help="a checkout of another revision")
@@ -243,7 +270,7 @@ def main() -> None:
             placed.append((utt, offset))
             offset += len(samples[-1]) / 16000
         write_once(long, samples)
-    else:
+    elif args.input == "real":
         key = "BAC009S0724W0121"
         os.chdir(learned_experiment())
         exp_dir = "exp/learned"
@@ -256,6 +283,12 @@ def main() -> None:
         placed = [(key, index * (len(wav) + len(pause)) / 16000) for index in range(repeats)]
         write_once(long, [piece for index in range(repeats)
                           for piece in ([pause, wav] if index else [wav])])
+    else:
+        os.chdir(learned_experiment())
+        exp_dir = "exp/learned"
+        texts = {key: "".join(text.split()) for key, text in read_table(REAL / "text").items()}
+        wavs = {key: str(REAL / f"{key}.flac") for key in texts}
+        long, placed = mixed_recording(args.count, args.seed)
     seconds = soundfile.info(long).duration
     decode = [sys.executable, "-m", "cat.decode", exp_dir, "--nj", "1", "--format", "json"]
     if args.checkpoint:

@@ -107,6 +107,14 @@ def test_a_nine_minute_loop_of_real_speech_transcribes_as_the_wav_alone(learned,
     cues = parse_srt((tmp_path / "srt/srt/loop.srt").read_text(encoding="utf-8"))
     assert [(start, end, text) for _, start, end, text in cues] == [
         (segment["start"], segment["end"], segment["text"]) for segment in segments]
+    # CTM: a line per character, at its time in the recording (the JSON's), the last
+    # repetition's near the recording's end.
+    out = decode(root, ["--audio", str(wav), "--format", "ctm"])
+    lines = [line.split() for line in out.splitlines()]
+    assert [word for *_, word, _ in lines] == list(loop.text)
+    assert np.abs(np.array([float(start) for _, _, start, *_ in lines])
+                  - starts).max() <= 0.0005
+    assert float(lines[-1][2]) > loop.placed[-1].start
 
 
 @pytest.mark.parametrize("settings", [[], ["--vad", "none", "--max-segment", "8",
@@ -116,7 +124,7 @@ def test_real_utterances_with_short_pauses_none_music_or_noise_between(learned, 
                                                                       settings):
     """40 real utterances, whole or trimmed to their speech, with pauses of 0.1 to 1 s,
     none at all, music or noise between them: no error at a segment's or a window's
-    seam (windows of 8 s overlapping 2 s lost a character at two seams before)."""
+    seam (windows of 8 s overlapping 2 s lost characters at seams before)."""
     root, speech, _ = learned
     mixed = mixed_recording(speech, 40, seed=1)
     wav = mixed.write(tmp_path / "mixed.wav")
