@@ -15,6 +15,7 @@ graph of `--tlg` at `--lm-weight`, whose words are the word LM's), and prints pe
 * %CER of the set (the words are spoken alone, so this is not the corpus's CER);
 * the mean absolute error of word starts, of word ends, and of both (ms), over the
   reference words whose characters the hypothesis has, and how many those are;
+* the bias of starts and of ends: their mean signed error (ms; negative: early);
 * the baseline: the same words with the hypothesis's characters spread evenly over the
   utterance's audio (what times would be without an alignment).
 """
@@ -71,8 +72,9 @@ def main() -> None:
     wavs = read_table(aligned / "wav.scp")
     print(f"{args.exp_dir}: {len(reference)} utterances, "
           f"{sum(map(len, reference.values()))} words of {args.set}")
-    print("| method | %CER | start ms | end ms | mean ms | words compared | even spread: mean ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| method | %CER | start ms | end ms | mean ms | start bias ms | end bias ms | "
+          "words compared | even spread: mean ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in args.methods:
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, "-m", "cat.decode", args.exp_dir, "--wav-scp",
@@ -89,8 +91,9 @@ def main() -> None:
         baseline = boundary_errors(reference, even_times(hypothesis, wavs))
         mean = lambda values: 1000 * sum(values) / len(values)  # noqa: E731
         print(f"| {method} | {cer.error_rate:.2f} | {mean(errors.starts):.0f} | "
-              f"{mean(errors.ends):.0f} | {errors.mean_ms:.0f} | {len(errors.starts)} of "
-              f"{errors.num_words} | {baseline.mean_ms:.0f} |")
+              f"{mean(errors.ends):.0f} | {errors.mean_ms:.0f} | "
+              f"{mean(errors.start_shifts):+.0f} | {mean(errors.end_shifts):+.0f} | "
+              f"{len(errors.starts)} of {errors.num_words} | {baseline.mean_ms:.0f} |")
 
 
 if __name__ == "__main__":

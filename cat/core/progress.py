@@ -45,13 +45,15 @@ def _attach(counter: Any) -> None:
 class WorkerProgress:
     """A tqdm bar following a counter its workers advance. Without a terminal (a log file,
     a pipe) the bar is off, as the others of the toolkit are (`disable=None`), and a log
-    line says how far it got every `log_seconds` instead."""
+    line says how far it got every `log_seconds` instead. Counts are integers; `scale`
+    shows them in `unit`s (0.01 with unit "s": counts of 10 ms frames shown as seconds)."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "utt",
-                 interval: float = 0.25, log_seconds: float = 60.0) -> None:
+                 interval: float = 0.25, log_seconds: float = 60.0, scale: float = 1) -> None:
         self._value = multiprocessing.get_context("spawn").Value("q", 0)
-        self._bar = tqdm(total=total, desc=desc, unit=unit, disable=None, dynamic_ncols=True)
-        self._total, self._desc, self._unit = total, desc, unit
+        self._bar = tqdm(total=total, desc=desc, unit=unit, disable=None, dynamic_ncols=True,
+                         unit_scale=scale if scale != 1 else False)
+        self._total, self._desc, self._unit, self._scale = total, desc, unit, scale
         self._interval = interval
         self._log_seconds = log_seconds
         self._stop = threading.Event()
@@ -78,9 +80,9 @@ class WorkerProgress:
             now = time.monotonic()
             if self._bar.disable and now - last_log >= self._log_seconds:
                 last_log = now
-                of = f"/{self._total}" if self._total is not None else ""
-                logger.info("%s: %d%s %s in %.0f s", self._desc, self._value.value, of,
-                            self._unit, now - start)
+                of = f"/{self._total * self._scale:g}" if self._total is not None else ""
+                logger.info("%s: %g%s %s in %.0f s", self._desc,
+                            self._value.value * self._scale, of, self._unit, now - start)
 
     def __enter__(self) -> WorkerProgress:
         _attach(self._value)

@@ -171,11 +171,15 @@ def read_ctm(path: str | os.PathLike) -> dict[str, list[Word]]:
 
 @dataclasses.dataclass(frozen=True)
 class BoundaryErrors:
-    """Absolute differences (seconds) of matched words' starts and ends, and counts."""
+    """Absolute differences (seconds) of matched words' starts and ends, and counts; the
+    signed ones (hypothesis minus reference: negative is early) in `start_shifts` and
+    `end_shifts`."""
 
     starts: list[float]
     ends: list[float]
     num_words: int
+    start_shifts: list[float] = dataclasses.field(default_factory=list)
+    end_shifts: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def mean_ms(self) -> float:
@@ -187,7 +191,9 @@ def boundary_errors(reference: dict[str, list[Word]],
                     hypothesis: dict[str, list[Word]]) -> BoundaryErrors:
     """Boundary differences of the reference words whose characters the hypothesis
     (one character per word) has, matched per utterance (see the module doc)."""
-    starts, ends, total = [], [], 0
+    start_shifts: list[float] = []
+    end_shifts: list[float] = []
+    total = 0
     for utt, words in reference.items():
         total += len(words)
         chars = [(word_index, char) for word_index, word in enumerate(words)
@@ -203,9 +209,10 @@ def boundary_errors(reference: dict[str, list[Word]],
                     matched.setdefault(chars[i1 + offset][0], []).append(hyp[j1 + offset])
         for word_index, units in matched.items():
             if len(units) == len(words[word_index].text):
-                starts.append(abs(units[0].start - words[word_index].start))
-                ends.append(abs(units[-1].end - words[word_index].end))
-    return BoundaryErrors(starts, ends, total)
+                start_shifts.append(units[0].start - words[word_index].start)
+                end_shifts.append(units[-1].end - words[word_index].end)
+    return BoundaryErrors([abs(shift) for shift in start_shifts],
+                          [abs(shift) for shift in end_shifts], total, start_shifts, end_shifts)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -46,7 +46,10 @@ import numpy as np
 import soundfile
 
 from cat.audio.codec import READ_EXTENSIONS, AudioDecodeError, decode, resample
+from cat.audio.vad import SAMPLE_RATE as VAD_RATE
+from cat.audio.vad import SileroVad
 from cat.core.io import PathLike, TableError, iter_table
+from cat.decoding.segments import RELEASE, VADS, plan_cuts
 from cat.features.extract import cut_features, segment_span, utterance_features
 from cat.features.fbank import AudioError, FbankOptions, num_frames, open_audio, read_channel
 from cat.features.plan import DEFAULT_MAX_OVERSHOOT, scan_segments
@@ -62,15 +65,33 @@ class AudioListError(ValueError):
     """A list of audio is malformed; the message names the file and line."""
 
 
+#: The longest stretch decoded at once by default (seconds): `Segmenting.max_segment`.
+MAX_SEGMENT_SECONDS = 30.0
+#: Seconds voice-activity segments are merged up to by default (at most `max_segment`):
+#: of 5 to 25 s, 5 s gave the lowest error rate on the synthetic test set end to end
+#: (bench/README.md), nearly that of its utterances decoded one by one.
+SEGMENT_TARGET_SECONDS = 5.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Segmenting:
-    """Long utterances in fixed windows: an utterance longer than `max_segment` seconds is
-    read and decoded as windows of `max_segment` seconds, each starting `max_segment -
-    overlap` seconds after the one before (the last one shorter). `overlap` must be less
-    than half of `max_segment`, so that only neighbouring windows overlap."""
+    """Long utterances decoded a stretch at a time: an utterance longer than `max_segment`
+    seconds is cut into segments of at most that length, each read and decoded alone.
 
-    max_segment: float
+    With `vad` "silero", voice-activity segments (`cat.decoding.segments`: cuts in pauses,
+    segments merged up to `segment_target` seconds; speech from a probability of
+    `vad_threshold`, pauses of `vad_min_silence` seconds or more); with "none", and for
+    speech without a pause longer than `max_segment`, windows of `max_segment` seconds,
+    each starting `max_segment - overlap` seconds after the one before (the last one
+    shorter). `overlap` must be less than half of `max_segment`, so that only
+    neighbouring windows overlap. A value out of range is a ValueError naming its flag."""
+
+    max_segment: float = MAX_SEGMENT_SECONDS
     overlap: float = 2.0
+    vad: str = "silero"
+    vad_threshold: float = 0.5
+    vad_min_silence: float = 0.2
+    segment_target: float | None = None  # None: SEGMENT_TARGET_SECONDS, or max_segment
 
     def __post_init__(self) -> None:
         if not self.max_segment > 0:
@@ -79,6 +100,25 @@ class Segmenting:
         if not 0 <= self.overlap < self.max_segment / 2:
             raise ValueError(f"--segment-overlap {self.overlap:g}: expected at least 0 and "
                              f"less than half of --max-segment {self.max_segment:g} seconds")
+        if self.vad not in VADS:
+            raise ValueError(f"--vad {self.vad!r}: expected one of {', '.join(VADS)}")
+        if not RELEASE < self.vad_threshold < 1:
+            raise ValueError(f"--vad-threshold {self.vad_threshold:g}: expected a speech "
+                             f"probability above {RELEASE:g} and below 1")
+        if not 0 < self.vad_min_silence <= self.max_segment / 4:
+            raise ValueError(f"--vad-min-silence {self.vad_min_silence:g}: expected more than "
+                             f"0 and at most a quarter of --max-segment {self.max_segment:g} "
+                             "seconds")
+        if self.segment_target is not None and not 1 <= self.segment_target <= self.max_segment:
+            raise ValueError(f"--segment-target {self.segment_target:g}: expected at least 1 "
+                             f"and at most --max-segment {self.max_segment:g} seconds")
+
+    @property
+    def target(self) -> float:
+        """Seconds voice-activity segments are merged up to."""
+        if self.segment_target is not None:
+            return self.segment_target
+        return min(SEGMENT_TARGET_SECONDS, self.max_segment)
 
     def starts(self, num_samples: int, rate: int) -> list[tuple[int, int]]:
         """(first, end) samples of each window of an utterance of `num_samples` samples."""
@@ -95,12 +135,20 @@ class Segmenting:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """Features of one window of a long utterance (`Segmenting`): `start` is where it
-    begins in the utterance (seconds), `index` its place among the utterance's windows."""
+    """Features of one stretch of a long utterance (`Segmenting`): `start` is where it
+    begins in the utterance (seconds), `index` its place among the utterance's stretches,
+    `overlap` the seconds it shares with the one before (0 after a pause), `duration` the
+    utterance's seconds. A voice-activity segment's stretches carry its number (`segment`)
+    and where its speech lies (`speech`, seconds); a recording without speech gives one
+    window of no frames."""
 
     features: np.ndarray
     start: float
     index: int
+    overlap: float = 0.0
+    duration: float = 0.0
+    segment: int | None = None
+    speech: tuple[float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,10 +310,12 @@ def recording_features(recording: Recording, options: FbankOptions,
     limit) is not read: its reason names it, its duration and `WINDOW_VARIABLE`.
 
     With `segmenting`, an utterance of a file or command longer than its `max_segment` is
-    read a window at a time instead (at any rate: each window's samples alone are read and
-    resampled), giving a `Window` per window, in order; a window that cannot be read ends
-    the utterance with its reason (`(key, reason)` after the windows read before it).
-    Utterances of tar shards are decoded whole.
+    read a stretch at a time instead (at any rate: each stretch's samples alone are read
+    and resampled), giving a `Window` per stretch, in order: with `vad` "silero" the
+    voice-activity detector first reads it a minute at a time (`VAD_BLOCK_SECONDS`) and
+    the stretches are its segments (`cat.decoding.segments.plan_cuts`), else windows. A
+    stretch that cannot be read ends the utterance with its reason (`(key, reason)` after
+    the stretches read before it). Utterances of tar shards are decoded whole.
     """
     if recording.shard:
         yield from _shard_features(recording, options, max_frames)
@@ -311,8 +361,8 @@ def _pieces_features(pieces: Sequence[Piece], audio: soundfile.SoundFile, name: 
         results = _resampled_features(pieces, reasons, audio, name, options)
     for index, (piece, result) in enumerate(zip(pieces, results, strict=True)):
         if index in windowed:
-            yield from _window_features(piece, windowed[index], audio, name, options,
-                                        segmenting)
+            stretches = _vad_features if segmenting.vad == "silero" else _window_features
+            yield from stretches(piece, windowed[index], audio, name, options, segmenting)
         else:
             yield piece.key, f"{piece.where}: {result}" if isinstance(result, str) else result
 
@@ -322,23 +372,95 @@ def _window_features(piece: Piece, span: tuple[int, int], audio: soundfile.Sound
                      ) -> Iterator[tuple[str, Window | str]]:
     """The windows of one long utterance (`span`: its samples at the target rate), each
     read alone and resampled when the audio has another rate."""
-    rate, target = audio.samplerate, options.sample_rate
     begin, end = span
-    for index, (first, last) in enumerate(segmenting.starts(end - begin, target)):
-        try:
-            samples = read_channel(audio, name, round((begin + first) * rate / target),
-                                   round((begin + last) * rate / target))
-        except AudioError as error:
-            yield piece.key, f"{piece.where}: {error}"
-            return
-        if rate != target:
-            samples = resample(samples, rate, target)
-        features = cut_features(samples, piece.key, options)
+    duration = (end - begin) / options.sample_rate
+    for index, (first, last) in enumerate(segmenting.starts(end - begin, options.sample_rate)):
+        features = _stretch_features(piece, audio, name, options, begin + first, begin + last)
         if isinstance(features, str):
-            yield piece.key, (f"{piece.where}: {name}: the window at {first / target:g} s: "
-                              f"{features}")
+            yield piece.key, features
             return
-        yield piece.key, Window(features, first / target, index)
+        yield piece.key, Window(features, first / options.sample_rate, index,
+                                segmenting.overlap if index else 0.0, duration)
+
+
+def _stretch_features(piece: Piece, audio: soundfile.SoundFile, name: str,
+                      options: FbankOptions, first: int, last: int) -> np.ndarray | str:
+    """Stage 1's features of samples `first` to `last` (at the target rate) of an
+    utterance, read alone (and resampled at another rate), or why there are none."""
+    rate, target = audio.samplerate, options.sample_rate
+    try:
+        samples = read_channel(audio, name, round(first * rate / target),
+                               round(last * rate / target))
+    except AudioError as error:
+        return f"{piece.where}: {error}"
+    if rate != target:
+        samples = resample(samples, rate, target)
+    features = cut_features(samples, piece.key, options)
+    if isinstance(features, str):
+        return f"{piece.where}: {name}: the stretch at {first / target:g} s: {features}"
+    return features
+
+
+#: Seconds of audio the voice-activity detector is given at once.
+VAD_BLOCK_SECONDS = 60.0
+
+
+def _speech_probabilities(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,
+                          name: str, target: int) -> np.ndarray | str:
+    """The VAD's probabilities of an utterance, read a block at a time, or why not."""
+    rate = audio.samplerate
+    vad = SileroVad()
+    probabilities = []
+    block = round(VAD_BLOCK_SECONDS * target)
+    for first in range(span[0], span[1], block):
+        last = min(span[1], first + block)
+        try:
+            samples = read_channel(audio, name, round(first * rate / target),
+                                   round(last * rate / target))
+        except AudioError as error:
+            return f"{piece.where}: {error}"
+        if rate != VAD_RATE:
+            samples = resample(samples, rate, VAD_RATE)
+        probabilities.append(vad.accept(samples))
+    probabilities.append(vad.finish())
+    return np.concatenate(probabilities)
+
+
+def _vad_features(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,
+                  name: str, options: FbankOptions, segmenting: Segmenting
+                  ) -> Iterator[tuple[str, Window | str]]:
+    """The voice-activity segments of one long utterance (`cat.decoding.segments`), each
+    read alone; speech without a pause longer than `max_segment`, in windows."""
+    target = options.sample_rate
+    begin, end = span
+    duration = (end - begin) / target
+    probabilities = _speech_probabilities(piece, span, audio, name, target)
+    if isinstance(probabilities, str):
+        yield piece.key, probabilities
+        return
+    cuts = plan_cuts(probabilities, round((end - begin) * VAD_RATE / target),
+                     segmenting.max_segment, segmenting.vad_threshold,
+                     segmenting.vad_min_silence, segmenting.target)
+    if not cuts:
+        yield piece.key, Window(np.zeros((0, options.num_mel_bins), np.float32), 0.0, 0,
+                                duration=duration, segment=0)
+        return
+    index = 0
+    for number, cut in enumerate(cuts):
+        first, last = (round(sample * target / VAD_RATE) for sample in (cut.first, cut.end))
+        speech = (cut.speech_first / VAD_RATE, cut.speech_end / VAD_RATE)
+        windows = segmenting.starts(last - first, target) if cut.windowed else \
+            [(0, last - first)]
+        for offset, (start, stop) in enumerate(windows):
+            features = _stretch_features(piece, audio, name, options, begin + first + start,
+                                         begin + first + stop)
+            if isinstance(features, str):
+                yield piece.key, features
+                return
+            yield piece.key, Window(features, (first + start) / target, index,
+                                    segmenting.overlap if offset else 0.0, duration, number,
+                                    speech)
+            index += 1
 
 
 def _span_features(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,

@@ -31,11 +31,17 @@ Without `--out` (audio only), the `<key> <hypothesis>` lines go to standard outp
 order of the list. The real-time factor (decoding time / audio time) is logged to
 standard error.
 
-Long recordings (audio, `--max-segment SECONDS`, `--segment-overlap SECONDS`, default
-2): an utterance longer than `--max-segment` is read and decoded in windows of that
-length, each overlapping the next by the overlap, and their timed results joined into
-one (`cat.decoding.transcribe`), so a recording of any length is transcribed in the
-memory of a few windows.
+Long recordings (audio): an utterance longer than `--max-segment` (seconds, default 30;
+0: decoded whole) is read and decoded a stretch at a time and their timed results
+joined into one (`cat.decoding.transcribe`), so a recording of any length is
+transcribed in the memory of a few stretches: with `--vad silero` (the default),
+voice-activity segments cut in pauses and merged up to `--segment-target` (5 s;
+`--vad-threshold`, `--vad-min-silence` tune the detector, `cat.decoding.segments`); with
+`--vad none`, windows of `--max-segment` overlapping by `--segment-overlap` (default 2),
+which also take speech without a pause longer than `--max-segment`. The segments are
+decoded in batches (`--batch-size`, `--max-frames`), and their times and text are in
+the `json` results (`segments`) and the `srt` subtitles (a cue per segment). A setting
+out of range is an error naming its flag.
 
 Results as data (`--format`, `cat.decoding.results`): `text` (the default: the lines
 above, unchanged), `json` (a JSON object per utterance: key, text, tokens, token and word
@@ -99,12 +105,14 @@ from typing import Any
 
 import kaldiio
 
+from cat.audio.vad import VadError
 from cat.core.config import CONFIG_NAME, HYPER_NAME, ConfigError, experiment_kind, load_hyper
 from cat.core.io import PathLike, atomic_write, setup_logging
 from cat.core.launch import Launcher, map_calls
 from cat.core.process import process_pool
 from cat.core.progress import WorkerProgress, advance
 from cat.decoding.audio import (
+    SEGMENT_TARGET_SECONDS,
     AudioList,
     AudioListError,
     Segmenting,
@@ -132,6 +140,7 @@ from cat.decoding.searcher import (
     plan_batches,
     write_hyp,
 )
+from cat.decoding.segments import VADS
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
 from cat.decoding.wfst import searcher_for
@@ -400,13 +409,30 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                              "tokens, times and N-best, Kaldi CTM, SRT subtitles (with --out: "
                              "hyp.jsonl, hyp.ctm or srt/<key>.srt besides hyp)")
     long = parser.add_argument_group("long recordings (audio)")
-    long.add_argument("--max-segment", type=float,
-                      help="seconds: an utterance longer than this is decoded in windows of "
-                           "this length and the results joined (default: decoded whole, up to "
-                           "the transcription window)")
-    long.add_argument("--segment-overlap", type=float, default=2.0,
+    segmenting = Segmenting()
+    long.add_argument("--max-segment", type=float, default=segmenting.max_segment,
+                      help="seconds: the longest stretch decoded at once; an utterance "
+                           "longer than this is cut into segments, decoded in batches and "
+                           "their results joined (default %(default)g; 0: every utterance "
+                           "whole, up to the transcription window)")
+    long.add_argument("--vad", choices=VADS, default=segmenting.vad,
+                      help="where to cut: silero (Silero VAD's pauses, segments merged to "
+                           "--segment-target) or none (windows of --max-segment overlapping "
+                           "by --segment-overlap); default %(default)s")
+    long.add_argument("--segment-target", type=float, default=segmenting.segment_target,
+                      help="seconds: speech between pauses is merged into segments up to "
+                           f"this long (default {SEGMENT_TARGET_SECONDS:g}, or --max-segment "
+                           "when shorter)")
+    long.add_argument("--vad-threshold", type=float, default=segmenting.vad_threshold,
+                      help="speech probability from which a frame is speech (default "
+                           "%(default)g)")
+    long.add_argument("--vad-min-silence", type=float, default=segmenting.vad_min_silence,
+                      help="seconds below the threshold that make a pause to cut at "
+                           "(default %(default)g)")
+    long.add_argument("--segment-overlap", type=float, default=segmenting.overlap,
                       help="seconds each window overlaps the next (less than half of "
-                           "--max-segment); words are joined at the middle of the overlap")
+                           "--max-segment); the windows are cut between tokens near the "
+                           "middle of the overlap (default %(default)g)")
     options = parser.add_argument_group("options (default: hyper-p.json inference.infer.option)")
     # Help and choices come from the option schema, the one definition of these options.
     defaults = DecodeOptions()
@@ -427,6 +453,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+#: The flags of `Segmenting` (long recordings), as argparse names them.
+LONG_FLAGS = ("max_segment", "vad", "segment_target", "vad_threshold", "vad_min_silence",
+              "segment_overlap")
+
+
 def _audio_list(args: argparse.Namespace) -> AudioList:
     if args.audio:
         return from_files(args.audio)
@@ -444,11 +475,19 @@ def _decode_features(args: argparse.Namespace, kind: str, checkpoint: Path,
                       output=args.format, spec=spec)
 
 
+def _segmenting(args: argparse.Namespace) -> Segmenting | None:
+    """The command line's `Segmenting` (None with --max-segment 0); a ValueError naming
+    a flag out of range."""
+    if args.max_segment == 0:
+        return None
+    return Segmenting(args.max_segment, args.segment_overlap, args.vad, args.vad_threshold,
+                      args.vad_min_silence, args.segment_target)
+
+
 def _transcribe(args: argparse.Namespace, kind: str, checkpoint: Path, options: DecodeOptions,
                 spec: FusionSpec | None) -> DecodeSummary:
     audio = _audio_list(args)
-    segmenting = Segmenting(args.max_segment, args.segment_overlap) \
-        if args.max_segment is not None else None
+    segmenting = _segmenting(args)
     transcript = transcribe(args.exp_dir, audio, checkpoint, kind, options, spec,
                             output=args.format, segmenting=segmenting)
     if args.out:
@@ -475,12 +514,14 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         parser.error("--data needs --out")
     if args.segments and not args.wav_scp:
         parser.error("--segments goes with --wav-scp")
-    if args.max_segment is not None:
-        if args.data:
-            parser.error("--max-segment is for audio: --data decodes stage 1's features of "
-                         "each utterance whole")
+    if args.data:
+        given = [flag for flag in LONG_FLAGS if getattr(args, flag) != parser.get_default(flag)]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} is for audio: --data decodes stage "
+                         "1's features of each utterance whole")
+    else:
         try:
-            Segmenting(args.max_segment, args.segment_overlap)
+            _segmenting(args)
         except ValueError as error:
             parser.error(str(error))
     if args.format not in FORMATS:
@@ -512,7 +553,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         else:
             summary = _transcribe(args, kind, checkpoint, options, spec)
     except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
-            CheckpointMismatchError, HotwordsError, ResultFormatError) as error:
+            CheckpointMismatchError, HotwordsError, ResultFormatError, VadError) as error:
         logger.error("%s", error)
         return 1
     skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""

@@ -4,17 +4,21 @@ CTM or SRT subtitles (`--format` of `python -m cat.decode`).
 * `text`: `<key> <text>` lines (an empty hypothesis is the key alone), what `hyp` holds;
 * `json`: a JSON object per line: `key`, `text`, `tokens` (the tokenizer's pieces), with
   times `timestamps` (`[start, end]` seconds per token) and `words` (`word`, `start`,
-  `end`, `confidence`), and with a beam search `nbest` (`text`, `score`: the search's log
-  score, best first);
+  `end`, `confidence`), for a long recording cut into voice-activity segments
+  `segments` (`start`, `end`: where its speech starts and ends; `text`), and with a beam
+  search `nbest` (`text`, `score`: the search's log score, best first);
 * `ctm`: Kaldi's CTM, a line per word: `<key> 1 <start> <duration> <word> <confidence>`
-  (seconds from the utterance's start, channel 1);
-* `srt`: SubRip subtitles of an utterance (`srt_document`): cues of consecutive words,
-  a new cue after a pause of `CUE_PAUSE` seconds or when a cue would last more than
-  `CUE_SECONDS` or hold more than `CUE_CHARACTERS` characters; cues numbered from 1,
+  (seconds from the utterance's start, channel 1: a long recording's words at their
+  times in the recording, whatever segment they were decoded in);
+* `srt`: SubRip subtitles of an utterance (`srt_document`): a cue per segment with text
+  for a recording cut into segments, else cues of consecutive words, a new cue after a
+  pause of `CUE_PAUSE` seconds or when a cue would last more than `CUE_SECONDS` or hold
+  more than `CUE_CHARACTERS` characters; cues numbered from 1,
   `HH:MM:SS,mmm --> HH:MM:SS,mmm`.
 
 Words are those of `cat.decoding.timestamps.group_words` (a CJK character is a word);
-confidence is the probability of a word's least certain token on its best frame.
+confidence is the probability of a word's least certain token on its best frame. The
+stretches of a long recording decoded alone are joined by `join_parts`.
 
 Usage:
     for line in format_lines(results, "ctm"): print(line)
@@ -67,6 +71,7 @@ class Result:
     times: tuple[TimedUnit, ...] | None = None
     nbest: tuple[tuple[str, float], ...] | None = None
     ids: tuple[int, ...] = ()  # the pieces' token ids (not written)
+    segments: tuple[Segment, ...] | None = None  # of a long recording cut at pauses
 
     def words(self) -> list[TimedUnit]:
         """The timed words (`group_words`); a ResultFormatError without times."""
@@ -83,55 +88,117 @@ class Result:
                                 end=round(unit.end + seconds, 3)) for unit in self.times))
 
 
-#: Tokens of two overlapping windows are the same token when they start this close (s).
-SAME_TOKEN_SECONDS = 0.25
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of a long recording decoded alone (`cat.decoding.segments`): where its
+    speech starts and ends (seconds from the recording's start) and the text found in it."""
+
+    start: float
+    end: float
+    text: str
 
 
-def _seam(left: list[tuple[TimedUnit, int]], right: list[tuple[TimedUnit, int]],
-          start: float, end: float) -> list[tuple[TimedUnit, int]]:
-    """`left` (the tokens so far) up to the seam, and `right` (the next window's) from it:
-    of the tokens both have in the overlap `start`..`end` (equal ids starting within
-    `SAME_TOKEN_SECONDS`, matched in order by `difflib`), the pair nearest the middle of
-    the overlap, taken from `right`; without such a pair, the middle itself."""
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """The timed result of a stretch of an utterance: `start` (seconds in the utterance),
+    `overlap` (seconds it shares with the part before: 0 where a pause separates them),
+    and the segment it belongs to (`segment`, its speech span `speech`; None when the
+    parts are windows of `--vad none`)."""
+
+    start: float
+    overlap: float
+    result: Result
+    segment: int | None = None
+    speech: tuple[float, float] | None = None
+
+
+#: A token only one of two overlapping windows has is kept unless it lies this close to
+#: that window's edge (seconds; a quarter of the overlap at most), where a window hears
+#: part of a word.
+EDGE_SECONDS = 0.2
+
+#: A token: its times, its id and the number of the segment it was decoded in.
+Token = tuple[TimedUnit, int, int | None]
+
+
+def merge_overlap(left: Sequence[Token], right: Sequence[Token], start: float, end: float
+                  ) -> list[Token]:
+    """The tokens of two windows overlapping from `start` to `end` seconds, each given
+    the tokens it has there (`left`: the earlier window's, `right`: the later one's), as
+    one sequence: aligned by token (`difflib`), a token both have is taken from the window
+    that hears more around it (the earlier one before the middle of the overlap, the later
+    one after); where they differ, the earlier window's tokens before the middle and the
+    later one's after it; a token only one window has is kept (a window near its edge
+    drops a word more often than it makes one up) unless it lies within `EDGE_SECONDS`
+    of that window's own edge."""
     middle = (start + end) / 2
-    ours = [index for index, (unit, _) in enumerate(left) if unit.start >= start]
-    theirs = [index for index, (unit, _) in enumerate(right) if unit.start < end]
-    matcher = difflib.SequenceMatcher(None, [left[i][1] for i in ours],
-                                      [right[j][1] for j in theirs], autojunk=False)
-    best: tuple[float, int, int] | None = None
-    for block in matcher.get_matching_blocks():
-        for offset in range(block.size):
-            i, j = ours[block.a + offset], theirs[block.b + offset]
-            a, b = left[i][0].start, right[j][0].start
-            if abs(a - b) <= SAME_TOKEN_SECONDS and (
-                    best is None or abs((a + b) / 2 - middle) < best[0]):
-                best = (abs((a + b) / 2 - middle), i, j)
-    if best is not None:
-        return left[:best[1]] + right[best[2]:]
-    return ([token for token in left if token[0].start < middle]
-            + [token for token in right if token[0].start >= middle])
+    edge = min(EDGE_SECONDS, (end - start) / 4)
+    matcher = difflib.SequenceMatcher(None, [token for _, token, _ in left],
+                                      [token for _, token, _ in right], autojunk=False)
+    merged: list[Token] = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        ours, theirs = left[i1:i2], right[j1:j2]
+        if tag == "equal":
+            merged += [a if (a[0].start + b[0].start) / 2 < middle else b
+                       for a, b in zip(ours, theirs, strict=True)]
+        elif ours and theirs:
+            merged += [token for token in ours if token[0].start < middle]
+            merged += [token for token in theirs if token[0].start >= middle]
+        else:
+            merged += [token for token in ours if end - token[0].start >= edge]
+            merged += [token for token in theirs if token[0].start - start >= edge]
+    return merged
+
+
+def join_parts(key: str, parts: Sequence[Part], decode: Callable[[list[int]], str]) -> Result:
+    """One result of the timed results of an utterance's parts, in order: where parts
+    overlap, their tokens are merged (`merge_overlap`), each token taken from one of
+    them, so that no token is repeated or lost; parts separated by a pause follow each
+    other. A token before a
+    seam ends where the next one starts; the text is `decode` of the joined token ids, and
+    `segments` the text of each segment (when the parts have them). N-best lists are
+    not joined."""
+    tokens: list[Token] = []
+    for index, part in enumerate(parts):
+        if part.result.times is None:
+            raise ResultFormatError(f"utterance {key}: part {index} has no times to join by")
+        timed: list[Token] = [(unit, token, part.segment) for unit, token in zip(
+            part.result.shifted(part.start).times, part.result.ids, strict=True)]
+        if index and part.overlap > 0:
+            end = part.start + part.overlap
+            before = [token for token in tokens if token[0].start < part.start]
+            after = [token for token in timed if token[0].start >= end]
+            timed = before + merge_overlap(
+                [token for token in tokens if token[0].start >= part.start],
+                [token for token in timed if token[0].start < end], part.start, end) + after
+            tokens = []
+        tokens += timed
+    ids = [token_id for _, token_id, _ in tokens]
+    units: list[TimedUnit] = []
+    for unit, _, _ in tokens:  # times never decrease where windows placed a token apart
+        start = max(unit.start, units[-1].start) if units else unit.start
+        units.append(dataclasses.replace(unit, start=start, end=max(unit.end, start)))
+    # A token before a seam ends where the next part's first token starts.
+    units = [dataclasses.replace(unit, end=min(unit.end, following.start))
+             for unit, following in itertools.pairwise(units)] + units[-1:]
+    segments = None
+    if parts and all(part.segment is not None for part in parts):
+        # A recording without speech has one part without speech: no segment.
+        spans = {part.segment: part.speech for part in parts if part.speech is not None}
+        segments = tuple(Segment(round(spans[number][0], 3), round(spans[number][1], 3),
+                                 decode([token for _, token, segment in tokens
+                                         if segment == number]))
+                         for number in sorted(spans))
+    return Result(key, decode(ids), tuple(unit.text for unit in units), tuple(units), None,
+                  tuple(ids), segments)
 
 
 def join_windows(key: str, windows: Sequence[tuple[float, Result]], overlap: float,
                  decode: Callable[[list[int]], str]) -> Result:
-    """One result of the timed results of an utterance's windows ((start in the utterance,
-    result), in order, each overlapping the next by `overlap` seconds): each seam is cut
-    at a token both windows hold near the middle of their overlap (`_seam`), so that no
-    word is repeated or lost, and a token before a seam ends where the next one starts;
-    its text is `decode` of the joined token ids. N-best lists are not joined."""
-    tokens: list[tuple[TimedUnit, int]] = []
-    for index, (start, result) in enumerate(windows):
-        if result.times is None:
-            raise ResultFormatError(f"utterance {key}: window {index} has no times to join by")
-        timed = list(zip(result.shifted(start).times, result.ids, strict=True))
-        tokens = _seam(tokens, timed, start, start + overlap) if index else timed
-    ids = [token_id for _, token_id in tokens]
-    units = [unit for unit, _ in tokens]
-    # A token before a seam ends where the next window's first token starts.
-    units = [dataclasses.replace(unit, end=min(unit.end, following.start))
-             for unit, following in itertools.pairwise(units)] + units[-1:]
-    return Result(key, decode(ids), tuple(unit.text for unit in units), tuple(units), None,
-                  tuple(ids))
+    """`join_parts` of windows ((start in the utterance, result), in order) each
+    overlapping the next by `overlap` seconds."""
+    return join_parts(key, [Part(start, overlap if index else 0.0, result)
+                            for index, (start, result) in enumerate(windows)], decode)
 
 
 def json_record(result: Result) -> dict[str, Any]:
@@ -143,6 +210,9 @@ def json_record(result: Result) -> dict[str, Any]:
         record["words"] = [{"word": word.text, "start": word.start, "end": word.end,
                             "confidence": round(word.confidence, 4)}
                            for word in result.words()]
+    if result.segments is not None:
+        record["segments"] = [{"start": segment.start, "end": segment.end,
+                               "text": segment.text} for segment in result.segments]
     if result.nbest is not None:
         record["nbest"] = [{"text": text, "score": round(score, 4)}
                            for text, score in result.nbest]
@@ -187,9 +257,15 @@ def subtitle_cues(words: Sequence[TimedUnit]) -> list[tuple[float, float, str]]:
 
 
 def srt_document(result: Result) -> str:
-    """The SubRip subtitles of one utterance (empty without words)."""
+    """The SubRip subtitles of one utterance (empty without words): a cue per segment
+    with text when it was cut into segments, else `subtitle_cues` of its words."""
+    if result.segments is not None:
+        cues = [(segment.start, max(segment.end, segment.start + 0.001), segment.text)
+                for segment in result.segments if segment.text]
+    else:
+        cues = subtitle_cues(result.words())
     blocks = [f"{number}\n{_clock(start)} --> {_clock(end)}\n{text}\n"
-              for number, (start, end, text) in enumerate(subtitle_cues(result.words()), 1)]
+              for number, (start, end, text) in enumerate(cues, 1)]
     return "\n".join(blocks)
 
 

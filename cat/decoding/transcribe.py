@@ -15,26 +15,37 @@ whatever the size of the list. With one process and a list shorter than a window
 batches are exactly stage 4's. With a GPU, `nj` processes compute features and the GPU
 decodes.
 
-Without `segmenting`, an utterance is decoded whole; so an utterance longer than the
-window (a 3-hour recording given as one file) is refused before its audio is read,
-skipped with a reason naming the list line, the file, its duration and
-`$CAT_TRANSCRIBE_WINDOW_SECONDS`, which raises the window (seconds, default 1800; a
-larger window holds that much audio in memory). Cut a long recording with a `segments`
-file, and each segment's samples alone are read (`cat.decoding.audio`), so a recording
-of hours with segments is transcribed in the memory of its longest segment.
-
-Long recordings in windows (`segmenting`, `cat.decoding.audio.Segmenting`: `--max-segment`
-and `--segment-overlap`): an utterance of a file or command longer than `max_segment` is
-read a window at a time (`max_segment` seconds, each overlapping the next by `overlap`),
-each window decoded as an utterance of its own with token times, and the windows' results
-joined into the utterance's (`cat.decoding.results.join_windows`: each seam cut at a
-token both windows hold near the middle of their overlap, so no word is repeated or
-lost); the N-best lists of windows are not joined. Memory holds the features of one
+Long recordings (`segmenting`, `cat.decoding.audio.Segmenting`, by default its defaults):
+an utterance of a file or command longer than `max_segment` (30 s) is never decoded
+whole, whatever the model, since full-context attention takes memory in the square of
+the length. It is read a stretch at a time: voice-activity segments (`vad` "silero",
+`cat.decoding.segments`: cut in pauses, merged up to `segment_target`), or windows of
+`max_segment` seconds each overlapping the next by `overlap` (`vad` "none", and speech
+without a pause longer than `max_segment`). Each stretch is decoded as an utterance of
+its own with token times, batched with the others (`plan_batches`), and the results
+joined into the utterance's (`cat.decoding.results.join_parts`: segments follow each
+other, the tokens of overlapping windows are merged so that none is repeated or lost),
+with the segments' times and text (`Result.segments`); N-best lists are not joined. A
+recording without speech gives an empty transcript. Memory holds the features of one
 transcription window and the tokens found so far, whatever the length: on the CPU, an
 hour of audio in windows of 10 s, features gathered a minute at a time, peaks 12 MB above
 five minutes of it (`test_windows_keep_memory_flat_on_an_hour_long_recording`). With a
-GPU, a feature process hands over a recording's windows together, so memory grows with
+GPU, a feature process hands over a recording's stretches together, so memory grows with
 the recording there. Utterances of tar shards are decoded whole.
+
+With `segmenting` None an utterance is decoded whole (the toolkit's behaviour before
+segmentation; `--max-segment 0`); so an utterance longer than the window (a 3-hour
+recording given as one file) is refused before its audio is read, skipped with a reason
+naming the list line, the file, its duration and `$CAT_TRANSCRIBE_WINDOW_SECONDS`, which
+raises the window (seconds, default 1800; a larger window holds that much audio in
+memory). Cut a long recording with a `segments` file, and each segment's samples alone
+are read (`cat.decoding.audio`), so a recording of hours with segments is transcribed in
+the memory of its longest segment.
+
+The progress bar counts seconds of audio (its total when every input is a file whose
+header gives its length); without a terminal a log line says how far it got every
+minute. The log ends with the real-time factor, the audio seconds decoded per second
+and, for long recordings, how many segments were decoded alone and their mean length.
 
 Audio that cannot be used (missing, unreadable, truncated, too short or longer than the
 window, a segment outside its recording, a shard member without audio, a `wav.scp` command
@@ -47,7 +58,8 @@ builds their context graph and searches with it. The fbank is the experiment's f
 
 Outputs (`write_outputs`, into an output dir): `hyp` (`<key> <text>` lines sorted by
 key, as stage 4 writes them), `skipped.txt` (`<key> <reason>`), `decode.log` (inputs,
-checkpoint, options, counts, audio and wall seconds, real-time factor) and, with an LM,
+checkpoint, options, segmenting, counts, audio and wall seconds, real-time factor, audio
+seconds per second, segments and their mean length) and, with an LM,
 `nbest.jsonl`; for an `output` format other than text, its file (`hyp.jsonl`, `hyp.ctm`,
 `srt/<key>.srt`: `cat.decoding.results`), whose results hold pieces, times and N-best.
 
@@ -73,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import soundfile
 
 from cat.core.config import CONFIG_NAME, HYPER_NAME, load_config, load_hyper
 from cat.core.io import PathLike, atomic_write
@@ -86,7 +99,7 @@ from cat.decoding.audio import (
     Window,
     recording_features,
 )
-from cat.decoding.results import Result, check_format, join_windows, write_results
+from cat.decoding.results import Part, Result, check_format, join_parts, write_results
 from cat.decoding.searcher import (
     NO_LABEL,
     DecodeOptions,
@@ -111,6 +124,8 @@ logger = logging.getLogger(__name__)
 WINDOW_FRAMES = 180_000
 #: Where an utterance stands in the list: (recording index, position in the recording).
 Order = tuple[int, int]
+#: How long utterances are cut unless told otherwise (`Segmenting`'s defaults).
+DEFAULT_SEGMENTING = Segmenting()
 
 
 class TranscribeError(RuntimeError):
@@ -131,6 +146,8 @@ class Transcript:
     skipped: list[tuple[str, str]]
     summary: DecodeSummary
     output: str = "text"
+    segmenting: Segmenting | None = None
+    segments: Segments = dataclasses.field(default_factory=lambda: Segments(0, 0.0))
 
     @property
     def hypotheses(self) -> list[tuple[str, str]]:
@@ -145,13 +162,31 @@ class Transcript:
         return [(result.key, list(result.nbest or ())) for result in self.results]
 
 
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The stretches of long recordings decoded alone: how many, their seconds in all."""
+
+    count: int
+    seconds: float
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.count if self.count else 0.0
+
+    def describe(self) -> str:
+        return (f", {self.count} segments of {self.mean_seconds:.1f} s on average"
+                if self.count else "")
+
+
 @dataclasses.dataclass
 class _Decoded:
     """One process's results."""
 
     hypotheses: list[tuple[Order, Result]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[Order, str, str]] = dataclasses.field(default_factory=list)
-    frames: int = 0
+    frames: int = 0  # of audio decoded (a long recording's whole length)
+    segments: int = 0  # stretches of long recordings decoded alone
+    segment_frames: int = 0  # their frames
 
 
 def check_feature_dim(exp_dir: PathLike, options: FbankOptions) -> None:
@@ -251,43 +286,59 @@ class _Pending:
 def _decode_window(searcher: Searcher, window: dict[str, _Pending], options: DecodeOptions,
                    out: _Decoded, output: str, parts: dict[Order, list]) -> None:
     """Decode the utterances of `window` (keyed by a name of their own); the results of
-    windows of long utterances go to `parts` (by the utterance's place)."""
+    stretches of long utterances go to `parts` (by the utterance's place)."""
     lengths = {name: len(pending.features) for name, pending in window.items()}
+    for name in [name for name, length in lengths.items() if not length]:
+        # A recording without speech: an empty result, nothing to decode.
+        pending = window[name]
+        parts.setdefault(pending.order, []).append(
+            (_light(pending.part), Result(pending.key, "", (), (), None, ()), 0))
+        del lengths[name]
     for names in plan_batches(lengths, options.max_frames, options.batch_size):
         utterances = [Utterance(name, window[name].features, NO_LABEL) for name in names]
         timed = any(window[name].part is not None for name in names)
         for result in _window_results(searcher, utterances, output, timed):
-            pending = window[result.key]
+            name, pending = result.key, window[result.key]
             result = dataclasses.replace(result, key=pending.key)
             if pending.part is None:
                 out.hypotheses.append((pending.order, result))
+                out.frames += lengths[name]
+                advance(lengths[name])
             else:
-                parts.setdefault(pending.order, []).append(
-                    (pending.part.index, pending.part.start, result))
-        out.frames += sum(lengths[name] for name in names)
-        advance(len(names))
+                # New audio: what the stretch does not share with the one before.
+                new = max(0, lengths[name] - round(pending.part.overlap / FRAME_SHIFT_SECONDS))
+                parts.setdefault(pending.order, []).append((_light(pending.part), result, new))
+                out.segments += 1
+                out.segment_frames += lengths[name]
+                advance(new)
 
 
-def _join_parts(searcher: Searcher, parts: dict[Order, list], out: _Decoded,
-                segmenting: Segmenting | None) -> None:
-    """The results of the long utterances decoded in windows, each joined into one (those
-    whose reading failed part of the way are skipped: `out.skipped` has them)."""
+def _light(part: Window) -> Window:
+    """`part` without its features, kept until the utterance's stretches are joined."""
+    return dataclasses.replace(part, features=np.zeros((0, 0), np.float32))
+
+
+def _join_parts(searcher: Searcher, parts: dict[Order, list], out: _Decoded) -> None:
+    """The results of the long utterances decoded a stretch at a time, each joined into
+    one (those whose reading failed part of the way are skipped: `out.skipped` has
+    them)."""
     failed = {order for order, _, _ in out.skipped}
-    for order, windows in parts.items():
+    for order, stretches in parts.items():
         if order in failed:
             continue
-        windows.sort(key=lambda part: part[0])
-        key = windows[0][2].key
-        out.hypotheses.append((order, join_windows(
-            key, [(start, result) for _, start, result in windows], segmenting.overlap,
-            searcher.tokenizer.decode)))
-        # The overlaps were decoded twice: count the audio once.
-        out.frames -= round(segmenting.overlap / FRAME_SHIFT_SECONDS) * (len(windows) - 1)
+        stretches.sort(key=lambda item: item[0].index)
+        key = stretches[0][1].key
+        out.hypotheses.append((order, join_parts(
+            key, [Part(window.start, window.overlap, result, window.segment, window.speech)
+                  for window, result, _ in stretches], searcher.tokenizer.decode)))
+        # The utterance's audio, counted once: overlaps and pauses not decoded alike.
+        frames = round(stretches[0][0].duration / FRAME_SHIFT_SECONDS)
+        out.frames += frames
+        advance(max(0, frames - sum(new for _, _, new in stretches)))
 
 
 def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, Features]],
-            options: DecodeOptions, window_frames: int, output: str = "text",
-            segmenting: Segmenting | None = None) -> _Decoded:
+            options: DecodeOptions, window_frames: int, output: str = "text") -> _Decoded:
     """Decode utterances as their features arrive, a window of frames at a time."""
     out = _Decoded()
     window: dict[str, _Pending] = {}
@@ -297,17 +348,15 @@ def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, Features]],
     for order, key, result in items:
         if isinstance(result, str):
             out.skipped.append((order, key, result))
-            advance(1)
             continue
         part = result if isinstance(result, Window) else None
         if key in seen and not (part is not None and part.index):
             out.skipped.append((order, key, f"key {key!r} again: only its first utterance "
                                             "is decoded"))
-            advance(1)
             continue
         seen.add(key)
         features = part.features if part is not None else result
-        # A name of its own: the key is shared by the windows of an utterance.
+        # A name of its own: the key is shared by the stretches of an utterance.
         name = key if part is None else f"{key} {part.index}"
         window[name] = _Pending(order, key, features, part)
         frames += len(features)
@@ -316,7 +365,7 @@ def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, Features]],
             window, frames = {}, 0
     if window:
         _decode_window(searcher, window, options, out, output, parts)
-    _join_parts(searcher, parts, out, segmenting)
+    _join_parts(searcher, parts, out)
     return out
 
 
@@ -328,7 +377,7 @@ def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptio
     searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
                             [fusion] if fusion is not None else [])
     return _decode(searcher, _features(share, fbank, window_frames, segmenting), options,
-                   window_frames, output, segmenting)
+                   window_frames, output)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -354,12 +403,11 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
                                 [fusion] if fusion is not None else [])
         if workers == 1:
             items = _features(enumerate(audio.recordings), fbank, window_frames, segmenting)
-            return [_decode(searcher, items, options, window_frames, output, segmenting)], 1
+            return [_decode(searcher, items, options, window_frames, output)], 1
         with process_pool(workers) as pool:  # feature workers; decoding reports here
             items = _pooled_features(pool, audio.recordings, fbank, 2 * workers,
                                      window_frames, segmenting)
-            return [_decode(searcher, items, options, window_frames, output, segmenting)], \
-                workers
+            return [_decode(searcher, items, options, window_frames, output)], workers
     shares = _shares(audio, workers)
     arguments = (exp_dir, checkpoint, kind, options, device, fusion)
     if len(shares) == 1:
@@ -375,11 +423,12 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
                options: DecodeOptions, fusion: FusionSpec | None = None,
                fbank: FbankOptions | None = None,
                window_frames: int | None = None, output: str = "text",
-               segmenting: Segmenting | None = None) -> Transcript:
+               segmenting: Segmenting | None = DEFAULT_SEGMENTING) -> Transcript:
     """Decode every utterance of `audio` (see the module docstring); `window_frames`
     default: `window_frames_setting()`; `output`: the format the results are for
     (`cat.decoding.results`; other than text, they hold pieces, times and N-best);
-    `segmenting`: long utterances in windows (see the module docstring)."""
+    `segmenting`: how long utterances are cut (None: decoded whole, up to the window;
+    see the module docstring)."""
     check_format(output)
     fbank = fbank or experiment_front_end(load_hyper(Path(exp_dir) / HYPER_NAME))
     window_frames = window_frames or window_frames_setting()
@@ -393,10 +442,8 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
                          f"{options.method!r}")
     device = options.resolved_device()
     start = time.perf_counter()
-    # Utterances to decode: known up front except in tar shards (then the bar only counts).
-    total = None if any(r.shard for r in audio.recordings) else \
-        sum(len(r.pieces) or 1 for r in audio.recordings)
-    with WorkerProgress(total, f"transcribing {audio.name}") as progress:
+    with WorkerProgress(_known_frames(audio), f"transcribing {audio.name}", unit="s",
+                        scale=FRAME_SHIFT_SECONDS) as progress:
         results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
                                 fusion, fbank, window_frames, progress.pool_initializer(),
                                 output, segmenting)
@@ -423,13 +470,32 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
         raise TranscribeError(f"nothing to transcribe in {audio.name}: {len(skipped)} "
                               f"utterance(s), all skipped{detail}")
     summary = DecodeSummary(len(kept), frames * FRAME_SHIFT_SECONDS, seconds, len(skipped))
-    logger.info("transcribed %d utterances (%.1f s of audio) from %s in %.1f s: RTF %.4f "
-                "(%s, %d worker%s); %d skipped", summary.num_utts, summary.audio_seconds,
-                audio.name, seconds, summary.rtf, device, workers, "s" * (workers > 1),
-                len(skipped))
+    segments = Segments(sum(out.segments for out in results),
+                        sum(out.segment_frames for out in results) * FRAME_SHIFT_SECONDS)
+    logger.info("transcribed %d utterances (%.1f s of audio%s) from %s in %.1f s: RTF %.4f, "
+                "%.0f s of audio per second (%s, %d worker%s, batches of %d at most); "
+                "%d skipped", summary.num_utts, summary.audio_seconds, segments.describe(),
+                audio.name, seconds, summary.rtf, summary.audio_seconds / max(seconds, 1e-9),
+                device, workers, "s" * (workers > 1), options.batch_size, len(skipped))
     return Transcript(
         audio.name, str(checkpoint), device, workers, options, fusion, kept,
-        [(key, reason) for _, key, reason in skipped], summary, output)
+        [(key, reason) for _, key, reason in skipped], summary, output, segmenting, segments)
+
+
+def _known_frames(audio: AudioList) -> int | None:
+    """Frames (10 ms) of audio in `audio` when every recording is a file whose header
+    says its length (the progress bar's total), else None."""
+    seconds = 0.0
+    for recording in audio.recordings:
+        if recording.shard or recording.source.rstrip().endswith("|"):
+            return None
+        try:
+            length = soundfile.info(recording.source).duration
+        except (OSError, RuntimeError, soundfile.LibsndfileError):
+            return None
+        seconds += sum((length if piece.end < 0 else min(piece.end, length)) - piece.start
+                       for piece in recording.pieces)
+    return round(seconds / FRAME_SHIFT_SECONDS)
 
 
 def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
@@ -451,7 +517,13 @@ def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
         "fusion": dataclasses.asdict(transcript.fusion) if transcript.fusion else None,
         "num_utts": summary.num_utts, "num_skipped": summary.num_skipped,
         "audio_seconds": round(summary.audio_seconds, 2),
-        "decode_seconds": round(summary.decode_seconds, 2), "rtf": round(summary.rtf, 4)}
+        "decode_seconds": round(summary.decode_seconds, 2), "rtf": round(summary.rtf, 4),
+        "audio_seconds_per_second": round(summary.audio_seconds
+                                          / max(summary.decode_seconds, 1e-9), 1),
+        "segmenting": dataclasses.asdict(transcript.segmenting)
+        if transcript.segmenting else None,
+        "segments": transcript.segments.count,
+        "mean_segment_seconds": round(transcript.segments.mean_seconds, 2)}
     with atomic_write(out_dir / "decode.log") as f:
         json.dump(report, f, indent=1)
         f.write("\n")

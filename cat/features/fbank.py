@@ -250,7 +250,7 @@ def read_channel(audio: soundfile.SoundFile, name: str, start: int = 0,
     block = max(1, READ_BLOCK_BYTES // (4 * audio.channels))
     filled = 0
     try:
-        if start:
+        if start != audio.tell():  # a recording read again from its start: seek back
             audio.seek(start)
         while filled < len(out):
             data = audio.read(min(block, len(out) - filled), dtype="float32", always_2d=True)

@@ -104,6 +104,8 @@ def test_boundary_errors_match_characters_and_skip_misrecognised_words(tmp_path)
     assert errors.starts == pytest.approx([0.02, 0.05]) and errors.ends == pytest.approx(
         [0.05, 0.0])
     assert errors.mean_ms == pytest.approx(30.0)
+    assert errors.start_shifts == pytest.approx([0.02, 0.05])  # late: positive
+    assert errors.end_shifts == pytest.approx([-0.05, 0.0])  # early: negative
     # A word with a wrong character is not compared.
     wrong = boundary_errors(reference, {"a": [Word("半", 0.1, 0.3), Word("x", 0.3, 0.5)]})
     assert (wrong.starts, wrong.ends) == ([], [])

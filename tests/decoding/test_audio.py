@@ -250,7 +250,7 @@ def test_a_long_utterance_is_read_a_window_at_a_time(tmp_path, monkeypatch):
     reads = _recording_reads(monkeypatch)
     (recording,) = from_wav_scp(data_dir / "wav.scp").recordings
     got = list(recording_features(recording, FbankOptions(), max_frames=300,
-                                  segmenting=Segmenting(2.0, 0.5)))
+                                  segmenting=Segmenting(2.0, 0.5, vad="none")))
     assert [key for key, _ in got] == ["long"] * 4
     assert [(window.index, window.start) for _, window in got] == [
         (index, start) for index, (start, _) in enumerate(spans)]
@@ -259,14 +259,16 @@ def test_a_long_utterance_is_read_a_window_at_a_time(tmp_path, monkeypatch):
     assert reads == [(str(long), round(start * 16000), round(end * 16000))
                      for start, end in spans]
     # Shorter than a window: decoded whole, as without windows.
-    short = list(recording_features(recording, FbankOptions(), segmenting=Segmenting(7.0, 1)))
+    short = list(recording_features(recording, FbankOptions(),
+                                    segmenting=Segmenting(7.0, 1, vad="none")))
     assert len(short) == 1 and isinstance(short[0][1], np.ndarray)
 
     # 8 kHz audio: each window read at 8 kHz and resampled to 16 kHz.
     low = make_audio_file(tmp_path / "audio/low.wav", 6.2, sample_rate=8000, seed=6)
     (recording,) = from_files([low]).recordings
     reads.clear()
-    got = list(recording_features(recording, FbankOptions(), segmenting=Segmenting(2.0, 0.5)))
+    got = list(recording_features(recording, FbankOptions(),
+                                  segmenting=Segmenting(2.0, 0.5, vad="none")))
     assert [window.start for _, window in got] == [start for start, _ in spans]
     assert [len(window.features) for _, window in got] == [198, 198, 198, 168]
     assert reads == [(str(low), round(start * 8000), round(end * 8000)) for start, end in spans]

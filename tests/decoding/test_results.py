@@ -3,6 +3,7 @@ columns, SRT's cue grammar)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -10,11 +11,15 @@ import re
 import pytest
 
 from cat.decoding.results import (
+    Part,
     Result,
     ResultFormatError,
+    Segment,
     check_format,
     format_lines,
+    join_parts,
     join_windows,
+    json_record,
     srt_document,
     srt_path,
     write_results,
@@ -172,5 +177,39 @@ def test_windows_join_without_repeated_or_lost_tokens():
     right = window_result([(5, 0.1), (6, 0.6)])  # 1.3 s and 1.8 s
     joined = join_windows("long", [(0.0, left), (1.2, right)], 0.8, decode)
     assert decode(list(joined.ids)) == "abf"
-    with pytest.raises(ResultFormatError, match="utterance long: window 1 has no times"):
+    with pytest.raises(ResultFormatError, match="utterance long: part 1 has no times"):
         join_windows("long", [(0.0, left), (1.2, Result("long", "x"))], 0.8, decode)
+
+
+def test_a_token_one_window_drops_is_kept_and_one_made_up_at_an_edge_is_not():
+    # Windows 0-6 s and 4-10 s: the earlier drops c (4.9 s), 1.1 s from its edge, as
+    # a window that hears part of the next word does; the later makes up j at 4.1 s,
+    # where it hears the end of a word. Their seam (the middle, 5 s) falls in a pause.
+    left = window_result([(1, 3.5), (2, 4.3), (4, 5.0), (5, 5.9)])
+    right = window_result([(9, 0.1), (2, 0.32), (3, 0.9), (4, 1.0), (5, 1.88), (6, 2.5)])
+    joined = join_windows("long", [(0.0, left), (4.0, right)], 2.0, decode)
+    assert decode(list(joined.ids)) == "abcdef"
+    assert [unit.start for unit in joined.times] == [3.5, 4.3, 4.9, 5.0, 5.88, 6.5]
+
+
+def test_segments_join_with_their_times_and_make_one_cue_each():
+    """Segments cut in pauses follow each other; a segment decoded in two windows is one
+    segment; the JSON lists them and the subtitles have a cue per segment with text."""
+    parts = [Part(0.7, 0.0, window_result([(1, 0.3), (2, 0.6)]), 0, (1.0, 1.8)),
+             Part(2.4, 0.0, window_result([]), 1, (2.6, 3.0)),  # music: no text
+             Part(3.1, 0.0, window_result([(3, 0.2), (4, 1.5)]), 2, (3.3, 6.9)),
+             Part(5.1, 0.5, window_result([(4, 0.0), (5, 1.0)]), 2, (3.3, 6.9))]
+    joined = join_parts("long", parts, decode)
+    assert joined.text == "abcde"
+    assert [unit.start for unit in joined.times] == [1.0, 1.3, 3.3, 4.6, 6.1]
+    assert joined.segments == (Segment(1.0, 1.8, "ab"), Segment(2.6, 3.0, ""),
+                               Segment(3.3, 6.9, "cde"))
+    record = json.loads(next(format_lines([joined], "json")))
+    assert record["segments"] == [{"start": 1.0, "end": 1.8, "text": "ab"},
+                                  {"start": 2.6, "end": 3.0, "text": ""},
+                                  {"start": 3.3, "end": 6.9, "text": "cde"}]
+    assert parse_srt(srt_document(joined)) == [(1, 1.0, 1.8, "ab"), (2, 3.3, 6.9, "cde")]
+    # Windows without segments (--vad none): no segments, cues of words.
+    windows = join_parts("long", [dataclasses.replace(part, segment=None, speech=None)
+                                  for part in parts], decode)
+    assert windows.segments is None and "segments" not in json_record(windows)

@@ -244,7 +244,7 @@ def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
                        str(data_dir / "segments"), "--out", str(tmp_path / "out")]) == 0
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == stage4
     transcript = transcribe(EXP, from_wav_scp(data_dir / "wav.scp", data_dir / "segments"),
-                            CHECKPOINT, kind, options, window_frames=160)
+                            CHECKPOINT, kind, options, window_frames=160, segmenting=None)
     assert dict(transcript.hypotheses) == stage4
 
 
@@ -301,7 +301,7 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
     wav_scp = read_table(tmp_path / "wav.scp")
     monkeypatch.setenv("CAT_TRANSCRIBE_WINDOW_SECONDS", "1.2")
     assert main(f"cat.{kind}.decode", [EXP, "--wav-scp", str(tmp_path / "wav.scp"),
-                       "--out", str(tmp_path / "out")]) == 0
+                                       "--max-segment", "0", "--out", str(tmp_path / "out")]) == 0
     skipped = read_table(tmp_path / "out/skipped.txt")
     long = [utt for utt, path in audio.items() if soundfile.info(path).duration > 1.2]
     assert list(skipped) == long and len(long) == 2
@@ -318,7 +318,8 @@ def test_an_utterance_longer_than_the_window_is_refused_naming_file_and_duration
 
     # Nothing else to decode: an error naming the file, its duration and the setting.
     caplog.clear()
-    assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[long[1]])]) == 1
+    assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[long[1]]),
+                                       "--max-segment", "0"]) == 1
     assert "nothing to transcribe in command line audio files: 1 utterance(s), all " \
            f"skipped; first: {long[1]}: command line audio file 1: {audio[long[1]]}: the " \
            "recording lasts 1.6 s" in caplog.text
@@ -347,8 +348,8 @@ def test_a_long_recording_in_windows(recipe, tmp_path, capsys, caplog):
     assert capsys.readouterr().out == whole
 
     assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "3",
-                               "--segment-overlap", "1", "--format", "json", "--out",
-                               str(tmp_path / "out")]) == 0
+                               "--segment-overlap", "1", "--vad", "none", "--format", "json",
+                               "--out", str(tmp_path / "out")]) == 0
     (record,) = [json.loads(line) for line in (tmp_path / "out/hyp.jsonl").read_text(
         encoding="utf-8").splitlines()]
     assert record["key"] == "long" and "nbest" not in record
@@ -386,7 +387,7 @@ def test_windows_keep_memory_flat_on_an_hour_long_recording(recipe, tmp_path, mo
     inserts = {start: soundfile.read(audio[utt], dtype="int16")[0]
                for start, utt in zip((1.0, 100.0, 250.0), sorted(audio), strict=False)}
     decode = [sys.executable, "-m", f"cat.{kind}.decode", EXP, "--max-segment", "10",
-              "--segment-overlap", "2", "--format", "ctm"]
+              "--segment-overlap", "2", "--vad", "none", "--format", "ctm"]
     peaks = []
     for seconds in (300, 3600):
         long = tmp_path / f"long-{seconds}.wav"
@@ -434,9 +435,11 @@ def peak_rss_mb(argv: list[str]) -> tuple[int, float, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("trained", ["ctc"], indirect=True)  # reading audio is measured
 def test_a_three_hour_recording_in_bounded_memory(recipe, tmp_path):
-    """Whole, it is refused unread; cut by segments, each segment's samples alone are read
-    and decoded as stage 4 decodes them; either way under 1 GB (before: past 6 GB within
-    half a minute, the fbank of the whole recording)."""
+    """Whole (--max-segment 0), it is refused unread; by default, the voice-activity
+    detector reads it a minute at a time and only its sounds are decoded; cut by a
+    segments file, each segment's samples alone are read and decoded as stage 4 decodes
+    them; each way under 1 GB (before: past 6 GB within half a minute, the fbank of the
+    whole recording)."""
     kind, experiment, hyps = recipe
     audio = experiment.test_audio()
     utts = sorted(audio)
@@ -446,10 +449,16 @@ def test_a_three_hour_recording_in_bounded_memory(recipe, tmp_path):
     write_long_wav(long, LONG_SECONDS, inserts)
     decode = [sys.executable, "-m", f"cat.{kind}.decode", EXP]
 
-    status, peak, errors = peak_rss_mb([*decode, "--audio", str(long)])
+    status, peak, errors = peak_rss_mb([*decode, "--audio", str(long), "--max-segment", "0"])
     assert status == 1 and peak < 1024, (status, peak, errors[-2000:])
     assert f"{long}: the recording lasts 10800.0 s (3:00:00), longer than the transcription " \
            "window of 1800 s" in errors
+    status, peak, errors = peak_rss_mb([*decode, "--audio", str(long), "--out",
+                                        str(tmp_path / "vad")])
+    assert status == 0 and peak < 1024, (status, peak, errors[-2000:])
+    log = json.loads((tmp_path / "vad/decode.log").read_text(encoding="utf-8"))
+    assert log["audio_seconds"] == pytest.approx(LONG_SECONDS, abs=0.1)
+    assert log["segments"] <= 2 * len(LONG_PLACES), log
 
     segments = {f"long-{utt}": ("long", start, start + len(inserts[start]) / 16000)
                 for start, utt in zip(LONG_PLACES, utts, strict=True)}

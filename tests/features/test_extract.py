@@ -153,6 +153,17 @@ def test_read_audio_formats_channels_and_pipe(tmp_path):
         read_audio("false |")
 
 
+def test_read_channel_reads_any_span_in_any_order(tmp_path):
+    """A recording read again from its start after a later span (as transcription reads
+    a long recording: its voice activity first, then its segments) gives its samples."""
+    path = make_audio_file(tmp_path / "a.flac", 1.0, seed=5)
+    whole = read_audio(str(path))[0]
+    with fbank.open_audio(str(path)) as (audio, name):
+        for start, stop in [(8000, 16000), (0, 4000), (100, 200), (0, None)]:
+            np.testing.assert_array_equal(fbank.read_channel(audio, name, start, stop),
+                                          whole[start:stop])
+
+
 # ----------------------------------------------------------------------------------------------
 # Whole data dirs
 
