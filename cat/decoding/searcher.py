@@ -51,7 +51,7 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write
 from cat.core.threads import configure_threads
 from cat.decoding.checkpoint import check_model_config
-from cat.decoding.context_graph import ContextGraph, read_hotwords
+from cat.decoding.context_graph import MAX_PHRASE_BONUS, ContextGraph, read_hotwords
 from cat.decoding.results import Result
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_times
 from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
@@ -92,9 +92,11 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                      "description": "beam searches: a file of phrases to favour (contextual "
                                     "biasing), one per line, each with an optional trailing "
                                     "' :<score per token>' (relative to the recipe directory)"},
-        "hotwords_score": {"type": "number",
+        "hotwords_score": {"type": "number", "minimum": -MAX_PHRASE_BONUS,
+                           "maximum": MAX_PHRASE_BONUS,
                            "description": "hotwords: the bonus per token of a phrase that "
-                                          "gives no score of its own"},
+                                          "gives no score of its own (a phrase's bonus, "
+                                          "times its tokens, at most 1000 either way)"},
         "blank_penalty": {"type": "number", "minimum": 0,
                           "description": "transducer searches: a constant taken from the "
                                          "blank logit at every step (sherpa-onnx's "
