@@ -74,7 +74,7 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                                   "head: the N-best of both heads' beam searches ranked by "
                                   "ctc_weight x the CTC head's + decoder_weight x the "
                                   "transducer's log-likelihood)"},
-        "beam_size": {"type": "integer", "minimum": 1,
+        "beam_size": {"type": "integer", "minimum": 1, "maximum": 1000,
                       "description": "beam width: hypotheses kept per step"},
         "ctc_weight": {"type": "number", "minimum": 0,
                        "description": "attention_rescoring: weight of the search's "
@@ -101,7 +101,7 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                           "description": "transducer searches: a constant taken from the "
                                          "blank logit at every step (sherpa-onnx's "
                                          "blank_penalty); trades deletions for insertions"},
-        "chunk_size": {"type": "integer", "minimum": 0,
+        "chunk_size": {"type": "integer", "minimum": 0, "maximum": 10000,
                        "description": "decode in chunks of this many encoder frames (0: full "
                                       "context): the forward of a U2 model with its chunk "
                                       "mask, the chunked forward of a CUSIDE model; what "
@@ -120,12 +120,12 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                       "description": "tlg: the word LM's weight (stage 5's weights.json)"},
         "wfst_beam": {"type": "number", "exclusiveMinimum": 0,
                       "description": "tlg: the WFST decoder's beam"},
-        "nj": {"type": "integer", "minimum": 1,
+        "nj": {"type": "integer", "minimum": 1, "maximum": 1024,
                "description": "CPU decoding processes, each decoding a share of the batches"},
-        "max_frames": {"type": "integer", "minimum": 1,
+        "max_frames": {"type": "integer", "minimum": 1, "maximum": 100000000,
                        "description": "padded input frames per batch (utterances sorted by "
                                       "length)"},
-        "batch_size": {"type": "integer", "minimum": 1,
+        "batch_size": {"type": "integer", "minimum": 1, "maximum": 100000,
                        "description": "utterances per batch at most"},
         "device": {"enum": ["auto", "cpu", "cuda"],
                    "description": "where to decode; auto: CUDA when available"},
