@@ -134,7 +134,7 @@ from cat.decoding.searcher import (
 )
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
-from cat.decoding.wfst import searcher_for
+from cat.decoding.wfst import GraphError, searcher_for
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
@@ -512,7 +512,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         else:
             summary = _transcribe(args, kind, checkpoint, options, spec)
     except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
-            CheckpointMismatchError, HotwordsError, ResultFormatError) as error:
+            CheckpointMismatchError, HotwordsError, ResultFormatError, GraphError) as error:
         logger.error("%s", error)
         return 1
     skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""
