@@ -80,8 +80,11 @@ class Segmenting:
             raise ValueError(f"--segment-overlap {self.overlap:g}: expected at least 0 and "
                              f"less than half of --max-segment {self.max_segment:g} seconds")
 
-    def starts(self, num_samples: int, rate: int) -> list[tuple[int, int]]:
-        """(first, end) samples of each window of an utterance of `num_samples` samples."""
+    def starts(self, num_samples: int, rate: int, min_samples: int = 1
+               ) -> list[tuple[int, int]]:
+        """(first, end) samples of each window of an utterance of `num_samples` samples. A
+        last window shorter than `min_samples` (one frame) joins the one before, which
+        then reaches the end: a window with no frame would lose the utterance."""
         size = round(self.max_segment * rate)
         hop = size - round(self.overlap * rate)
         windows = []
@@ -89,8 +92,11 @@ class Segmenting:
         while True:
             windows.append((start, min(start + size, num_samples)))
             if start + size >= num_samples:
-                return windows
+                break
             start += hop
+        if len(windows) > 1 and windows[-1][1] - windows[-1][0] < min_samples:
+            windows[-2:] = [(windows[-2][0], num_samples)]
+        return windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +330,8 @@ def _window_features(piece: Piece, span: tuple[int, int], audio: soundfile.Sound
     read alone and resampled when the audio has another rate."""
     rate, target = audio.samplerate, options.sample_rate
     begin, end = span
-    for index, (first, last) in enumerate(segmenting.starts(end - begin, target)):
+    for index, (first, last) in enumerate(segmenting.starts(end - begin, target,
+                                                            options.window_size)):
         try:
             samples = read_channel(audio, name, round((begin + first) * rate / target),
                                    round((begin + last) * rate / target))
