@@ -54,11 +54,12 @@ from cat.decoding.checkpoint import check_model_config
 from cat.decoding.context_graph import MAX_PHRASE_BONUS, ContextGraph, read_hotwords
 from cat.decoding.results import Result
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_times
+from cat.features.fbank import experiment_front_end
 from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import DECODES_AS, build_model
 from cat.text.tokenizer import load as load_tokenizer
-from cat.training.checkpoint import load_model_state, read_model_checkpoint
+from cat.training.checkpoint import load_model_state, model_interface, read_model_checkpoint
 
 NO_LABEL = np.zeros(0, np.int32)
 OPTIONS_SCHEMA: dict[str, Any] = {
@@ -252,10 +253,10 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
                ) -> tuple[torch.nn.Module, Any]:
     """The experiment's model (eval mode, on `device`) with `checkpoint`'s weights, and its
     tokenizer. The weights must fit the model built from `config.json`
-    (`CheckpointMismatchError`), and `config.json` must be the one the checkpoint was
-    trained with (`ModelConfigChangedError` naming the changed keys) unless
-    `allow_config_change` (None: `inference.infer.option.allow_config_change` of
-    `hyper-p.json`)."""
+    (`CheckpointMismatchError`), and `config.json`, the front end (`data.front_end`) and
+    the tokenizer must be those the checkpoint was trained with (`ModelConfigChangedError`
+    naming the changed keys) unless `allow_config_change` (None:
+    `inference.infer.option.allow_config_change` of `hyper-p.json`)."""
     exp_dir = Path(exp_dir)
     hyper = load_hyper(exp_dir / HYPER_NAME)
     config = load_config(exp_dir / CONFIG_NAME)
@@ -270,7 +271,8 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
     state, meta = read_model_checkpoint(checkpoint)
     load_model_state(model, state, checkpoint, exp_dir / CONFIG_NAME)
-    check_model_config(meta, config, checkpoint, exp_dir / CONFIG_NAME, allow_config_change)
+    check_model_config(meta, config, checkpoint, exp_dir / CONFIG_NAME, allow_config_change,
+                       model_interface(experiment_front_end(hyper), tokenizer))
     return model.to(device).eval(), tokenizer
 
 

@@ -82,12 +82,17 @@ from cat.core import config as config_module
 from cat.core.config import Experiment
 from cat.core.io import atomic_write
 from cat.core.threads import ThreadGovernor
+from cat.features.fbank import experiment_front_end
+from cat.text.tokenizer import load as load_tokenizer
 from cat.training import setup
 from cat.training.checkpoint import (
+    INTERFACE,
     CheckpointManager,
     flatten,
+    interface_changes,
     load_checkpoint,
     load_model_state,
+    model_interface,
     upgrade_training_checkpoint,
 )
 from cat.training.distributed import DistributedContext, set_threads
@@ -115,25 +120,34 @@ class ConfigChangedError(RuntimeError):
     """`--resume` found the training settings changed since the checkpoint."""
 
 
-def training_settings(experiment: Experiment) -> dict[str, Any]:
-    """What decides an update, recorded in checkpoints: config.json, and the train.option
-    keys of UPDATE_OPTIONS."""
+def training_settings(experiment: Experiment, interface: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
+    """What decides an update and what defines the model's input and output, recorded in
+    checkpoints: config.json, the train.option keys of UPDATE_OPTIONS, and the front end
+    and tokenizer (`interface`, default `model_interface` of the experiment's)."""
+    if interface is None:
+        interface = model_interface(experiment_front_end(experiment.hyper),
+                                    load_tokenizer(experiment.options.tokenizer))
     return {"config.json": experiment.config,
             "hyper-p.json": {f"train.option.{key}": getattr(experiment.options, key)
-                             for key in UPDATE_OPTIONS}}
+                             for key in UPDATE_OPTIONS},
+            **interface}
 
 
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'file: key: old -> new' for each setting that differs."""
+    """'file: key: old -> new' for each setting that differs (the front end and the
+    tokenizer when the checkpoint records them, `interface_changes`)."""
     changes = []
     for name in sorted(set(recorded) | set(current)):
+        if name in INTERFACE:
+            continue
         old = flatten(recorded.get(name, {}))
         new = flatten(current.get(name, {}))
         for key in sorted(set(old) | set(new)):
             if old.get(key, "(absent)") != new.get(key, "(absent)"):
                 changes.append(f"{name}: {key}: {old.get(key, '(absent)')!r} -> "
                                f"{new.get(key, '(absent)')!r}")
-    return changes
+    return changes + interface_changes(recorded, current)
 
 
 class Manager:
@@ -172,6 +186,9 @@ class Manager:
         self.threads = set_threads(self.options.threads, context)
         self.thread_governor = ThreadGovernor(self.options.threads, context.local_world_size)
         self.model, self.num_classes = setup.build_model(experiment, context)
+        # What defines the model's input and output, recorded in every checkpoint.
+        self.interface = model_interface(experiment_front_end(experiment.hyper),
+                                         load_tokenizer(self.options.tokenizer))
         self.feat_dim = int(experiment.config["encoder"]["kwargs"]["idim"])
         self.train_data, self.dev_data = setup.build_data(self.options, self.model,
                                                           self.feat_dim, context, self.log_dir)
@@ -225,7 +242,7 @@ class Manager:
                 "dev_loss": dev_loss, "data": data, "rng": rng,
                 "meta": {"num_classes": self.num_classes,
                          "train_bin": self.experiment.train_bin,
-                         "settings": training_settings(self.experiment),
+                         "settings": training_settings(self.experiment, self.interface),
                          "elapsed_seconds": self.elapsed()},
             }
             path = self.checkpoints.save(state, self.epoch, self.step, dev_loss)
@@ -267,7 +284,7 @@ class Manager:
         differ from those the checkpoint was trained with."""
         if recorded is None:
             return  # a checkpoint written before settings were recorded
-        changes = setting_changes(recorded, training_settings(self.experiment))
+        changes = setting_changes(recorded, training_settings(self.experiment, self.interface))
         if not changes:
             return
         listed = "; ".join(changes)
