@@ -25,6 +25,7 @@ from cat.core.io import PathLike
 from cat.ctc.stream import CtcChunkSearch
 from cat.decoding.export import (
     EXPORT_NAME,
+    METADATA_NAME,
     STREAMING_NAME,
     TOKENS_NAME,
     ExportError,
@@ -106,15 +107,18 @@ def refusal_name(settings: dict[str, Any]) -> str:
 
 class _WenetCtcStep(nn.Module):
     """One chunk in the state layout of sherpa-onnx's online `wenet_ctc` model type (inputs
-    and outputs matched by position; see `export`). With `left_chunks` (the model attends to
-    that many earlier chunks), a runtime whose cache holds another number of chunks
-    (`num_left_chunks`) is refused (`_Refusal`)."""
+    and outputs matched by position; see `export`). A runtime of another chunk size than the
+    export's, or whose cache holds other than `wenet_ctc_runtime`'s `num_left_chunks` (the
+    model's `left_chunks` exactly; at least 16 for a model trained with all left context),
+    is refused (`_Refusal`): sherpa-onnx's factory defaults (chunk 16, 4 left chunks) fit
+    neither unless the export was made for them."""
 
     def __init__(self, streaming: KeyValueStreamingEncoder, head: nn.Module,
                  settings: dict[str, Any]) -> None:
         super().__init__()
         self.streaming, self.head = streaming, _LogSoftmaxHead(head)
-        self.left_chunks = streaming.streaming.encoder.left_chunks
+        self.chunk_size, self.left_chunks = settings["chunk_size"], settings["num_left_chunks"]
+        self.exact = settings["num_left_chunks_is"] == "exact"
         self.refusal_name = refusal_name(settings)
         self.add_module(self.refusal_name, _Refusal())
 
@@ -124,10 +128,10 @@ class _WenetCtcStep(nn.Module):
         # Relative positions need no absolute offset, and the cache's size is its own; both
         # inputs stay in the graph (a runtime feeds them by position), contributing zero.
         unused = (offset.sum() + required_cache_size.sum()).to(x.dtype) * 0.0
-        if self.left_chunks > 0:  # trained with this many earlier chunks: no more, no fewer
-            cached, chunk = _runtime_sizes(attn_cache, attn_mask)
-            unused = unused + getattr(self, self.refusal_name)(cached == chunk *
-                                                               self.left_chunks)
+        cached, chunk = _runtime_sizes(attn_cache, attn_mask)
+        least = chunk * self.left_chunks
+        left_ok = cached == least if self.exact else cached >= least
+        unused = unused + getattr(self, self.refusal_name)((chunk == self.chunk_size) & left_ok)
         out, attn_cache, conv_cache = self.streaming(x + unused, attn_cache, conv_cache,
                                                      attn_mask)
         return self.head(out), attn_cache, conv_cache
@@ -204,8 +208,8 @@ def wenet_ctc_runtime(model: nn.Module, chunk_size: int) -> dict[str, Any]:
     `OnlineWenetCtcModelConfig`; its factory `from_wenet_ctc` defaults to chunk_size 16 and
     num_left_chunks 4 and reads neither from the model): the export's chunk size, and
     `num_left_chunks` exactly the model's `left_chunks`, or at least what holds a CUSIDE
-    model's left context; a model trained with all left context takes any number, more
-    keeping more of the utterance (16 chunks: this toolkit's default)."""
+    model's left context; a model trained with all left context at least 16 (20 s of left
+    context at chunks of 16 and 8x subsampling; more keeps more of the utterance)."""
     if model.chunking is not None:
         left = CusideStep(model.encoder, model.chunking, chunk_size).left
         return {"chunk_size": chunk_size, "num_left_chunks": max(1, -(-left // chunk_size)),
@@ -338,6 +342,13 @@ def sherpa_online_recognizer(export_dir: PathLike, num_left_chunks: int | None =
         raise ExportError(f"{export_dir}: the model attends to {meta['left_chunks']} earlier "
                           f"chunks (encoder.kwargs.left_chunks); num_left_chunks must be that, "
                           f"not {num_left_chunks}")
+    elif int(meta["left_chunks"]) <= 0:
+        least = int(meta.get(RUNTIME_KEY, {}).get("num_left_chunks", 1))
+        if num_left_chunks < least:
+            raise ExportError(f"{export_dir}: the model was trained with all left context "
+                              f"(encoder.kwargs.left_chunks {meta['left_chunks']}); "
+                              f"num_left_chunks must be at least {least} ({METADATA_NAME} "
+                              f"{RUNTIME_KEY}), not {num_left_chunks}")
     model = native.OnlineModelConfig(
         wenet_ctc=native.OnlineWenetCtcModelConfig(
             model=str(export_dir / WENET_CTC_NAME), chunk_size=int(meta["chunk_size"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
-from cat.decoding.export import OnnxChunkEncoder, read_metadata
+from cat.decoding.export import ExportError, OnnxChunkEncoder, read_metadata
 from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
@@ -191,6 +192,36 @@ def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_e
         recognizer, lambda: _recognizer(kind, model, 4), experiment.test_audio(), tokenizer,
         pad_seconds=1.0)
     assert emitted >= 10
+    _factory_defaults_are_refused(out)
+
+
+def _factory_defaults_are_refused(out: Path) -> None:
+    """A model trained with all left context, exported for chunks of 4: sherpa-onnx's own
+    factory with its defaults (chunk 16, 4 left chunks; it reads neither from the model)
+    or with 4 left chunks stops at the first chunk naming the settings to use (before:
+    text of an untrained chunk size, exit 0); this package's helper refuses before."""
+    import sherpa_onnx
+
+    meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert meta["wenet_ctc_runtime"] == {"chunk_size": 4, "num_left_chunks": 16,
+                                         "num_left_chunks_is": "minimum"}
+    samples = np.random.default_rng(0).normal(scale=0.1, size=32000).astype(np.float32)
+    for settings in ({}, {"chunk_size": 4, "num_left_chunks": 4}):
+        recognizer = sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
+            tokens=str(out / "tokens.txt"), model=str(out / ctc_export.WENET_CTC_NAME),
+            num_threads=1, **settings)
+        stream = recognizer.create_stream()
+        stream.accept_waveform(16000, samples)
+        with pytest.raises(RuntimeError, match="run_with_chunk_size_4_and_num_left_chunks_"
+                                               "at_least_16/Gather"):
+            while recognizer.is_ready(stream):
+                recognizer.decode_stream(stream)
+    with pytest.raises(ExportError, match=r"trained with all left context \(encoder\.kwargs\."
+                                          r"left_chunks -1\); num_left_chunks must be at "
+                                          r"least 16 \(export\.json wenet_ctc_runtime\), "
+                                          r"not 4"):
+        ctc_export.sherpa_online_recognizer(out, num_left_chunks=4)
+    ctc_export.sherpa_online_recognizer(out)  # export.json's settings
 
 
 @pytest.mark.slow
