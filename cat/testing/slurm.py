@@ -13,7 +13,9 @@ the node idle; on a failure the error holds the daemons' log tails.
 The clients (`sbatch`, `srun`, `squeue`, `scontrol`, `scancel`, `sinfo`) find the
 cluster through `SLURM_CONF`: run them with `cluster.env`, or set the variable. The
 scheduler is tuned to start jobs at once (no batch scheduling delay, a scheduling pass
-every second) and `KillWait` is 5 s, so a cancelled job is killed 5 s after its SIGTERM.
+every second) and `KillWait` is 15 s, so a cancelled job is killed 15 s after its SIGTERM
+(its ranks save and its batch shell writes why it stopped well within it on a busy
+machine: with 5 s the batch shell was killed before its last log line).
 
 `stop()` cancels the jobs left, stops the daemons (SIGTERM, then SIGKILL after a bounded
 wait) and kills, by pid, any job process that outlived them. The daemons also die with
@@ -97,8 +99,8 @@ ReturnToService=2
 MpiDefault=none
 SwitchType=switch/none
 JobRequeue=1
-# A cancelled job gets its SIGKILL 5 s after its SIGTERM instead of 30 s.
-KillWait=5
+# A cancelled job gets its SIGKILL 15 s after its SIGTERM instead of 30 s.
+KillWait=15
 # Finished jobs stay visible to `scontrol show job` (there is no accounting database).
 MinJobAge=600
 # A job of the higher tier {urgent_partition} preempts the jobs of {partition} it needs the
