@@ -42,7 +42,9 @@ format can hold (`MAX_FRAMES_PER_BYTE`: Opus at most 2880 samples at 48 kHz per 
 since every packet is at least one byte plus its lacing byte and at most 120 ms), and
 against `max_samples`, the longest audio the caller wants (`AudioTooLongError`, which
 carries the claimed length, so a loader drops it by its length filter undecoded); audio
-that decodes to fewer samples than its header claims is `truncated`. Any other failure
+that decodes to fewer samples than its header claims is `truncated`; files read in pieces
+(`check_file_complete`) must end with their Ogg stream's last page, and an MP3 must hold
+the bytes its Xing header records. Any other failure
 of the decoders, of whatever type (a `MemoryError` included), becomes an
 `AudioDecodeError` naming the data, so one bad member never ends a training run.
 `MAX_BYTES_PER_SECOND` bounds the bytes per second of audio of each format, for readers
@@ -66,6 +68,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -74,7 +77,7 @@ import logging
 import math
 import re
 import zlib
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import soundfile
@@ -233,6 +236,8 @@ def _decode(data: bytes | bytearray | memoryview, name: str, sample_rate: int | 
         decoded = decode_ogg_opus(data, sample_rate, source, max_samples, name, pages)
         if decoded is not None:
             return decoded
+    else:
+        check_file_complete(io.BytesIO(data), name)  # an MP3 cut short
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as audio:
             _check_not_truncated(audio, name)
@@ -294,6 +299,78 @@ def _check_not_truncated(audio: soundfile.SoundFile, name: str) -> None:
     if declared < _STREAMED_WAV_LENGTH and declared > present + 1:
         raise AudioDecodeError(f"truncated audio {name}: header declares {declared} data "
                                f"bytes, {present} present")
+
+
+#: The largest Ogg page: its header, 255 lacing values and 255 segments of 255 bytes.
+_OGG_MAX_PAGE = 27 + 255 + 255 * 255
+
+
+def check_file_complete(file: BinaryIO, name: str) -> None:
+    """Raise `AudioDecodeError` (`truncated audio <name>: ...`) when an Ogg file (Opus,
+    Vorbis, FLAC in Ogg) or an MP3 file with a Xing/Info header is cut short, which
+    libsndfile reads without a word as shorter audio. Reads only the file's first bytes
+    and its last page (at most 64 KB), whatever its length; leaves `file` at its start.
+
+    An Ogg file must end with a complete page (its CRC right) that ends its stream (the
+    EOS flag), as every Ogg writer closes one; an MP3's Xing or Info header (LAME and
+    libsndfile write one) records the bytes of the whole stream. (WAV: see
+    `_check_not_truncated`; FLAC cut short fails to decode, `lost sync`.)"""
+    size = file.seek(0, io.SEEK_END)
+    file.seek(0)
+    head = file.read(10)
+    try:
+        if head[:4] == b"OggS":
+            file.seek(max(0, size - _OGG_MAX_PAGE))
+            reason = _ogg_tail_problem(file.read(), name)
+        else:
+            reason = _mp3_size_problem(file, head, size)
+    finally:
+        file.seek(0)
+    if reason:
+        raise AudioDecodeError(f"truncated audio {name}: {reason}")
+
+
+def _ogg_tail_problem(tail: bytes, name: str) -> str | None:
+    """Why the `tail` of an Ogg file does not end its last stream, or None."""
+    position = tail.find(b"OggS")
+    while position >= 0:
+        if position + 27 <= len(tail):
+            lacing = tail[position + 27:position + 27 + tail[position + 26]]
+            if position + 27 + len(lacing) + sum(lacing) == len(tail):
+                with contextlib.suppress(AudioDecodeError):
+                    page = _ogg_page(tail, position, name)
+                    if page.header_type & _OGG_LAST:
+                        return None
+                    return (f"its last Ogg page (stream {page.serial}) does not end the "
+                            "stream: the file is cut short after it")
+        position = tail.find(b"OggS", position + 1)
+    return "its last Ogg page is cut short (the file ends inside it)"
+
+
+def _mp3_size_problem(file: BinaryIO, head: bytes, size: int) -> str | None:
+    """Why an MP3 file is shorter than its Xing/Info header records, or None (also for
+    an MP3 without one, whose length nothing records)."""
+    start = 0
+    if head[:3] == b"ID3" and len(head) == 10:  # ID3v2: a synchsafe size after the header
+        start = 10 + sum((byte & 0x7F) << (7 * (3 - i)) for i, byte in enumerate(head[6:10]))
+        if head[5] & 0x10:
+            start += 10  # its footer
+    file.seek(start)
+    frame = file.read(200)
+    if len(frame) < 4 or frame[0] != 0xFF or frame[1] & 0xE0 != 0xE0:
+        return None  # not an MPEG frame here: left to libsndfile
+    tag = max(frame.find(b"Xing"), frame.find(b"Info"))
+    if tag < 0 or len(frame) < tag + 16:
+        return None
+    flags = int.from_bytes(frame[tag + 4:tag + 8], "big")
+    if not flags & 0x2:
+        return None  # no byte count recorded
+    field = tag + 8 + (4 if flags & 0x1 else 0)
+    declared = int.from_bytes(frame[field:field + 4], "big")
+    present = size - start
+    if declared > present:
+        return f"its Xing header declares {declared} bytes of MPEG audio, the file holds {present}"
+    return None
 
 
 def resample(waveform: np.ndarray, orig_rate: float, new_rate: float) -> np.ndarray:

@@ -23,9 +23,10 @@ never ran.
   script written next to the logs, the state polled with `squeue` every `poll_seconds`
   (no accounting database is needed), `scontrol show job` consulted for tasks that ended
   without writing their status (time limit, memory, node failure, cancelled); SIGINT or
-  SIGTERM cancels the job (`scancel`). The jobs inherit this process's environment
-  (sbatch's default `--export=ALL`), so the nodes see the same virtual environment and
-  paths, which must be on a shared file system as they are on every Kaldi cluster.
+  SIGTERM cancels the job (`scancel`) and waits for it to end. The jobs inherit this
+  process's environment (sbatch's default `--export=ALL`), so the nodes see the same
+  virtual environment and paths, which must be on a shared file system as they are on
+  every Kaldi cluster.
 
 We call Slurm's own commands rather than a library: submitit, the well-kept one, runs
 pickled Python callables with logs named by job ids in a folder of its own and follows
@@ -35,7 +36,10 @@ command lines they can re-run by hand and logs named after the stage, and `sbatc
 
 `map_calls` runs Python calls (picklable function and arguments) as the tasks of an
 array and returns their results; `python -m cat.core.launch call DIR JOB` is the task.
-`submit_job` runs one batch script (the multi-node training job of stage 3).
+`submit_job` runs one batch script (the multi-node training job of stage 3);
+`stop_cause` tells, from the job's state as its processes get their SIGTERM, a user's
+`scancel` (the job ends for good) from a preemption, a time limit or a warning (it goes
+on), as `python -m cat.core.launch stop-cause JOB_ID RESTART_COUNT` for job scripts.
 
 Usage:
     python -m cat.core.launch --backend local JOB=1:2 log/echo.JOB.log echo task JOB
@@ -415,6 +419,8 @@ FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NOD
 #: Seconds a job must be seen finished before we believe it: a requeue passes through
 #: states that plain `squeue` does not list.
 SETTLE_SECONDS = 1.0
+#: Seconds a cancelled job is waited for, to end (its processes save in Slurm's KillWait).
+CANCEL_WAIT_SECONDS = 120
 
 
 def queued(job_id: str) -> bool:
@@ -440,23 +446,80 @@ def job_states(job_id: str) -> dict[int | None, dict[str, str]]:
     return states
 
 
+def _wait_until_gone(job_id: str, poll_seconds: float, timeout: float | None = None) -> bool:
+    """Poll until the job has left the queue for good; False when `timeout` s passed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    finished_since = None
+    while deadline is None or time.monotonic() < deadline:
+        if queued(job_id):
+            finished_since = None
+        elif finished_since is None:
+            finished_since = time.monotonic()
+        elif time.monotonic() - finished_since >= SETTLE_SECONDS:
+            return True
+        time.sleep(poll_seconds)
+    return False
+
+
 def wait_for(job_id: str, poll_seconds: float) -> None:
-    """Poll the queue until the job has left it (requeued runs included); cancel the job
-    on SIGINT or SIGTERM."""
+    """Poll the queue until the job has left it (requeued runs included). On SIGINT or
+    SIGTERM cancel the job (`scancel`: it ends for good, see `stop_cause`), wait up to
+    `CANCEL_WAIT_SECONDS` for its processes to save and end (a second signal stops the
+    wait), then raise."""
     try:
         with _interruptible():
-            finished_since = None
-            while True:
-                if queued(job_id):
-                    finished_since = None
-                elif finished_since is None:
-                    finished_since = time.monotonic()
-                elif time.monotonic() - finished_since >= SETTLE_SECONDS:
-                    return
-                time.sleep(poll_seconds)
+            _wait_until_gone(job_id, poll_seconds)
     except BaseException:
         _slurm(["scancel", job_id], check=False)
+        logger.warning("Slurm job %s cancelled; waiting up to %d s for it to end (a second "
+                       "signal stops waiting)", job_id, CANCEL_WAIT_SECONDS)
+        with contextlib.suppress(Interrupted, KeyboardInterrupt, LaunchError), \
+                _interruptible():
+            if not _wait_until_gone(job_id, poll_seconds, CANCEL_WAIT_SECONDS):
+                logger.warning("Slurm job %s is still in the queue after %d s", job_id,
+                               CANCEL_WAIT_SECONDS)
         raise
+
+
+#: `stop_cause` verdicts: the job's processes were asked to stop ...
+CANCELLED = "cancelled"  # by a user (`scancel`, also `--signal=KILL`): it ends for good
+REQUEUED = "requeued"  # by Slurm itself (preemption in PreemptMode=REQUEUE, `scontrol requeue`)
+PREEMPTED = "preempted"  # by a preemption that cancels (PreemptMode=CANCEL)
+TIME_LIMIT = "time-limit"  # by the time limit
+SIGNALLED = "signalled"  # while it runs on: a warning (`--signal=USR1@300`, `scancel
+#                          --signal=...`) or a preemption's grace time
+UNKNOWN = "unknown"  # Slurm did not answer
+#: The verdicts after which the job must requeue itself to go on.
+REQUEUE_ITSELF = frozenset({PREEMPTED, TIME_LIMIT, SIGNALLED})
+
+
+def stop_cause(fields: dict[str, str], restart_count: int) -> str:
+    """Why the processes of a Slurm job got a stop signal, from the job's `scontrol show
+    job` fields read as they stop (`restart_count`: `$SLURM_RESTART_COUNT` of this run).
+
+    What Slurm 22.05 shows then: a user's `scancel` (plain, or `--signal=KILL`) marks the
+    job CANCELLED at once (COMPLETING while its processes end: SIGCONT and SIGTERM, SIGKILL
+    after KillWait), with no reason, no preemption time and its restart count unchanged;
+    Slurm's own requeue of a preempted job raises the restart count first; a preemption
+    that cancels sets PreemptTime; the time limit sets the reason TimeLimit; a signal with
+    the job left running (the time-limit warning, `scancel --signal=TERM`, a preemption's
+    GraceTime) finds it RUNNING. Returns one of the verdicts above."""
+    state = fields.get("JobState", "")
+    if not state:
+        return UNKNOWN
+    if state in ("RUNNING", "SUSPENDED"):
+        return SIGNALLED
+    restarts = fields.get("Restarts", "0")
+    if restarts.isdigit() and int(restarts) > restart_count:
+        return REQUEUED
+    if state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        return REQUEUED
+    if fields.get("PreemptTime", "None") not in ("None", "Unknown", "") \
+            or state == "PREEMPTED":
+        return PREEMPTED
+    if fields.get("Reason") == "TimeLimit" or state == "TIMEOUT":
+        return TIME_LIMIT
+    return CANCELLED
 
 
 def _run_slurm(launcher: Launcher, name: str, tasks: list[int], command: Sequence[str],
@@ -493,12 +556,23 @@ def _run_slurm(launcher: Launcher, name: str, tasks: list[int], command: Sequenc
     return failures
 
 
+@dataclasses.dataclass(frozen=True)
+class JobEnd:
+    """How a batch job of `submit_job` ended."""
+
+    job_id: str
+    #: the status its log ends with (None: it ended without one)
+    status: int | None
+    #: its last Slurm state (CANCELLED, COMPLETED, TIMEOUT, ...; "" once Slurm forgot it)
+    state: str
+
+
 def submit_job(launcher: Launcher, name: str, script_text: str, log: Path,
-               options: Sequence[str], cwd: PathLike | None = None) -> int | None:
+               options: Sequence[str], cwd: PathLike | None = None) -> JobEnd:
     """Run one batch script (`options`: sbatch options beyond the launcher's resources),
-    wait until it has left the queue for good (requeues included); returns the status its
-    log ends with (None: it ended without one). The script must print a line naming
-    `of job $SLURM_JOB_ID` before its status line (the log may hold earlier jobs')."""
+    wait until it has left the queue for good (requeues included); returns how it ended.
+    The script must print a line naming `of job $SLURM_JOB_ID` before its status line (the
+    log may hold earlier jobs'). SIGINT or SIGTERM cancels it (see `wait_for`)."""
     work = Path(cwd or ".").resolve()
     script = log.parent / f"{name}.sbatch"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -509,7 +583,8 @@ def submit_job(launcher: Launcher, name: str, script_text: str, log: Path,
                              f"--chdir={work}", *launcher.sbatch_resources(), *options])
     logger.info("%s: Slurm job %s; log %s", name, job_id, log)
     wait_for(job_id, launcher.poll_seconds)
-    return task_status(log, job_id)
+    fields = next(iter(job_states(job_id).values()), {})
+    return JobEnd(job_id, task_status(log, job_id), fields.get("JobState", ""))
 
 
 # ----------------------------------------------------------------------------- map_calls
@@ -558,8 +633,8 @@ def free_port() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`[options] JOB=1:N LOG COMMAND...`, `call DIR JOB` (a task of `map_calls`) or
-    `free-port`."""
+    """`[options] JOB=1:N LOG COMMAND...`, `call DIR JOB` (a task of `map_calls`),
+    `free-port`, or `stop-cause JOB_ID RESTART_COUNT` (a job's `stop_cause`)."""
     from cat.core.io import setup_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -569,6 +644,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv == ["free-port"]:
         print(free_port())
+        return 0
+    if argv[:1] == ["stop-cause"] and len(argv) == 3:
+        states = job_states(argv[1])
+        print(stop_cause(next(iter(states.values()), {}), int(argv[2] or 0)))
         return 0
     parser = argparse.ArgumentParser(
         prog=f"{PROGRAM} (python -m cat.core.launch)",

@@ -120,8 +120,11 @@ class Segmenting:
             return self.segment_target
         return min(SEGMENT_TARGET_SECONDS, self.max_segment)
 
-    def starts(self, num_samples: int, rate: int) -> list[tuple[int, int]]:
-        """(first, end) samples of each window of an utterance of `num_samples` samples."""
+    def starts(self, num_samples: int, rate: int, min_samples: int = 1
+               ) -> list[tuple[int, int]]:
+        """(first, end) samples of each window of an utterance of `num_samples` samples. A
+        last window shorter than `min_samples` (one frame) joins the one before, which
+        then reaches the end: a window with no frame would lose the utterance."""
         size = round(self.max_segment * rate)
         hop = size - round(self.overlap * rate)
         windows = []
@@ -129,8 +132,11 @@ class Segmenting:
         while True:
             windows.append((start, min(start + size, num_samples)))
             if start + size >= num_samples:
-                return windows
+                break
             start += hop
+        if len(windows) > 1 and windows[-1][1] - windows[-1][0] < min_samples:
+            windows[-2:] = [(windows[-2][0], num_samples)]
+        return windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +380,8 @@ def _window_features(piece: Piece, span: tuple[int, int], audio: soundfile.Sound
     read alone and resampled when the audio has another rate."""
     begin, end = span
     duration = (end - begin) / options.sample_rate
-    for index, (first, last) in enumerate(segmenting.starts(end - begin, options.sample_rate)):
+    windows = segmenting.starts(end - begin, options.sample_rate, options.window_size)
+    for index, (first, last) in enumerate(windows):
         features = _stretch_features(piece, audio, name, options, begin + first, begin + last)
         if isinstance(features, str):
             yield piece.key, features
@@ -449,7 +456,8 @@ def _vad_features(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFil
     for number, cut in enumerate(cuts):
         first, last = (round(sample * target / VAD_RATE) for sample in (cut.first, cut.end))
         speech = (cut.speech_first / VAD_RATE, cut.speech_end / VAD_RATE)
-        windows = segmenting.starts(last - first, target) if cut.windowed else \
+        windows = segmenting.starts(last - first, target, options.window_size) \
+            if cut.windowed else \
             [(0, last - first)]
         for offset, (start, stop) in enumerate(windows):
             features = _stretch_features(piece, audio, name, options, begin + first + start,

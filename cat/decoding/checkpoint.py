@@ -20,7 +20,11 @@ the checkpoints averaged record different ones).
 records, every section but `scheduler`: decoding, transcribing, streaming and exporting
 (`cat.decoding.searcher.load_model`) build the model from the experiment's file, and a
 key changed since training (`causal_conv`, a time reduction without parameters, ...)
-builds another model from the same weights. A difference is `ModelConfigChangedError`
+builds another model from the same weights. It compares as well what else defines the
+model's input and output with what the checkpoint records (the front end of
+`hyper-p.json: data.front_end`, with its fbank options, and the tokenizer's digest:
+`cat.training.checkpoint.INTERFACE`), and `check_feature_dir` the front end of a feature
+dir to decode (its `fbank.json`) with the model's. A difference is `ModelConfigChangedError`
 naming each key (old -> new), unless the change is accepted explicitly
 (`allow_config_change`), then it is logged as a warning. A checkpoint written before
 checkpoints recorded their config (or an average of such) is decoded with a warning
@@ -34,6 +38,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -44,12 +49,15 @@ import torch
 
 from cat.core.io import PathLike, atomic_write
 from cat.core.stages import is_done, mark_done, signature
+from cat.features.fbank import FRONT_END_FILE, FbankOptions, front_end_name, read_front_end
 from cat.training.checkpoint import (
     CheckpointManager,
     config_changes,
+    interface_changes,
     model_config,
     read_model_checkpoint,
     recorded_config,
+    recorded_front_end,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,30 +132,74 @@ def averaged_checkpoint(paths: Sequence[PathLike]) -> dict[str, Any]:
     return checkpoint
 
 
+#: How a change since training is accepted, for the messages.
+ACCEPT = ("accept the change explicitly: --allow-config-change (the decode, stream and "
+          "export commands), or inference.infer.option.allow_config_change: true in "
+          "hyper-p.json (stage 4 and the decode command)")
+
+
 def check_model_config(meta: dict[str, Any], config: dict[str, Any], checkpoint: PathLike,
-                       config_path: PathLike, allow_config_change: bool = False) -> None:
-    """Compare `config` (read from `config_path`) with the config the checkpoint's `meta`
-    records; raise ModelConfigChangedError naming the changed keys, or with
-    `allow_config_change` log them (see the module docstring)."""
+                       config_path: PathLike, allow_config_change: bool = False,
+                       interface: dict[str, Any] | None = None) -> None:
+    """Compare `config` (read from `config_path`), and `interface` (the front end and the
+    tokenizer decoding would use, `cat.training.checkpoint.model_interface`), with what the
+    checkpoint's `meta` records; raise ModelConfigChangedError naming each changed key, or
+    with `allow_config_change` log them (see the module docstring)."""
     recorded = recorded_config(meta)
     if recorded is None:
         logger.warning("%s records no config.json (written before checkpoints recorded "
                        "theirs): %s cannot be compared with the config it was trained with, "
                        "only the parameter shapes are", checkpoint, config_path)
+        changes = []
+    else:
+        changes = config_changes(model_config(recorded), model_config(config))
+    settings = meta.get("settings")
+    interface_changed = (interface_changes(settings, interface)
+                         if interface is not None and isinstance(settings, dict) else [])
+    if not changes and not interface_changed:
         return
-    changes = config_changes(model_config(recorded), model_config(config))
-    if not changes:
-        return
-    listed = "; ".join(changes)
+    problems = []
+    if changes:
+        problems.append(f"{config_path} changed since this model was trained: "
+                        f"{'; '.join(changes)}. The model built from it would compute "
+                        "something else with the same weights.")
+    if interface_changed:
+        problems.append(f"what defines the model's input and output changed since it was "
+                        f"trained: {'; '.join(interface_changed)}. Features of another front "
+                        "end, or ids of another tokenizer, give wrong text without an error.")
     if not allow_config_change:
-        raise ModelConfigChangedError(
-            f"{checkpoint}: {config_path} changed since this model was trained: {listed}. "
-            "The model built from it would compute something else with the same weights. "
-            "Restore it, or accept the change explicitly: --allow-config-change (the decode, "
-            "stream and export commands), or inference.infer.option.allow_config_change: "
-            "true in hyper-p.json (stage 4 and the decode command)")
-    logger.warning("%s: %s changed since this model was trained (accepted by "
-                   "allow_config_change): %s", checkpoint, config_path, listed)
+        raise ModelConfigChangedError(f"{checkpoint}: {' '.join(problems)} Restore it, or "
+                                      f"{ACCEPT}")
+    if changes:
+        logger.warning("%s: %s changed since this model was trained (accepted by "
+                       "allow_config_change): %s", checkpoint, config_path, "; ".join(changes))
+    if interface_changed:
+        logger.warning("%s: what defines the model's input and output changed since it was "
+                       "trained (accepted by allow_config_change): %s", checkpoint,
+                       "; ".join(interface_changed))
+
+
+def check_feature_dir(data_dir: PathLike, meta: dict[str, Any], front_end: FbankOptions,
+                      checkpoint: PathLike, allow_config_change: bool = False) -> None:
+    """ModelConfigChangedError when the features of `data_dir` (its `fbank.json`) are not of
+    the front end the checkpoint's model was trained on (as its `meta` records it; else
+    `front_end`, the experiment's), unless `allow_config_change` (then a warning)."""
+    model_front_end = recorded_front_end(meta) or front_end
+    found = read_front_end(data_dir)
+    if found == model_front_end:
+        return
+    differences = config_changes(dataclasses.asdict(model_front_end),
+                                 dataclasses.asdict(found))
+    have = front_end_name(found) or "options of its own"
+    want = front_end_name(model_front_end) or "options of its own"
+    problem = (f"{data_dir}: its features were computed with the {have} front end "
+               f"({FRONT_END_FILE}), but {checkpoint} was trained on the {want} front end "
+               f"({'; '.join(differences)})")
+    if not allow_config_change:
+        raise ModelConfigChangedError(f"{problem}: it would decode them into wrong text "
+                                      f"without an error. Extract them with that front end "
+                                      f"(run.sh --front_end {want}), or {ACCEPT}")
+    logger.warning("%s (accepted by allow_config_change)", problem)
 
 
 def select_checkpoint(exp_dir: PathLike, hyper: dict[str, Any]) -> Path:

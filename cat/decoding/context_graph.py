@@ -35,9 +35,10 @@ An empty graph (no phrase) scores 0 everywhere.
 `read_hotwords(path, tokenizer, default_score)` reads a hotwords file (sherpa-onnx's
 format, the phrases as text): one phrase per line, blank lines ignored, an optional
 trailing ` :<score>` (per token) overriding `default_score`. A score that is not a
-number is a `HotwordsError` naming the file and line; a phrase the tokenizer cannot spell
-(its ids contain `<unk>`) is skipped, counted and named in a warning; a phrase listed
-twice keeps its larger score.
+number, or that gives its phrase a bonus (score times tokens) beyond `MAX_PHRASE_BONUS`,
+is a `HotwordsError` naming the file and line; a phrase the tokenizer cannot spell (its
+ids contain `<unk>`) is skipped, counted and named in a warning; a phrase listed twice
+keeps its larger score.
 
 Usage:
     graph, report = read_hotwords("hotwords.txt", tokenizer, default_score=1.5)
@@ -61,6 +62,12 @@ logger = logging.getLogger(__name__)
 ROOT = 0
 #: Skipped phrases a warning names (the rest are counted).
 NAMED_SKIPPED = 20
+#: The largest bonus (or penalty) of one phrase, its score per token times its tokens, in
+#: log probability: far beyond any useful one (sherpa-onnx's default is 1.5 per token),
+#: and small enough that the bonuses a hypothesis gathers stay finite numbers. A larger
+#: one would outweigh every acoustic score (or, past 1.8e308, overflow to infinity and
+#: turn every hypothesis into garbage).
+MAX_PHRASE_BONUS = 1000.0
 
 
 class HotwordsError(ValueError):
@@ -152,6 +159,20 @@ def _check_phrase(tokens: Sequence[int], score: float) -> None:
         raise ValueError("a hotword phrase needs at least one token")
     if not math.isfinite(score):
         raise ValueError(f"a hotword score must be a finite number, got {score!r}")
+    problem = bonus_problem(len(tokens), score)
+    if problem:
+        raise ValueError(problem)
+
+
+def bonus_problem(num_tokens: int, score: float) -> str | None:
+    """Why a phrase of `num_tokens` tokens cannot have `score` per token (its bonus past
+    `MAX_PHRASE_BONUS`), or None."""
+    bonus = num_tokens * score
+    if math.isfinite(bonus) and abs(bonus) <= MAX_PHRASE_BONUS:
+        return None
+    return (f"a phrase of {num_tokens} token(s) at {score:g} per token gets a bonus of "
+            f"{bonus:g}, beyond ±{MAX_PHRASE_BONUS:g} (log probability); give it a score "
+            f"per token of at most {MAX_PHRASE_BONUS / num_tokens:g} in absolute value")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +237,12 @@ def read_hotword_phrases(path: PathLike, tokenizer: Tokenizer, default_score: fl
         tokens = tokenizer.encode(text)
         if not tokens or UNK_ID in tokens:
             skipped.append((number, text))
-        else:
-            phrases.append((text, tokens, score))
+            continue
+        problem = bonus_problem(len(tokens), score)
+        if problem:
+            given = "" if line.split()[-1].startswith(":") else " (the default score)"
+            raise HotwordsError(f"{path}:{number}: {text!r}{given}: {problem}")
+        phrases.append((text, tokens, score))
     report = HotwordsReport(str(path), len(phrases), tuple(skipped))
     _log_report(report)
     return phrases, report

@@ -4,18 +4,23 @@ sherpa-onnx recognizers over an export.
 
 An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family
 (`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), their
-TorchScript traces (`model.pt`, ...; not for `streaming.onnx`), a `tokens.txt`
-(`<piece> <id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx reads) and
-`export.json` (the same metadata as the models carry, for reading without
-onnx). The models take stage 1's features: 80-dim Kaldi fbank of audio at 16 kHz scaled
-to the int16 range (`cat.features.fbank`: 25 ms windows every 10 ms, `snip_edges`, mel
-bins from 20 Hz to Nyquist, no dither). Global CMVN, when the model has it, is folded
-into the encoder graph: the features go in raw.
+TorchScript traces (`model.pt`, ...; not for `streaming.onnx`), a `tokens.txt` (`<piece>
+<id>` per line, blank `<blk>` = 0, the symbol table sherpa-onnx reads) and `export.json`
+(the same metadata as the models carry, for reading without onnx; the size and sha256 of
+every file, `files`; for a streaming CTC export the settings a runtime of
+`streaming_wenet_ctc.onnx` must use, `wenet_ctc_runtime`). Loading an export
+(`load_export_metadata`: the sherpa-onnx recognizers and onnxruntime decoders here)
+checks its files against it: a model of another export, or a `tokens.txt` of another
+size, is an `ExportError` naming the file. The models take stage 1's features: 80-dim
+Kaldi fbank of audio at 16 kHz scaled to the int16 range (`cat.features.fbank`: 25 ms
+windows every 10 ms, `snip_edges`, mel bins from 20 Hz to Nyquist, no dither). Global
+CMVN, when the model has it, is folded into the encoder graph: the features go in raw.
 
 The model exported is that of `cat.decoding.searcher.load_model`: a `config.json` changed
 since the checkpoint was trained (`causal_conv` turned on, a time reduction without
-parameters added: the same weights, another model) is an error naming the changed keys,
-and nothing is written, unless `hyper-p.json`'s `inference.infer.option.
+parameters added: the same weights, another model), another front end or another
+tokenizer than the checkpoint records, is an error naming the changed keys, and nothing
+is written, unless `--allow-config-change` or `hyper-p.json`'s `inference.infer.option.
 allow_config_change` accepts it (then the keys are logged).
 
 Usage:
@@ -25,7 +30,9 @@ Usage:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -56,10 +63,15 @@ from cat.models.registry import DECODES_AS, check_command, family
 EXPORT_NAME = "export"
 TOKENS_NAME = "tokens.txt"
 METADATA_NAME = "export.json"
+#: export.json's key of the size and sha256 of each file of the export.
+FILES_KEY = "files"
 OPSET = 17
 BLANK_SYMBOL = "<blk>"
 # Kaldi's low end of the mel banks, which every front end keeps.
 LOW_FREQ = 20.0
+
+
+logger = logging.getLogger(__name__)
 
 
 class ExportError(RuntimeError):
@@ -162,15 +174,28 @@ def read_metadata(path: PathLike) -> dict[str, str]:
     return {entry.key: entry.value for entry in onnx.load(str(path)).metadata_props}
 
 
+def file_digest(path: PathLike) -> str:
+    """The sha256 of a file, read 1 MB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_export(out_dir: PathLike, write: Callable[[Path], dict[str, Any]]) -> Path:
     """Run `write(tmp_dir)` (which writes the models and returns the metadata) into a
-    temporary directory, add `export.json`, then put it in place of `out_dir`."""
+    temporary directory, add `export.json` (the metadata, and under `files` the size and
+    sha256 of every file written), then put it in place of `out_dir`."""
     out_dir = Path(out_dir)
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     tmp_dir.mkdir(parents=True)
     metadata = write(tmp_dir)
+    metadata = {**metadata, FILES_KEY: {
+        path.name: {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+        for path in sorted(tmp_dir.iterdir()) if path.is_file()}}
     (tmp_dir / METADATA_NAME).write_text(json.dumps(metadata, indent=1, ensure_ascii=False),
                                          encoding="utf-8")
     if out_dir.exists():
@@ -180,11 +205,56 @@ def write_export(out_dir: PathLike, write: Callable[[Path], dict[str, Any]]) -> 
 
 
 def load_export_metadata(export_dir: PathLike) -> dict[str, Any]:
-    """`export.json` of an export directory."""
+    """`export.json` of an export directory, its files checked against it
+    (`check_export_files`)."""
     path = Path(export_dir) / METADATA_NAME
     if not path.is_file():
         raise ExportError(f"{export_dir}: no {METADATA_NAME} (not an export directory)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExportError(f"{path}: not an export's metadata ({error})") from None
+    if not isinstance(meta, dict):
+        raise ExportError(f"{path}: not an export's metadata (not a JSON object)")
+    check_export_files(export_dir, meta)
+    return meta
+
+
+def check_export_files(export_dir: PathLike, meta: Mapping[str, Any]) -> None:
+    """ExportError naming the file when a file `export.json` lists is missing, or is not
+    the one the export wrote (another size or sha256: another model's, or changed since);
+    when `tokens.txt` holds another number of tokens than the model's vocabulary. An export
+    written before exports recorded their files is read with a warning."""
+    export_dir = Path(export_dir)
+    tokens = export_dir / TOKENS_NAME
+    if tokens.is_file() and "vocab_size" in meta:
+        with open(tokens, encoding="utf-8", errors="replace") as f:
+            count = sum(1 for line in f if line.strip())
+        if count != int(meta["vocab_size"]):
+            raise ExportError(f"{tokens}: {count} tokens, but the model's vocabulary "
+                              f"({METADATA_NAME} vocab_size) is {meta['vocab_size']}: it is "
+                              "not this model's symbol table (a runtime would fail on, or "
+                              "misname, the ids it lacks); export again")
+    files = meta.get(FILES_KEY)
+    if not isinstance(files, dict):
+        logger.warning("%s: %s records no files (written before exports recorded them): "
+                       "they are not checked", export_dir, METADATA_NAME)
+        return
+    for name, record in files.items():
+        path = export_dir / name
+        if not path.is_file():
+            raise ExportError(f"{path}: missing ({METADATA_NAME} lists it); export again")
+        size, digest = path.stat().st_size, None
+        if size == record.get("bytes"):
+            digest = file_digest(path)
+            if digest == record.get("sha256"):
+                continue
+        found = f"{size} bytes" if digest is None else f"sha256 {digest[:16]}"
+        recorded = (f"{record.get('bytes')} bytes" if digest is None
+                    else f"{str(record.get('sha256'))[:16]}")
+        raise ExportError(f"{path}: not the file this export wrote ({found}, {METADATA_NAME} "
+                          f"records {recorded}): another model's, or changed since; export "
+                          "again (python -m cat.export EXP --out DIR)")
 
 
 def sherpa_feature_config(meta: Mapping[str, Any]) -> Any:

@@ -120,7 +120,11 @@ from cat.decoding.audio import (
     from_files,
     from_wav_scp,
 )
-from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
+from cat.decoding.checkpoint import (
+    ModelConfigChangedError,
+    check_feature_dir,
+    select_checkpoint,
+)
 from cat.decoding.context_graph import HotwordsError
 from cat.decoding.results import (
     FORMATS,
@@ -143,12 +147,13 @@ from cat.decoding.searcher import (
 from cat.decoding.segments import VADS
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
-from cat.decoding.wfst import searcher_for
+from cat.decoding.wfst import GraphError, searcher_for
+from cat.features.fbank import experiment_front_end
 from cat.formats.tables import read_feature_index
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
 from cat.models.registry import check_command
-from cat.training.checkpoint import CheckpointMismatchError
+from cat.training.checkpoint import CheckpointMismatchError, read_model_checkpoint
 
 __all__ = ["DecodeOptions", "DecodeSummary", "FusionSpec", "decode_passes", "decode_set",
            "main", "plan_batches", "read_lengths"]
@@ -354,9 +359,15 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
     """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`
     and, for an `output` format other than text, its file (`cat.decoding.results`); with
     `spec`, beam search with that shallow fusion. With a `launcher` the `nj` shares are
-    the tasks of an array, logs in `out_dir/log`."""
+    the tasks of an array, logs in `out_dir/log`. Features of another front end than the
+    checkpoint's model was trained on are a `ModelConfigChangedError` naming `data_dir`
+    (`check_feature_dir`) unless `options.allow_config_change`."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     check_format(output)
+    # Features of another front end than the model's decode into wrong text, silently.
+    check_feature_dir(data_dir, read_model_checkpoint(checkpoint)[1],
+                      experiment_front_end(load_hyper(Path(exp_dir) / HYPER_NAME)), checkpoint,
+                      options.allow_config_change)
     scp, lengths, device, shares = _plan_workers(data_dir, options, launcher)
     workers = len(shares)
     start = time.perf_counter()
@@ -553,7 +564,8 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         else:
             summary = _transcribe(args, kind, checkpoint, options, spec)
     except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
-            CheckpointMismatchError, HotwordsError, ResultFormatError, VadError) as error:
+            CheckpointMismatchError, HotwordsError, ResultFormatError, VadError,
+            GraphError) as error:
         logger.error("%s", error)
         return 1
     skipped = f", {summary.num_skipped} skipped" if summary.num_skipped else ""

@@ -51,14 +51,15 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write
 from cat.core.threads import configure_threads
 from cat.decoding.checkpoint import check_model_config
-from cat.decoding.context_graph import ContextGraph, read_hotwords
+from cat.decoding.context_graph import MAX_PHRASE_BONUS, ContextGraph, read_hotwords
 from cat.decoding.results import Result
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_times
+from cat.features.fbank import experiment_front_end
 from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
 from cat.models.registry import DECODES_AS, build_model
 from cat.text.tokenizer import load as load_tokenizer
-from cat.training.checkpoint import load_model_state, read_model_checkpoint
+from cat.training.checkpoint import load_model_state, model_interface, read_model_checkpoint
 
 NO_LABEL = np.zeros(0, np.int32)
 OPTIONS_SCHEMA: dict[str, Any] = {
@@ -74,7 +75,7 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                                   "head: the N-best of both heads' beam searches ranked by "
                                   "ctc_weight x the CTC head's + decoder_weight x the "
                                   "transducer's log-likelihood)"},
-        "beam_size": {"type": "integer", "minimum": 1,
+        "beam_size": {"type": "integer", "minimum": 1, "maximum": 1000,
                       "description": "beam width: hypotheses kept per step"},
         "ctc_weight": {"type": "number", "minimum": 0,
                        "description": "attention_rescoring: weight of the search's "
@@ -92,14 +93,16 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                      "description": "beam searches: a file of phrases to favour (contextual "
                                     "biasing), one per line, each with an optional trailing "
                                     "' :<score per token>' (relative to the recipe directory)"},
-        "hotwords_score": {"type": "number",
+        "hotwords_score": {"type": "number", "minimum": -MAX_PHRASE_BONUS,
+                           "maximum": MAX_PHRASE_BONUS,
                            "description": "hotwords: the bonus per token of a phrase that "
-                                          "gives no score of its own"},
+                                          "gives no score of its own (a phrase's bonus, "
+                                          "times its tokens, at most 1000 either way)"},
         "blank_penalty": {"type": "number", "minimum": 0,
                           "description": "transducer searches: a constant taken from the "
                                          "blank logit at every step (sherpa-onnx's "
                                          "blank_penalty); trades deletions for insertions"},
-        "chunk_size": {"type": "integer", "minimum": 0,
+        "chunk_size": {"type": "integer", "minimum": 0, "maximum": 10000,
                        "description": "decode in chunks of this many encoder frames (0: full "
                                       "context): the forward of a U2 model with its chunk "
                                       "mask, the chunked forward of a CUSIDE model; what "
@@ -118,12 +121,12 @@ OPTIONS_SCHEMA: dict[str, Any] = {
                       "description": "tlg: the word LM's weight (stage 5's weights.json)"},
         "wfst_beam": {"type": "number", "exclusiveMinimum": 0,
                       "description": "tlg: the WFST decoder's beam"},
-        "nj": {"type": "integer", "minimum": 1,
+        "nj": {"type": "integer", "minimum": 1, "maximum": 1024,
                "description": "CPU decoding processes, each decoding a share of the batches"},
-        "max_frames": {"type": "integer", "minimum": 1,
+        "max_frames": {"type": "integer", "minimum": 1, "maximum": 100000000,
                        "description": "padded input frames per batch (utterances sorted by "
                                       "length)"},
-        "batch_size": {"type": "integer", "minimum": 1,
+        "batch_size": {"type": "integer", "minimum": 1, "maximum": 100000,
                        "description": "utterances per batch at most"},
         "device": {"enum": ["auto", "cpu", "cuda"],
                    "description": "where to decode; auto: CUDA when available"},
@@ -250,10 +253,10 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
                ) -> tuple[torch.nn.Module, Any]:
     """The experiment's model (eval mode, on `device`) with `checkpoint`'s weights, and its
     tokenizer. The weights must fit the model built from `config.json`
-    (`CheckpointMismatchError`), and `config.json` must be the one the checkpoint was
-    trained with (`ModelConfigChangedError` naming the changed keys) unless
-    `allow_config_change` (None: `inference.infer.option.allow_config_change` of
-    `hyper-p.json`)."""
+    (`CheckpointMismatchError`), and `config.json`, the front end (`data.front_end`) and
+    the tokenizer must be those the checkpoint was trained with (`ModelConfigChangedError`
+    naming the changed keys) unless `allow_config_change` (None:
+    `inference.infer.option.allow_config_change` of `hyper-p.json`)."""
     exp_dir = Path(exp_dir)
     hyper = load_hyper(exp_dir / HYPER_NAME)
     config = load_config(exp_dir / CONFIG_NAME)
@@ -268,7 +271,8 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     model = build_model(config, tokenizer.vocab_size, str(exp_dir / CONFIG_NAME))
     state, meta = read_model_checkpoint(checkpoint)
     load_model_state(model, state, checkpoint, exp_dir / CONFIG_NAME)
-    check_model_config(meta, config, checkpoint, exp_dir / CONFIG_NAME, allow_config_change)
+    check_model_config(meta, config, checkpoint, exp_dir / CONFIG_NAME, allow_config_change,
+                       model_interface(experiment_front_end(hyper), tokenizer))
     return model.to(device).eval(), tokenizer
 
 

@@ -91,9 +91,13 @@ def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike,
     out_dir = Path(out_dir)
     fst_path, words_path = out_dir / "TLG.fst", out_dir / "words.json"
     if fst_path.is_file() and words_path.is_file():
-        graph = read_graph(out_dir)
-        if graph.info.get("hotword_boosts", {}) == (hotwords or {}):
-            return graph
+        try:
+            graph = read_graph(out_dir)
+        except GraphError as error:
+            logger.warning("%s; building it again", error)
+        else:
+            if graph.info.get("hotword_boosts", {}) == (hotwords or {}):
+                return graph
     graph = build_tlg(pronouncer(tokenizer), tokenizer.vocab_size, arpa, hotwords)
     if hotwords:
         graph.info["hotword_boosts"] = dict(hotwords)
@@ -108,8 +112,19 @@ def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike,
     return graph
 
 
+class GraphError(ValueError):
+    """A file of a TLG graph dir is unreadable, damaged or not of the graph; the message
+    names it."""
+
+
+_REBUILD = "build the graph again (stage 5 rebuilds a graph dir it finds damaged)"
+
+
 def read_graph(graph_dir: PathLike) -> DecodingGraph:
-    """The TLG `decoding_graph` cached in `graph_dir` (TLG.fst, words.json)."""
+    """The TLG `decoding_graph` cached in `graph_dir` (TLG.fst, words.json), each file
+    checked: `FileNotFoundError` for a missing one, `GraphError` naming the file for a
+    `words.json` that is not the graph's word list, a `TLG.fst` of another size than the
+    one `words.json` records (damaged, or of another build), or one OpenFST cannot read."""
     import kaldifst
 
     graph_dir = Path(graph_dir)
@@ -118,8 +133,35 @@ def read_graph(graph_dir: PathLike) -> DecodingGraph:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist (a TLG graph dir holds TLG.fst and "
                                     "words.json: stage 5 builds them)")
-    meta = json.loads(words_path.read_text(encoding="utf-8"))
-    return DecodingGraph(kaldifst.StdVectorFst.read(str(fst_path)), meta["words"], meta["info"])
+    words, info = _read_words(words_path)
+    recorded, size = info.get("TLG_bytes"), fst_path.stat().st_size
+    if recorded is not None and recorded != size:
+        raise GraphError(f"{fst_path}: {size} bytes, but {words_path} records {recorded}: "
+                         f"damaged, or written by another build than its words; {_REBUILD}")
+    fst = kaldifst.StdVectorFst.read(str(fst_path))
+    if fst is None:  # OpenFST has logged why
+        raise GraphError(f"{fst_path}: not a readable OpenFST graph (damaged or truncated); "
+                         f"{_REBUILD}")
+    return DecodingGraph(fst, words, info)
+
+
+def _read_words(path: Path) -> tuple[list[str], dict]:
+    """(words, info) of a graph's `words.json`; `GraphError` naming it and what is wrong."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise GraphError(f"{path}: not a TLG words file: not UTF-8 ({error.reason} at byte "
+                         f"{error.start}); {_REBUILD}") from None
+    except json.JSONDecodeError as error:
+        raise GraphError(f"{path}: not a TLG words file: invalid JSON at line {error.lineno} "
+                         f"column {error.colno}: {error.msg}; {_REBUILD}") from None
+    words = meta.get("words") if isinstance(meta, dict) else None
+    info = meta.get("info") if isinstance(meta, dict) else None
+    if not isinstance(words, list) or not all(isinstance(word, str) for word in words) \
+            or not isinstance(info, dict):
+        raise GraphError(f"{path}: not a TLG words file: expected an object with 'words' (a "
+                         f"list of strings) and 'info' (an object); {_REBUILD}")
+    return words, info
 
 
 def check_frame_posteriors(model: Any) -> None:

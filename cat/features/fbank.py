@@ -70,7 +70,7 @@ import soundfile
 import torch
 from torchaudio.compliance.kaldi import get_mel_banks
 
-from cat.audio.codec import resample
+from cat.audio.codec import AudioDecodeError, check_file_complete, resample
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +225,14 @@ def open_audio(spec: str) -> Iterator[tuple[soundfile.SoundFile, str]]:
             if not os.path.isfile(spec):
                 raise AudioError(f"no such file: {spec}")
             source, name = spec, spec
+        try:
+            # libsndfile reads a cut Ogg or MP3 stream as shorter audio, without a word.
+            with contextlib.ExitStack() as opened:
+                file = source if not isinstance(source, str) else \
+                    opened.enter_context(open(source, "rb"))
+                check_file_complete(file, name)
+        except AudioDecodeError as error:
+            raise AudioError(str(error)) from None
         try:
             audio = stack.enter_context(soundfile.SoundFile(source))
         except soundfile.SoundFileError as error:

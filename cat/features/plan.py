@@ -1,8 +1,10 @@
 """Job planning of stage 1: which recordings each feature job extracts, and what is done.
 
 Recordings are dealt to `nj` jobs balanced by their audio's size (or, for `segments`,
-by the segments' total duration); each job gets its own `wav.scp` (and `segments`)
-under `split<nj>/<job>/`. A job's inputs and options are hashed into its completion
+by the segments' total duration; by count when a `wav.scp` line is a command); each job
+gets its own `wav.scp` (and `segments`) under `split<nj>/<job>/`. A re-run over the same
+recordings keeps the deal of the run before (`previous_assignment`), whatever their
+lines now hold. A job's inputs and options are hashed into its completion
 marker, so a re-run redoes exactly the jobs whose inputs or options changed; outputs of
 jobs that no longer exist are removed.
 
@@ -193,6 +195,27 @@ def balance_jobs(recordings: Sequence[str], weights: dict[str, float] | None,
     return [sorted(job) for job in jobs]
 
 
+def previous_assignment(split_dir: Path, num_jobs: int, recordings: Sequence[str]
+                        ) -> list[list[str]] | None:
+    """The recordings of each job as an earlier run dealt them into `split_dir`, when it
+    dealt exactly `recordings` to `num_jobs` jobs; else None.
+
+    A re-run keeps them there whatever changed in `wav.scp` (a fixed line, a command
+    become a file, a file of another size), so that only the jobs whose lines changed
+    are redone: a new deal, by sizes that changed, would move other recordings and redo
+    (and, on a cluster, resubmit) their jobs too."""
+    jobs: list[list[str]] = []
+    for index in range(1, num_jobs + 1):
+        try:
+            jobs.append(sorted(key for key, _ in iter_table(split_dir / str(index) / "wav.scp")))
+        except (OSError, TableError, UnicodeError):
+            return None
+    dealt = [recording for job in jobs for recording in job]
+    if len(dealt) != len(recordings) or set(dealt) != set(recordings):
+        return None
+    return jobs
+
+
 def plan_jobs(data_dir: Path, feat_dir: Path, nj: int,
           speed_factors: tuple[float, ...]) -> Plan:
     """Validate the inputs and write each job's input lists under `feat_dir/split<nj>`."""
@@ -219,7 +242,12 @@ def plan_jobs(data_dir: Path, feat_dir: Path, nj: int,
 
     num_jobs = min(nj, len(recordings))
     split_dir = feat_dir / f"split{num_jobs}"
-    assignment = balance_jobs(recordings, weights, num_jobs)
+    assignment = previous_assignment(split_dir, num_jobs, recordings)
+    if assignment is None:
+        assignment = balance_jobs(recordings, weights, num_jobs)
+    else:
+        logger.info("%s: the %d recording(s) stay in the jobs of the previous run (%s)",
+                    feat_dir, len(recordings), split_dir)
     job_of = {}
     for index, job_recordings in enumerate(assignment, 1):
         write_table(split_dir / str(index) / "wav.scp", ((r, wav_scp[r]) for r in job_recordings))

@@ -1,18 +1,21 @@
 """A real one-node Slurm cluster for tests: munged, slurmctld and slurmd on 127.0.0.1.
 
 `start_slurm(work_dir)` writes a private munge key and a `slurm.conf` (cluster
-`cattest`, one node named after this host with all its CPUs and most of its memory, one
-partition `debug`), then runs `munged`, `slurmctld` and `slurmd` in the foreground, each
-in its own process group: the ports are free ones on 127.0.0.1, munge listens on a
-private socket, and state, spool, logs and pid files stay in `work_dir` (the sockets in
-a short folder under /tmp, as a socket path must stay under 108 bytes), so the cluster
-neither needs nor disturbs the machine's own Slurm or munge. It waits a bounded time for
-`sinfo` to report the node idle; on a failure the error holds the daemons' log tails.
+`cattest`, one node named after this host with all its CPUs and most of its memory, a
+partition `debug`, and `urgent`, whose jobs preempt debug's: Slurm requeues them), then
+runs `munged`, `slurmctld` and `slurmd` in the foreground, each in its own process
+group: the ports are free ones on 127.0.0.1, munge listens on a private socket, and
+state, spool, logs and pid files stay in `work_dir` (the sockets in a short folder under
+/tmp, as a socket path must stay under 108 bytes), so the cluster neither needs nor
+disturbs the machine's own Slurm or munge. It waits a bounded time for `sinfo` to report
+the node idle; on a failure the error holds the daemons' log tails.
 
 The clients (`sbatch`, `srun`, `squeue`, `scontrol`, `scancel`, `sinfo`) find the
 cluster through `SLURM_CONF`: run them with `cluster.env`, or set the variable. The
 scheduler is tuned to start jobs at once (no batch scheduling delay, a scheduling pass
-every second) and `KillWait` is 5 s, so a cancelled job is killed 5 s after its SIGTERM.
+every second) and `KillWait` is 15 s, so a cancelled job is killed 15 s after its SIGTERM
+(its ranks save and its batch shell writes why it stopped well within it on a busy
+machine: with 5 s the batch shell was killed before its last log line).
 
 `stop()` cancels the jobs left, stops the daemons (SIGTERM, then SIGKILL after a bounded
 wait) and kills, by pid, any job process that outlived them. The daemons also die with
@@ -54,6 +57,8 @@ from cat.testing.processes import environment_of, process_identity, wait_until
 from cat.testing.seaweedfs import free_ports
 
 PARTITION = "debug"
+#: A partition whose jobs preempt those of PARTITION (Slurm requeues them).
+URGENT_PARTITION = "urgent"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 # Where Debian puts the daemons; often not on a user's PATH.
@@ -94,12 +99,18 @@ ReturnToService=2
 MpiDefault=none
 SwitchType=switch/none
 JobRequeue=1
-# A cancelled job gets its SIGKILL 5 s after its SIGTERM instead of 30 s.
-KillWait=5
+# A cancelled job gets its SIGKILL 15 s after its SIGTERM instead of 30 s.
+KillWait=15
 # Finished jobs stay visible to `scontrol show job` (there is no accounting database).
 MinJobAge=600
+# A job of the higher tier {urgent_partition} preempts the jobs of {partition} it needs the
+# CPUs of, and Slurm requeues them (their processes get SIGTERM, SIGKILL after KillWait).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP
+PartitionName={partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName={urgent_partition} Nodes={host} MaxTime=INFINITE State=UP PriorityTier=2 \
+PreemptMode=OFF
 """
 
 
@@ -338,7 +349,8 @@ def _configure(work_dir: Path) -> SlurmCluster:
     conf.write_text(_CONF.format(
         host=host, ctld_port=ctld_port, slurmd_port=slurmd_port,
         munge_socket=run_dir / "munge" / "socket", work_dir=work_dir,
-        run_dir=run_dir, cpus=cpus, memory_mb=memory_mb, partition=PARTITION))
+        run_dir=run_dir, cpus=cpus, memory_mb=memory_mb, partition=PARTITION,
+        urgent_partition=URGENT_PARTITION))
     logs = {name: work_dir / "log" / f"{name}.log" for name in DAEMONS}
     logs.update({f"{name}.out": work_dir / "log" / f"{name}.out" for name in DAEMONS})
     return SlurmCluster(work_dir=work_dir, run_dir=run_dir, conf=conf,

@@ -38,6 +38,7 @@ import argparse
 import base64
 import binascii
 import collections
+import hashlib
 import io
 import json
 import logging
@@ -360,6 +361,15 @@ def save(tokenizer: Tokenizer, path: PathLike) -> None:
     with atomic_write(path) as f:
         json.dump(document, f, ensure_ascii=False)
         f.write("\n")
+
+
+def digest(tokenizer: Tokenizer) -> str:
+    """A fingerprint of what a tokenizer maps text to and from (its type and state, not its
+    file's formatting): equal for the same tokenizer saved twice, different for another
+    one of the same size. Checkpoints and exports record it."""
+    document = json.dumps({"type": tokenizer.type_name, "config": tokenizer.to_config()},
+                          sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(document.encode("utf-8")).hexdigest()[:16]
 
 
 def load(path: PathLike) -> Tokenizer:

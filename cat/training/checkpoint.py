@@ -31,7 +31,10 @@ A checkpoint is a dict saved with `torch.save` that `torch.load(weights_only=Tru
     rng                 per rank {"torch": ByteTensor, "cuda": ByteTensor | None}
     meta                {"num_classes", "train_bin", "elapsed_seconds",
                          "settings": {"config.json": the config it was trained with,
-                                      "hyper-p.json": the update settings}}
+                                      "hyper-p.json": the update settings,
+                                      "front_end": its features' front end (name and
+                                                   fbank options),
+                                      "tokenizer": {"digest", "vocab_size"}}}
 
 Every file is written to a temporary name and renamed; the list is rewritten (atomically)
 after the new file exists, and only then are pruned files removed. Kept: the `keep` most
@@ -41,7 +44,9 @@ An average of checkpoints (`cat.decoding.checkpoint`, `cat.utils.avgmodel`) hold
 `averaged_from` and the `meta` of the last checkpoint averaged. `read_model_checkpoint`
 gives the weights and the `config.json` recorded with them (`recorded_config`; None for
 files written before checkpoints recorded it), which decoding compares with the
-experiment's (`model_config`: every section but `scheduler`, `config_changes`).
+experiment's (`model_config`: every section but `scheduler`, `config_changes`), and what
+else defines the model's input and output (`INTERFACE`: the front end and the tokenizer,
+`model_interface`, `interface_changes`).
 
 `load_model_state` puts a checkpoint's weights into a model built from `config.json`; a
 checkpoint that does not fit (the config or the tokenizer changed since it was written) is
@@ -56,6 +61,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -67,7 +73,10 @@ from typing import Any
 import torch
 
 from cat.core.io import PathLike, atomic_write, remove_stale_temporaries
+from cat.features.fbank import FbankOptions, front_end_name
 from cat.models.model import upgrade_state_dict
+from cat.text.tokenizer import Tokenizer
+from cat.text.tokenizer import digest as tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +201,41 @@ def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[st
 
     return [f"{key}: {shown(old, key)} -> {shown(new, key)}"
             for key in sorted(set(old) | set(new)) if shown(old, key) != shown(new, key)]
+
+
+#: What, besides `config.json`, defines a model's input and output, as checkpoints record
+#: it in `meta["settings"]` (`model_interface`), with how messages name it: the front end
+#: its features were computed with (hyper-p.json data.front_end, its fbank options) and
+#: the tokenizer its output ids belong to (its digest and size). Its global CMVN
+#: statistics are buffers of its weights, so they travel with them.
+INTERFACE = {"front_end": "hyper-p.json: data.front_end", "tokenizer": "the tokenizer"}
+
+
+def model_interface(front_end: FbankOptions, tokenizer: Tokenizer) -> dict[str, Any]:
+    """The `INTERFACE` entries of a model trained on `front_end` features to `tokenizer`'s
+    ids, as checkpoints record them."""
+    return {"front_end": {"name": front_end_name(front_end) or "(options of its own)",
+                          **dataclasses.asdict(front_end)},
+            "tokenizer": {"digest": tokenizer_digest(tokenizer),
+                          "vocab_size": tokenizer.vocab_size}}
+
+
+def interface_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`<what>: key: old -> new` for each `INTERFACE` entry of `current` that differs from
+    the checkpoint's settings `recorded`; an entry a checkpoint does not record (written
+    before checkpoints recorded it) is not compared."""
+    return [f"{what}: {change}" for name, what in INTERFACE.items() if name in recorded
+            for change in config_changes(recorded[name], current[name])]
+
+
+def recorded_front_end(meta: dict[str, Any]) -> FbankOptions | None:
+    """The front end a checkpoint's `meta` records its model was trained on (None: not
+    recorded)."""
+    settings = meta.get("settings")
+    front_end = settings.get("front_end") if isinstance(settings, dict) else None
+    if not isinstance(front_end, dict):
+        return None
+    return FbankOptions(**{key: value for key, value in front_end.items() if key != "name"})
 
 
 class CheckpointMismatchError(ValueError):

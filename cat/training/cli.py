@@ -92,5 +92,6 @@ def run_cli(command: str, argv: list[str] | None = None) -> None:
         train(args.exp_dir, command, args.resume, args.resume_restart_epoch,
               args.resume_allow_config_change)
     except TrainingStopped as stopped:
-        logger.warning("%s (exit status %d)", stopped, STOPPED_EXIT_STATUS)
+        logger.warning("%s (exit status %d); resume with: python -m %s %s --resume", stopped,
+                       STOPPED_EXIT_STATUS, command, args.exp_dir)
         sys.exit(STOPPED_EXIT_STATUS)

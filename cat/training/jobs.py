@@ -12,17 +12,21 @@ GPUs, gloo on CPUs):
   each (a rank per GPU, or CPU ranks), started by `srun` one rank per task, the
   rendezvous at the first node of the allocation on a port free there (`job_script`).
   The job is submitted with `--requeue` and `--signal=USR1@<warn_seconds>`: Slurm warns
-  the ranks that long before the time limit; a preempted job's ranks get SIGTERM. Either
-  way they save and exit with status 75, and the job requeues itself (`scontrol
-  requeue`); the next run resumes from the checkpoint (`--resume`), so the epoch trains
-  each utterance once. The job's log (`exp/<name>/log/train.slurm.log`, appended by every
-  run) ends with `# ended with status N`. This process waits until the job has left the
-  queue for good; SIGINT or SIGTERM cancels it.
+  the ranks that long before the time limit; a preempted or cancelled job's ranks get
+  SIGTERM. Either way they save and exit with status 75, and the job script asks Slurm
+  why (`cat.core.launch.stop_cause`): a user's `scancel` (also `--signal=KILL`) ends the
+  job for good; Slurm's own requeue of a preempted job needs nothing more; a warning, a
+  signal sent with `scancel --signal`, a preemption that cancels or the time limit make
+  the job requeue itself (`scontrol requeue`). The next run resumes from the checkpoint
+  (`--resume`), so the epoch trains each utterance once. The job's log
+  (`exp/<name>/log/train.slurm.log`, appended by every run) ends with `# ended with status
+  N`. This process waits until the job has left the queue for good; SIGINT or SIGTERM
+  cancels it (for good: stage 3 run again resumes it), and it waits for the ranks to save.
 
 Usage:
     status = run_here(train_command("cat.ctc.train", "exp/ctc-v1", nproc=2, resume=False))
-    status = run_on_slurm(launcher, "cat.ctc.train", "exp/ctc-v1", nnodes=2, ranks_per_node=4,
-                          gpus_per_node=4)
+    end = run_on_slurm(launcher, "cat.ctc.train", "exp/ctc-v1", nnodes=2, ranks_per_node=4,
+                       gpus_per_node=4)
 """
 
 from __future__ import annotations
@@ -38,7 +42,15 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from cat.core.launch import ENDED, Launcher, submit_job
+from cat.core.launch import (
+    CANCELLED,
+    ENDED,
+    REQUEUE_ITSELF,
+    REQUEUED,
+    JobEnd,
+    Launcher,
+    submit_job,
+)
 from cat.core.process import parent_death_preexec
 from cat.training.preemption import STOPPED_EXIT_STATUS
 
@@ -102,10 +114,18 @@ def run_here(command: Sequence[str]) -> tuple[int, list[str]]:
     return status, forwarded
 
 
+def resume_command(exp_dir: str) -> str:
+    """How a user resumes a stopped training of `exp_dir` (stage 3 of the recipe, run in
+    its directory)."""
+    return (f"bash run.sh --stage 3 --exp {shlex.quote(exp_dir)} (or python -m "
+            f"cat.utils.stage_driver train {shlex.quote(exp_dir)} with its options)")
+
+
 def job_script(train_bin: str, exp_dir: str, cwd: Path) -> str:
     """The batch script of a training job (see the module doc)."""
     python = shlex.quote(sys.executable)
     check = shlex.quote(f"{exp_dir}/check/checkpoints.json")
+    resume = resume_command(exp_dir).replace('"', '\\"')
     rank = ('export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS '
             'LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE; exec "$@"')
     return "\n".join([
@@ -125,14 +145,37 @@ def job_script(train_bin: str, exp_dir: str, cwd: Path) -> str:
         f"{shlex.quote(exp_dir)} \"${{resume[@]}}\"",
         "status=$?",
         f"if [ $status -eq {STOPPED_EXIT_STATUS} ]; then",
-        "  echo \"# $(date '+%F %T') the ranks saved and stopped: requeued\"",
-        '  if scontrol requeue "$SLURM_JOB_ID"; then',
-        "    # The requeue ends this run; finishing it first would race with the requeue.",
-        "    trap - TERM USR1",
-        "    sleep 600 & wait",
-        "    exit 0",
-        "  fi",
-        "  echo \"# scontrol requeue failed: run stage 3 again to resume\"",
+        "  # Why the ranks were stopped decides whether this job goes on (see",
+        "  # cat.core.launch.stop_cause): a user's scancel ends it for good.",
+        f'  cause=$({python} -m cat.core.launch stop-cause "$SLURM_JOB_ID" '
+        '"${SLURM_RESTART_COUNT:-0}") || cause=unknown',
+        '  case $cause in',
+        f"    {CANCELLED})",
+        "      echo \"# $(date '+%F %T') the job was cancelled (scancel): not requeued; the "
+        f"ranks saved a checkpoint, run stage 3 again to resume: {resume}\"",
+        "      ;;",
+        f"    {REQUEUED})",
+        "      echo \"# $(date '+%F %T') the ranks saved and stopped; Slurm requeues the job "
+        "itself (preempted)\"",
+        "      trap - TERM USR1",
+        "      sleep 600 & wait",
+        "      exit 0",
+        "      ;;",
+        f"    {' | '.join(sorted(REQUEUE_ITSELF))})",
+        "      echo \"# $(date '+%F %T') the ranks saved and stopped ($cause): requeued\"",
+        '      if scontrol requeue "$SLURM_JOB_ID"; then',
+        "        # The requeue ends this run; finishing it first would race with the requeue.",
+        "        trap - TERM USR1",
+        "        sleep 600 & wait",
+        "        exit 0",
+        "      fi",
+        f'      echo "# scontrol requeue failed: run stage 3 again to resume: {resume}"',
+        "      ;;",
+        "    *)",
+        "      echo \"# $(date '+%F %T') the ranks saved and stopped, Slurm cannot say why "
+        f"($cause): not requeued; run stage 3 again to resume: {resume}\"",
+        "      ;;",
+        "  esac",
         "fi",
         f'echo "{ENDED}$status"',
         "exit $status",
@@ -142,9 +185,10 @@ def job_script(train_bin: str, exp_dir: str, cwd: Path) -> str:
 
 def run_on_slurm(launcher: Launcher, train_bin: str, exp_dir: str, nnodes: int,
                  ranks_per_node: int, gpus_per_node: int, cwd: Path | None = None,
-                 warn_seconds: int = WARN_SECONDS) -> int | None:
-    """Train as one Slurm job (see the module doc); returns the status its log ends with
-    (None: the job ended without one, e.g. cancelled or killed at its time limit)."""
+                 warn_seconds: int = WARN_SECONDS) -> JobEnd:
+    """Train as one Slurm job (see the module doc); returns how it ended: the status its
+    log ends with (None: without one, e.g. killed at its time limit) and its Slurm state
+    (CANCELLED after a user's scancel)."""
     work = (cwd or Path.cwd()).resolve()
     log = Path(exp_dir) / SLURM_LOG
     resources = dataclasses.replace(launcher, gpus_per_job=gpus_per_node)

@@ -88,13 +88,18 @@ from cat.core import config as config_module
 from cat.core.config import Experiment
 from cat.core.io import atomic_write
 from cat.core.threads import ThreadGovernor
+from cat.features.fbank import experiment_front_end
 from cat.loading.batch import Batch
+from cat.text.tokenizer import load as load_tokenizer
 from cat.training import setup
 from cat.training.checkpoint import (
+    INTERFACE,
     CheckpointManager,
     flatten,
+    interface_changes,
     load_checkpoint,
     load_model_state,
+    model_interface,
     upgrade_training_checkpoint,
 )
 from cat.training.distributed import DistributedContext, set_threads
@@ -129,27 +134,36 @@ class ConfigChangedError(RuntimeError):
     """`--resume` found the training settings changed since the checkpoint."""
 
 
-def training_settings(experiment: Experiment, amp_dtype: str | None = None) -> dict[str, Any]:
-    """What decides an update, recorded in checkpoints: config.json, the train.option keys
-    of UPDATE_OPTIONS, and the dtype AMP trains in (`train.option.amp_dtype` resolved on
-    the device; None without AMP)."""
+def training_settings(experiment: Experiment, amp_dtype: str | None = None,
+                      interface: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What decides an update and what defines the model's input and output, recorded in
+    checkpoints: config.json, the train.option keys of UPDATE_OPTIONS, the dtype AMP trains
+    in (`train.option.amp_dtype` resolved on the device; None without AMP), and the front
+    end and tokenizer (`interface`, default `model_interface` of the experiment's)."""
+    if interface is None:
+        interface = model_interface(experiment_front_end(experiment.hyper),
+                                    load_tokenizer(experiment.options.tokenizer))
     return {"config.json": experiment.config,
             "hyper-p.json": {**{f"train.option.{key}": getattr(experiment.options, key)
                                 for key in UPDATE_OPTIONS},
-                             "train.option.amp_dtype": amp_dtype}}
+                             "train.option.amp_dtype": amp_dtype},
+            **interface}
 
 
 def setting_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'file: key: old -> new' for each setting that differs."""
+    """'file: key: old -> new' for each setting that differs (the front end and the
+    tokenizer when the checkpoint records them, `interface_changes`)."""
     changes = []
     for name in sorted(set(recorded) | set(current)):
+        if name in INTERFACE:
+            continue
         old = flatten(recorded.get(name, {}))
         new = flatten(current.get(name, {}))
         for key in sorted(set(old) | set(new)):
             if old.get(key, "(absent)") != new.get(key, "(absent)"):
                 changes.append(f"{name}: {key}: {old.get(key, '(absent)')!r} -> "
                                f"{new.get(key, '(absent)')!r}")
-    return changes
+    return changes + interface_changes(recorded, current)
 
 
 class Manager:
@@ -188,6 +202,9 @@ class Manager:
         self.threads = set_threads(self.options.threads, context)
         self.thread_governor = ThreadGovernor(self.options.threads, context.local_world_size)
         self.model, self.num_classes = setup.build_model(experiment, context)
+        # What defines the model's input and output, recorded in every checkpoint.
+        self.interface = model_interface(experiment_front_end(experiment.hyper),
+                                         load_tokenizer(self.options.tokenizer))
         self.feat_dim = int(experiment.config["encoder"]["kwargs"]["idim"])
         self.train_data, self.dev_data = setup.build_data(self.options, self.model,
                                                           self.feat_dim, context, self.log_dir)
@@ -286,7 +303,8 @@ class Manager:
         logger.info("resumed from %s: epoch %d, step %d", path, self.epoch, self.step)
 
     def _settings(self) -> dict[str, Any]:
-        return training_settings(self.experiment, dtype_name(self.updater.amp_dtype))
+        return training_settings(self.experiment, dtype_name(self.updater.amp_dtype),
+                                 self.interface)
 
     def _check_settings(self, recorded: dict[str, Any] | None, path: Path) -> None:
         """Stop (or, with --resume-allow-config-change, log) when the training settings

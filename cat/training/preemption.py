@@ -9,9 +9,9 @@ makes before every update anyway, so all ranks stop after the same update, the o
 flight; then it writes a checkpoint with the exact stream position of every rank and
 DataLoader worker (without the dev evaluation, which the grace time may not cover) and
 raises `TrainingStopped`. The entry point exits with `STOPPED_EXIT_STATUS` (75, sysexits'
-EX_TEMPFAIL: try again later); the Slurm job script requeues itself on it, and a local
-re-run of stage 3 resumes: the epoch then trains exactly the utterances it had not
-trained.
+EX_TEMPFAIL: try again later); the Slurm job script then requeues itself unless a user
+cancelled the job (`cat.training.jobs`), and a local re-run of stage 3 resumes: the epoch
+then trains exactly the utterances it had not trained.
 
 A second SIGINT stops at once (KeyboardInterrupt), as a user pressing Ctrl-C twice
 expects; the checkpoints written before are kept. DataLoader workers ignore the three

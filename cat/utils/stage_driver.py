@@ -12,8 +12,10 @@
 * `train` (stage 3): runs `train.bin` (`python -m cat.ctc.train exp/<name>`, under
   `torchrun` with `--nproc` > 1; with `--cmd` naming the slurm backend, one Slurm job of
   `--nnodes` nodes, `cat.training.jobs`); an interrupted run is resumed from its last
-  checkpoint. SIGINT and SIGTERM are passed on to the training, which saves and stops:
-  the command then exits with status 75 and the stage is not marked done.
+  checkpoint. SIGINT and SIGTERM are passed on to the training, which saves and stops
+  (on Slurm: the job is cancelled for good, `scancel`); the command then exits with status
+  75, saying how to resume, and the stage is not marked done. A Slurm job cancelled by a
+  user ends stage 3 the same way.
 * `decode` (stage 4): averages checkpoints (`inference.avgmodel`), decodes every
   `data.test` set with `inference.infer` and scores it with `cat.utils.wer`; the table of
   results goes to `exp/<name>/RESULTS.md`. When every hypothesis of a set is empty or
@@ -64,7 +66,13 @@ from cat.core.config import (
     as_list,
 )
 from cat.core.io import PathLike, atomic_write, setup_logging
-from cat.core.launch import ArrayJobError, Launcher, LaunchError, add_cmd_argument
+from cat.core.launch import (
+    ArrayJobError,
+    Interrupted,
+    Launcher,
+    LaunchError,
+    add_cmd_argument,
+)
 from cat.core.stages import is_done, mark_done, signature
 from cat.training.preemption import STOPPED_EXIT_STATUS
 from cat.utils.lm_stage import decode_lm
@@ -194,7 +202,13 @@ def train(exp_dir: PathLike, nproc: int = 1, launcher: Launcher | None = None,
     node (`cat.training.jobs`). A run stopped by a signal (saved, status 75) raises
     `TrainingInterrupted`; the stage is marked done only when training finished.
     """
-    from cat.training.jobs import SLURM_LOG, run_here, run_on_slurm, train_command
+    from cat.training.jobs import (
+        SLURM_LOG,
+        resume_command,
+        run_here,
+        run_on_slurm,
+        train_command,
+    )
 
     plan = Plan.load(exp_dir)
     exp_dir = plan.exp_dir
@@ -209,21 +223,33 @@ def train(exp_dir: PathLike, nproc: int = 1, launcher: Launcher | None = None,
     train_bin = plan.hyper["train"]["bin"]
     apply_env(plan.hyper)
     forwarded: list[str] = []
+    resume = f"run stage 3 again to resume it: {resume_command(str(exp_dir))}"
     if on_slurm:
-        status = run_on_slurm(launcher, train_bin, str(exp_dir), nnodes, gpus_per_node or nproc,
-                              gpus_per_node)
+        try:
+            end = run_on_slurm(launcher, train_bin, str(exp_dir), nnodes,
+                               gpus_per_node or nproc, gpus_per_node)
+        except (Interrupted, KeyboardInterrupt) as error:
+            raise TrainingInterrupted(
+                f"training of {exp_dir} stopped: {error or 'SIGINT received'}, its Slurm job "
+                f"cancelled; its checkpoints are kept ({trained_updates(exp_dir)} updates); "
+                f"{resume}") from None
+        status = end.status
         where = exp_dir / SLURM_LOG
+        if end.state == "CANCELLED" and status != 0:
+            raise TrainingInterrupted(
+                f"training of {exp_dir} stopped: its Slurm job {end.job_id} was cancelled "
+                f"(scancel), not requeued; its checkpoints are kept "
+                f"({trained_updates(exp_dir)} updates); {resume}")
     else:
-        resume = (check / "checkpoints.json").is_file()
-        if resume:
+        resumed = (check / "checkpoints.json").is_file()
+        if resumed:
             logger.info("resuming the interrupted training of %s", exp_dir)
-        status, forwarded = run_here(train_command(train_bin, str(exp_dir), nproc, resume))
+        status, forwarded = run_here(train_command(train_bin, str(exp_dir), nproc, resumed))
         where = exp_dir / "log"
     if status == STOPPED_EXIT_STATUS or (forwarded and status != 0):
         raise TrainingInterrupted(
             f"training of {exp_dir} stopped on {', '.join(forwarded) or 'a signal'} after "
-            f"saving a checkpoint ({trained_updates(exp_dir)} updates); run stage 3 again "
-            "to resume it")
+            f"saving a checkpoint ({trained_updates(exp_dir)} updates); {resume}")
     if status != 0:
         ended = "ended without a status (cancelled, or killed by Slurm: time limit, memory, " \
                 "node failure)" if status is None else f"failed with status {status}"

@@ -8,7 +8,8 @@
 #          processes, training as --nproc processes (torchrun)
 #   slurm  stages 1, 2, 4 and 5 run as Slurm array jobs of --nj tasks (sbatch --array), a
 #          log per task; training is one job of --nnodes nodes (a rank per GPU, or --nproc
-#          CPU ranks per node) that requeues itself when preempted or near its time limit
+#          CPU ranks per node) that requeues itself when preempted or near its time limit;
+#          a user's scancel (or Ctrl-C / SIGTERM to run.sh) ends it for good
 #
 # To use your cluster: cmd_backend=slurm, your partition, and the sbatch options your site
 # needs (account, QOS, constraints) in sbatch_options. The machine running run.sh needs

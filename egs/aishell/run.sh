@@ -42,7 +42,9 @@ if [ -z "$exp" ]; then
   if $synthetic; then exp=exp/synth-ctc; else exp=exp/ctc-v1; fi
 fi
 
-../../utils/asr.sh --stage "$stage" --stop_stage "$stop_stage" --nj "$nj" --nproc "$nproc" \
+# exec: a signal to this script (Ctrl-C, kill, a scheduler) reaches asr.sh, which stops the
+# running stage (training saves first) and ends; nothing is left running.
+exec ../../utils/asr.sh --stage "$stage" --stop_stage "$stop_stage" --nj "$nj" --nproc "$nproc" \
   --exp "$exp" --train_set train --test_sets "dev test" --speed_perturb "$speed_perturb" \
   --local_data_opts "--synthetic $synthetic --synthetic_utts $synthetic_utts \
 --synthetic_seed $synthetic_seed --lm_sentences $lm_sentences --aishell_root $aishell_root \

@@ -47,7 +47,9 @@ if [ -z "$exp" ]; then
 fi
 train_set=train_$(echo "$train_subset" | tr '[:upper:]' '[:lower:]')
 
-../../utils/asr.sh --stage "$stage" --stop_stage "$stop_stage" --nj "$nj" --nproc "$nproc" \
+# exec: a signal to this script (Ctrl-C, kill, a scheduler) reaches asr.sh, which stops the
+# running stage (training saves first) and ends; nothing is left running.
+exec ../../utils/asr.sh --stage "$stage" --stop_stage "$stop_stage" --nj "$nj" --nproc "$nproc" \
   --exp "$exp" --train_set "$train_set" --test_sets "dev test_net test_meeting" \
   --speed_perturb "$speed_perturb" \
   --local_data_opts "--synthetic $synthetic --synthetic_hours $synthetic_hours \

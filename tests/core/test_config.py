@@ -118,6 +118,75 @@ def test_every_schema_key_has_a_description_for_editors(path):
     assert _undescribed(json.loads(path.read_text(encoding="utf-8"))) == []
 
 
+#: Integer keys that are no size (seeds, counts of updates, epochs, steps, retries): they
+#: allocate nothing, so they need no maximum.
+NOT_SIZES = {"seed", "epochs", "max_steps", "check_freq", "log_interval", "read_retries",
+             "min_count", "warmup_steps", "stop_step", "start_batch"}
+
+
+def _unbounded_sizes(schema: dict) -> list[str]:
+    """Integer keys (sizes) of a schema without a maximum, by path."""
+    definitions = schema.get("$defs", {})
+    found = []
+
+    def integer(spec: dict) -> dict | None:
+        if "$ref" in spec:
+            target = definitions[spec["$ref"].rsplit("/", 1)[-1]]
+            return {**target, **{k: v for k, v in spec.items() if k != "$ref"}} \
+                if integer(target) is not None else None
+        kinds = spec.get("type")
+        return spec if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds) \
+            else None
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, list):
+            for index, item in enumerate(node):
+                walk(item, f"{path}[{index}]")
+        if not isinstance(node, dict):
+            return
+        for key, spec in node.get("properties", {}).items():
+            if isinstance(spec, dict) and key not in NOT_SIZES:
+                bounded = integer(spec)
+                if bounded is not None and "maximum" not in bounded:
+                    found.append(f"{path}.{key}")
+        for key, child in node.items():
+            walk(child, f"{path}/{key}")
+
+    walk(schema, "")
+    return found
+
+
+@pytest.mark.parametrize("name", ["hyper-p", "config", "lm", "decoding options"])
+def test_every_size_key_has_a_maximum(name):
+    """A mistyped size (CUSIDE's trainer.chunk_size 10^9 padded every batch to a chunk of
+    6 GB) is refused by name, with the key and the bound, before anything is allocated."""
+    from cat.decoding.searcher import ACCEPT_SCHEMA, OPTIONS_SCHEMA
+
+    schemas = {"hyper-p": config.HYPER_SCHEMA_PATH, "config": config.CONFIG_SCHEMA_PATH,
+               "lm": Path(cat.__file__).parent / "lm" / "schemas" / "lm.schema.json"}
+    schema = ({**OPTIONS_SCHEMA, "properties": {**OPTIONS_SCHEMA["properties"],
+                                                **ACCEPT_SCHEMA}}
+              if name == "decoding options" else
+              json.loads(schemas[name].read_text(encoding="utf-8")))
+    assert _unbounded_sizes(schema) == []
+
+
+def test_a_size_past_its_maximum_is_named(tmp_path):
+    model = tiny_model_config()
+    model["encoder"]["kwargs"]["max_chunk_size"] = 0
+    model["trainer"] = {"chunk_size": 10**9}
+    exp = _write_exp(tmp_path, _hyper(), model)
+    with pytest.raises(ConfigError, match=r"config\.json: trainer\.chunk_size: 1000000000 is "
+                                          r"greater than the maximum of 10000"):
+        config.load_experiment(exp)
+    hyper = _hyper()
+    hyper["train"]["option"]["shuffle_buffer"] = 10**12
+    exp = _write_exp(tmp_path / "2", hyper)
+    with pytest.raises(ConfigError, match=r"train\.option\.shuffle_buffer: 1000000000000 is "
+                                          r"greater than the maximum of 10000000"):
+        config.load_experiment(exp)
+
+
 def test_editor_settings_map_experiment_files_to_the_schemas():
     root = Path(cat.__file__).parent.parent
     settings = json.loads((root / ".vscode" / "settings.json").read_text(encoding="utf-8"))

@@ -145,3 +145,28 @@ def test_sigkill_of_the_launcher_leaves_no_task(tmp_path):
     process.wait(timeout=10)
     assert wait_until(lambda: not alive([child]), 5), "a task outlived kill -9 of its launcher"
     print(f"task gone {time.monotonic() - started:.2f} s after kill -9")
+
+
+def test_why_a_slurm_job_was_stopped_is_read_from_its_state():
+    """The fields `scontrol show job` showed (Slurm 22.05) as the processes of a job got
+    their SIGTERM, in each case; the real cluster: tests/training/test_slurm_training.py."""
+    running = {"JobState": "RUNNING", "Reason": "None", "Restarts": "0", "PreemptTime": "None"}
+    cases = {
+        # scancel, also scancel --signal=KILL: cancelled at once, SIGKILL after KillWait
+        launch.CANCELLED: {**running, "JobState": "COMPLETING"},
+        # preempted (PreemptMode=REQUEUE): the restart count is raised before the signal
+        launch.REQUEUED: {**running, "JobState": "COMPLETING", "Restarts": "1"},
+        # preempted (PreemptMode=CANCEL)
+        launch.PREEMPTED: {**running, "JobState": "COMPLETING",
+                           "PreemptTime": "2026-12-06T06:47:10"},
+        launch.TIME_LIMIT: {**running, "JobState": "COMPLETING", "Reason": "TimeLimit"},
+        # the time-limit warning (--signal=USR1@300), scancel --signal=TERM, GraceTime
+        launch.SIGNALLED: running,
+        launch.UNKNOWN: {},
+    }
+    for verdict, fields in cases.items():
+        assert launch.stop_cause(fields, restart_count=0) == verdict, fields
+    # a run after a requeue: its own restart count is the one to compare with
+    assert launch.stop_cause({**running, "JobState": "COMPLETING", "Restarts": "2"},
+                             restart_count=2) == launch.CANCELLED
+    assert {launch.PREEMPTED, launch.TIME_LIMIT, launch.SIGNALLED} == launch.REQUEUE_ITSELF

@@ -274,6 +274,26 @@ def test_a_long_utterance_is_read_a_window_at_a_time(tmp_path, monkeypatch):
     assert reads == [(str(low), round(start * 8000), round(end * 8000)) for start, end in spans]
 
 
+def test_a_last_window_too_short_for_a_frame_joins_the_one_before(tmp_path):
+    """--max-segment 6 --segment-overlap 0 on 12.01 s: the last 10 ms hold no 25 ms frame;
+    that window joins the one before (6 s to 12.01 s) instead of losing the recording."""
+    assert Segmenting(6.0, 0.0).starts(192160, 16000, min_samples=400) == [
+        (0, 96000), (96000, 192160)]
+    assert Segmenting(6.0, 0.0).starts(192400, 16000, min_samples=400) == [
+        (0, 96000), (96000, 192000), (192000, 192400)]  # one whole frame: its own window
+    long = make_audio_file(tmp_path / "audio/long.wav", 12.01, seed=7)
+    data_dir = write_kaldi_data_dir(tmp_path / "data", {"long": str(long)},
+                                    segments={"w0": ("long", 0.0, 6.0),
+                                              "w1": ("long", 6.0, -1)})
+    expected = stage1(data_dir, tmp_path / "fbank")
+    (recording,) = from_files([long]).recordings
+    got = list(recording_features(recording, FbankOptions(), segmenting=Segmenting(6.0, 0.0)))
+    assert [(key, window.index, window.start) for key, window in got] == [
+        ("long", 0, 0.0), ("long", 1, 6.0)]
+    np.testing.assert_array_equal(got[0][1].features, expected["w0"])
+    np.testing.assert_array_equal(got[1][1].features, expected["w1"])
+
+
 def test_window_settings_are_checked():
     assert Segmenting(20, 4).starts(16000 * 50, 16000) == [
         (0, 320000), (256000, 576000), (512000, 800000)]

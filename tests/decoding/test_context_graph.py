@@ -292,6 +292,32 @@ def test_a_score_that_is_not_a_number_names_the_file_and_line(tmp_path, line, sh
         read_hotwords(path, Letters(), 1.5)
 
 
+def test_a_bonus_past_the_bound_after_multiplication_names_the_file_and_line(tmp_path):
+    """A score finite per token can overflow once multiplied by the phrase's tokens (1e308
+    times 3 is infinite), and a large finite one outweighs every acoustic score: both are
+    refused by name, whether the line or the default gives the score."""
+    path = tmp_path / "hotwords.txt"
+    path.write_text("ab :2\nabc :1e308\n", encoding="utf-8")
+    with pytest.raises(HotwordsError, match=r"hotwords\.txt:2: 'abc': a phrase of 3 token\(s\) "
+                                            r"at 1e\+308 per token gets a bonus of inf, beyond "
+                                            r"±1000 \(log probability\); give it a score per "
+                                            r"token of at most 333\.333 in absolute value"):
+        read_hotwords(path, Letters(), 1.5)
+    path.write_text("abcd :-300\n", encoding="utf-8")  # finite, but 4 x -300 = -1200
+    with pytest.raises(HotwordsError, match=r"hotwords\.txt:1: 'abcd': .* bonus of -1200"):
+        read_hotwords(path, Letters(), 1.5)
+    path.write_text("ab :2\nabcde\n", encoding="utf-8")
+    with pytest.raises(HotwordsError, match=r"hotwords\.txt:2: 'abcde' \(the default score\): "
+                                            r"a phrase of 5 token\(s\) at 250 per token"):
+        read_hotwords(path, Letters(), 250)
+    graph, _ = read_hotwords(path, Letters(), 200)  # 5 x 200 = 1000: the bound itself
+    assert total(graph, [2, 3, 4, 5, 6]) == 1000.0 + 2 * 2  # abcde, and ab in it
+    with pytest.raises(ValueError, match="gets a bonus of inf"):
+        ContextGraph([([A, B], 1e308)])
+    with pytest.raises(ValueError, match=r"hotwords_score: 1e\+308 is greater than the maximum"):
+        DecodeOptions.from_dict({"hotwords": "h.txt", "hotwords_score": 1e308}, "x")
+
+
 def test_a_score_without_a_phrase_names_the_line(tmp_path):
     path = tmp_path / "hotwords.txt"
     path.write_text(":2\n", encoding="utf-8")
@@ -394,6 +420,11 @@ def test_the_decode_command_refuses_bad_hotwords(trained, monkeypatch, caplog):
     assert decode_main("cat.decode", [*decode, "--hotwords", "bad.txt", "--method",
                                       "greedy"]) == 1
     assert "hotwords need a beam search" in caplog.text
+    dev_text = (experiment.root / "data/fbank/dev/text").read_text(encoding="utf-8")
+    (experiment.root / "huge.txt").write_text(f"{dev_text.split()[1][:2]} :1e308\n",
+                                              encoding="utf-8")
+    assert decode_main("cat.decode", [*decode, "--hotwords", "huge.txt"]) == 1
+    assert "huge.txt:1: " in caplog.text and "gets a bonus of inf, beyond ±1000" in caplog.text
     assert not (experiment.root / "refused").exists()
 
 

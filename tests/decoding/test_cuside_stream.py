@@ -136,6 +136,26 @@ def test_the_export_streams_in_onnxruntime(cuside_experiment, tmp_path, monkeypa
         onnx_chunk_encoder(family.export("exp/tiny", tmp_path / "offline", checkpoint))
 
 
+def _factory_refuses_other_settings(out, audio: dict) -> None:
+    """sherpa-onnx's own factory (`from_wenet_ctc`, which reads neither setting from the
+    model) with fewer left chunks than the left context needs, or its defaults (chunk 16,
+    4 left chunks): an error naming the settings to use, never wrong text."""
+    import sherpa_onnx
+
+    samples, rate = soundfile.read(str(sorted(audio.items())[0][1]), dtype="float32")
+    for settings, message in (({"chunk_size": CHUNK, "num_left_chunks": 3},
+                               "run_with_chunk_size_2_and_num_left_chunks_at_least_4"),
+                              ({}, "invalid dimensions for input: x")):
+        recognizer = sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
+            tokens=str(out / "tokens.txt"), model=str(out / ctc_export.WENET_CTC_NAME),
+            num_threads=1, **settings)
+        stream = recognizer.create_stream()
+        stream.accept_waveform(rate, np.concatenate([samples, np.zeros(rate, np.float32)]))
+        with pytest.raises(RuntimeError, match=message):
+            while recognizer.is_ready(stream):
+                recognizer.decode_stream(stream)
+
+
 @pytest.mark.slow
 def test_sherpa_onnx_online_runs_the_cuside_export(cuside_experiment, tmp_path, monkeypatch):
     """The export in sherpa-onnx's `OnlineRecognizer`, audio in pieces of random sizes: CTC's
@@ -155,7 +175,11 @@ def test_sherpa_onnx_online_runs_the_cuside_export(cuside_experiment, tmp_path, 
                                               r"runtime's cache: num_left_chunks must be at "
                                               r"least 4"):
             ctc_export.sherpa_online_recognizer(out, num_left_chunks=3)
-        recognizer = ctc_export.sherpa_online_recognizer(out, num_left_chunks=4)
+        meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+        assert meta["wenet_ctc_runtime"] == {"chunk_size": CHUNK, "num_left_chunks": 4,
+                                             "num_left_chunks_is": "minimum"}
+        recognizer = ctc_export.sherpa_online_recognizer(out)  # export.json's settings
+        _factory_refuses_other_settings(out, experiment.test_audio())
     else:
         recognizer = rnnt_export.sherpa_online_recognizer(out)
     model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))

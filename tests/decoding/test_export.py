@@ -5,6 +5,7 @@ features are stage 1's fbank of real audio files."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import kaldiio
@@ -165,6 +166,58 @@ def test_export_command_uses_stage_4_checkpoint(recipe, capsys):
     assert len(tokens) == meta["vocab_size"]
     if variant == "rnnt-stateless":
         assert read_metadata(out / "decoder.onnx")["context_size"] == "2"
+
+
+def _loaders(kind: str):
+    """What reads an export folder: sherpa-onnx's recognizer (over this toolkit's helper),
+    and the onnxruntime decoder of the family."""
+    if kind == "ctc":
+        return [sherpa_recognizer, ctc_export.OnnxCtcDecoder]
+    return [rnnt_export.OnnxRnntDecoder]
+
+
+def test_an_export_folder_is_checked_against_its_export_json(recipe, tmp_path):
+    """export.json records the size and sha256 of each file: a model file of another export
+    and a tokens.txt shorter than the vocabulary are errors naming the file when the
+    folder is loaded (before: sherpa-onnx returned another model's text, exit 0, or died in
+    IndexError: _Map_base::at)."""
+    variant, experiment, checkpoint = recipe
+    kind = variant.split("-")[0]
+    out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
+    meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert set(meta["files"]) == {p.name for p in out.iterdir()} - {"export.json"}
+    assert meta["files"]["tokens.txt"]["bytes"] == (out / "tokens.txt").stat().st_size
+    for load in _loaders(kind):
+        load(out)
+    state = torch.load(checkpoint, weights_only=True)
+    state["model"] = {name: value + 0.01 if value.is_floating_point() else value
+                      for name, value in state["model"].items()}
+    torch.save(state, tmp_path / "other.pt")
+    other = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "other", tmp_path / "other.pt")
+    name = "model.onnx" if kind == "ctc" else "encoder.onnx"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    shutil.copy(other / name, damaged / name)
+    for load in _loaders(kind):
+        with pytest.raises(ExportError, match=rf"{damaged / name}: not the file this export "
+                                              r"wrote \(\d+ bytes, export\.json records \d+ "
+                                              r"bytes\): another model's"):
+            load(damaged)
+    flipped = bytearray((out / name).read_bytes())
+    flipped[len(flipped) // 2] ^= 1  # the same size, one bit changed
+    (damaged / name).write_bytes(bytes(flipped))
+    with pytest.raises(ExportError, match=rf"{damaged / name}: not the file this export wrote "
+                                          r"\(sha256 [0-9a-f]{16}, export\.json records "
+                                          r"[0-9a-f]{16}\)"):
+        _loaders(kind)[0](damaged)
+    shutil.copy(out / name, damaged / name)
+    tokens = (out / "tokens.txt").read_text(encoding="utf-8").splitlines()
+    (damaged / "tokens.txt").write_text("\n".join(tokens[:-3]) + "\n", encoding="utf-8")
+    for load in _loaders(kind):
+        with pytest.raises(ExportError, match=rf"{damaged / 'tokens.txt'}: {len(tokens) - 3} "
+                                              r"tokens, but the model's vocabulary \(export\."
+                                              rf"json vocab_size\) is {len(tokens)}"):
+            load(damaged)
 
 
 @pytest.mark.parametrize("kind", ["ctc", "rnnt"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from itertools import pairwise
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
-from cat.decoding.export import OnnxChunkEncoder, read_metadata
+from cat.decoding.export import ExportError, OnnxChunkEncoder, read_metadata
 from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
@@ -191,6 +192,88 @@ def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_e
         recognizer, lambda: _recognizer(kind, model, 4), experiment.test_audio(), tokenizer,
         pad_seconds=1.0)
     assert emitted >= 10
+    _factory_defaults_are_refused(out)
+
+
+def _factory_defaults_are_refused(out: Path) -> None:
+    """A model trained with all left context, exported for chunks of 4: sherpa-onnx's own
+    factory with its defaults (chunk 16, 4 left chunks; it reads neither from the model)
+    or with 4 left chunks stops at the first chunk naming the settings to use (before:
+    text of an untrained chunk size, exit 0); this package's helper refuses before."""
+    import sherpa_onnx
+
+    meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert meta["wenet_ctc_runtime"] == {"chunk_size": 4, "num_left_chunks": 16,
+                                         "num_left_chunks_is": "minimum"}
+    samples = np.random.default_rng(0).normal(scale=0.1, size=32000).astype(np.float32)
+    for settings in ({}, {"chunk_size": 4, "num_left_chunks": 4}):
+        recognizer = sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
+            tokens=str(out / "tokens.txt"), model=str(out / ctc_export.WENET_CTC_NAME),
+            num_threads=1, **settings)
+        stream = recognizer.create_stream()
+        stream.accept_waveform(16000, samples)
+        with pytest.raises(RuntimeError, match="run_with_chunk_size_4_and_num_left_chunks_"
+                                               "at_least_16/Gather"):
+            while recognizer.is_ready(stream):
+                recognizer.decode_stream(stream)
+    with pytest.raises(ExportError, match=r"trained with all left context \(encoder\.kwargs\."
+                                          r"left_chunks -1\); num_left_chunks must be at "
+                                          r"least 16 \(export\.json wenet_ctc_runtime\), "
+                                          r"not 4"):
+        ctc_export.sherpa_online_recognizer(out, num_left_chunks=4)
+    ctc_export.sherpa_online_recognizer(out)  # export.json's settings
+
+
+@pytest.mark.slow
+def test_a_model_of_limited_left_chunks_refuses_other_runtime_settings(tmp_path, monkeypatch):
+    """A U2 model trained to attend to 2 earlier chunks: export.json says so, and sherpa-onnx's
+    own factory with its default 4 left chunks (which it never reads from the model) stops
+    with an error naming the settings, where it gave other text than the model's."""
+    import sherpa_onnx
+
+    from cat.core.config import load_experiment
+    from cat.testing.training import write_tiny_experiment
+    from cat.text.tokenizer import load as load_tokenizer
+    from cat.training.checkpoint import CheckpointManager
+    from cat.training.manager import training_settings
+
+    monkeypatch.chdir(tmp_path)
+    write_tiny_experiment(tmp_path, feat_dim=80, num_train=8, num_dev=4)
+    config_path = tmp_path / "exp/tiny/config.json"
+    config = json.loads(config_path.read_text())
+    config["encoder"]["kwargs"].update(causal_conv=True, max_chunk_size=4, left_chunks=2)
+    config_path.write_text(json.dumps(config))
+    experiment = load_experiment("exp/tiny")
+    vocab = load_tokenizer("exp/tiny/tokenizer.tknz").vocab_size
+    model = build_model(experiment.config, vocab)
+    CheckpointManager("exp/tiny/check").save(
+        {"format": "cat-checkpoint", "version": 1, "model": model.state_dict(), "epoch": 1,
+         "step": 1, "meta": {"num_classes": vocab, "settings": training_settings(experiment)}},
+        1, 1, dev_loss=1.0)
+    out = ctc_export.export("exp/tiny", tmp_path / "export", chunk_size=4)
+    meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert meta["wenet_ctc_runtime"] == {"chunk_size": 4, "num_left_chunks": 2,
+                                         "num_left_chunks_is": "exact"}
+    assert read_metadata(out / ctc_export.WENET_CTC_NAME)["num_left_chunks"] == "2"
+    samples = np.random.default_rng(0).normal(scale=0.1, size=32000).astype(np.float32)
+    for left, refused in ((4, True), (2, False)):
+        recognizer = sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
+            tokens=str(out / "tokens.txt"), model=str(out / ctc_export.WENET_CTC_NAME),
+            chunk_size=4, num_left_chunks=left, num_threads=1)
+        stream = recognizer.create_stream()
+        stream.accept_waveform(16000, samples)
+
+        def decode(recognizer=recognizer, stream=stream) -> None:
+            while recognizer.is_ready(stream):
+                recognizer.decode_stream(stream)
+
+        if refused:
+            with pytest.raises(RuntimeError, match="run_with_chunk_size_4_and_"
+                                                   "num_left_chunks_2/Gather"):
+                decode()
+        else:
+            decode()
+    ctc_export.sherpa_online_recognizer(out)  # export.json's settings
 
 
 @pytest.mark.slow

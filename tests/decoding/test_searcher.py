@@ -79,7 +79,8 @@ def recipe(trained, monkeypatch):
     after the test."""
     monkeypatch.chdir(trained.root)
     saved = {path: path.read_text() for path in (trained.exp_dir / "config.json",
-                                                 trained.hyper_path)}
+                                                 trained.hyper_path,
+                                                 trained.exp_dir / "tokenizer.tknz")}
     yield trained
     for path, text in saved.items():
         path.write_text(text)
@@ -214,6 +215,79 @@ def test_a_checkpoint_without_a_recorded_config_decodes_with_a_warning(recipe, c
             f"{CONFIG} cannot be compared with the config it was trained with, only the "
             "parameter shapes are") in caplog.text
     old.unlink()
+
+
+FRONT_END_CHANGES = ('hyper-p.json: data.front_end: high_freq: 0.0 -> -400.0; hyper-p.json: '
+                     'data.front_end: name: "kaldi" -> "sherpa-onnx"; hyper-p.json: '
+                     'data.front_end: snip_edges: true -> false')
+
+
+def _interface_error(checkpoint: str, changes: str) -> str:
+    return (f"{checkpoint}: what defines the model's input and output changed since it was "
+            f"trained: {changes}. Features of another front end, or ids of another tokenizer, "
+            f"give wrong text without an error. {ACCEPT}")
+
+
+def test_a_front_end_edited_after_training_is_refused_by_every_verb(recipe, capsys, caplog):
+    """hyper-p.json's data.front_end edited after training: decoding, transcription,
+    streaming and export compute it (before: they did, exit 0), so each refuses it, naming
+    the key and how to accept it; accepted, it is logged."""
+    hyper = recipe.hyper()
+    hyper["data"]["front_end"] = "sherpa-onnx"
+    recipe.hyper_path.write_text(json.dumps(hyper))
+    error = re.escape(_interface_error(FIRST, FRONT_END_CHANGES))
+    with pytest.raises(ModelConfigChangedError, match=error):
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", OPTIONS)
+    wav = _wav(recipe.root)
+    with pytest.raises(ModelConfigChangedError, match=error):
+        transcribe(NAME, from_files([str(wav)]), FIRST, "ctc", OPTIONS)
+    assert stream_main("cat.ctc.stream", [NAME, "--wav-scp", "wav.scp", "--chunk-size", "4",
+                                          "--checkpoint", FIRST, "--out", f"{NAME}/stream"]) == 1
+    assert f"error: {_interface_error(FIRST, FRONT_END_CHANGES)}" in capsys.readouterr().err
+    assert export_main("cat.ctc.export", [NAME, "--checkpoint", FIRST]) == 1
+    assert f"error: {_interface_error(FIRST, FRONT_END_CHANGES)}" in capsys.readouterr().err
+    assert not (recipe.exp_dir / "export").exists() and not (recipe.exp_dir / "stream").exists()
+    with caplog.at_level(logging.WARNING):
+        assert decode_main("cat.ctc.decode", [NAME, "--audio", str(wav), "--checkpoint", FIRST,
+                                              "--method", "greedy", "--device", "cpu",
+                                              "--allow-config-change"]) == 0
+    assert (f"{FIRST}: what defines the model's input and output changed since it was "
+            f"trained (accepted by allow_config_change): {FRONT_END_CHANGES}") in caplog.text
+
+
+def test_another_tokenizer_than_the_models_is_refused(recipe):
+    """A tokenizer of as many ids as the model's, mapping them to other pieces: every
+    weight fits, every id would be read as another piece; refused by its digest."""
+    from tests.faults.test_bad_inputs import another_tokenizer_of_the_same_size
+
+    another_tokenizer_of_the_same_size(recipe.exp_dir / "tokenizer.tknz")
+    with pytest.raises(ModelConfigChangedError, match=re.escape(_interface_error(
+            FIRST, 'the tokenizer: digest: "').rsplit("digest", 1)[0]) +
+            r'digest: "[0-9a-f]{16}" -> "[0-9a-f]{16}"\. Features of another front end'):
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", OPTIONS)
+
+
+def test_features_of_another_front_end_than_the_models_are_refused(recipe, caplog):
+    """`python -m cat.decode EXP --data DIR`: DIR's features (its fbank.json) must be of the
+    front end the model was trained on, as stage 4 checks its test sets (before: decoded
+    into wrong text, exit 0)."""
+    from cat.features.fbank import FRONT_ENDS, write_front_end
+
+    other = recipe.root / "data/fbank-sherpa-onnx/dev"
+    shutil.copytree(recipe.root / "data/fbank/dev", other)
+    write_front_end(other, FRONT_ENDS["sherpa-onnx"])
+    decode = [NAME, "--data", str(other), "--checkpoint", FIRST, "--out", f"{NAME}/decode",
+              "--method", "greedy", "--device", "cpu"]
+    assert decode_main("cat.ctc.decode", decode) == 1
+    assert (f"{other}: its features were computed with the sherpa-onnx front end (fbank.json), "
+            f"but {FIRST} was trained on the kaldi front end (high_freq: 0.0 -> -400.0; "
+            "snip_edges: true -> false): it would decode them into wrong text without an "
+            "error. Extract them with that front end (run.sh --front_end kaldi), or accept "
+            "the change explicitly: --allow-config-change") in caplog.text
+    assert not (recipe.exp_dir / "decode/hyp").exists()
+    assert decode_main("cat.ctc.decode", [*decode, "--allow-config-change"]) == 0
+    assert "(accepted by allow_config_change)" in caplog.text
+    shutil.rmtree(recipe.root / "data/fbank-sherpa-onnx")
 
 
 def test_search_settings_reach_only_the_searches_that_take_them():

@@ -220,6 +220,37 @@ def test_unreadable_audio_is_reported_and_skipped(recipe, tmp_path, caplog):
         in caplog.text
 
 
+def test_truncated_audio_of_every_format_is_skipped_naming_the_file(recipe, tmp_path, caplog):
+    """A truncated Opus, Vorbis or MP3 file (which libsndfile reads as shorter audio) given
+    to transcription, as a file or through a wav.scp command, is skipped with its reason,
+    never decoded in part."""
+    kind, experiment, _ = recipe
+    audio = experiment.test_audio()
+    utt = sorted(audio)[0]
+    samples, rate = soundfile.read(audio[utt], dtype="float32")
+    files = []
+    for audio_format, (major, subtype) in {"opus": ("OGG", "OPUS"), "ogg": ("OGG", "VORBIS"),
+                                           "mp3": ("MP3", "MPEG_LAYER_III")}.items():
+        whole = tmp_path / f"whole.{audio_format}"
+        soundfile.write(whole, samples, rate, format=major, subtype=subtype)
+        cut = tmp_path / f"cut-{audio_format}.{audio_format}"
+        cut.write_bytes(whole.read_bytes()[:whole.stat().st_size * 2 // 3])
+        files.append(cut)
+    out = tmp_path / "out"
+    assert main(f"cat.{kind}.decode", [EXP, "--audio", str(audio[utt]), *map(str, files),
+                                       "--out", str(out)]) == 0
+    assert list(read_table(out / "hyp", allow_empty_value=True)) == [utt]
+    skipped = read_table(out / "skipped.txt")
+    assert sorted(skipped) == ["cut-mp3", "cut-ogg", "cut-opus"]
+    for path in files:
+        assert f": truncated audio {path}: " in skipped[path.stem], skipped[path.stem]
+    write_table(tmp_path / "wav.scp", [(path.stem, f"cat {path} |") for path in files])
+    caplog.clear()
+    assert main("cat.decode", [EXP, "--wav-scp", str(tmp_path / "wav.scp")]) == 1
+    assert f"3 utterance(s), all skipped; first: cut-mp3: {tmp_path / 'wav.scp'}:1: " \
+           f"truncated audio command 'cat {files[2]}': its Xing header declares" in caplog.text
+
+
 def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
     """Segments of one long recording; features gathered 1.6 s at a time (the longest
     utterance: a longer one would be refused)."""
@@ -373,6 +404,26 @@ def test_a_long_recording_in_windows(recipe, tmp_path, capsys, caplog):
     assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "3000"]) == 1
     assert "--max-segment 3000 s is longer than the transcription window of 1800 s" \
         in caplog.text
+
+
+def test_a_last_window_without_a_frame_does_not_lose_the_recording(recipe, tmp_path):
+    """`--max-segment 6 --segment-overlap 0` on a 12.01 s recording: its last 10 ms hold no
+    frame, and join the window before instead of ending the recording with an error."""
+    _kind, experiment, _ = recipe
+    audio = experiment.test_audio()
+    pieces = [soundfile.read(audio[utt], dtype="int16")[0] for utt in sorted(audio)]
+    samples = np.resize(np.concatenate(pieces), 192160)  # 12.01 s at 16 kHz
+    long = tmp_path / "long.wav"
+    soundfile.write(long, samples, 16000)
+    out = tmp_path / "out"
+    assert main("cat.decode", [EXP, "--audio", str(long), "--max-segment", "6",
+                               "--segment-overlap", "0", "--format", "json", "--out",
+                               str(out)]) == 0
+    assert (out / "skipped.txt").read_text(encoding="utf-8") == ""
+    (record,) = [json.loads(line) for line in (out / "hyp.jsonl").read_text(
+        encoding="utf-8").splitlines()]
+    assert record["key"] == "long" and record["text"]
+    check_times(record, 12.01)
 
 
 @pytest.mark.slow

@@ -93,6 +93,48 @@ def test_hotwords_file_biases_the_graph_and_a_new_list_rebuilds_the_cache(tmp_pa
     assert decoding_graph(tokenizer, _arpa(tmp_path), tmp_path / "graph").words == plain.words
 
 
+def test_a_graph_dir_is_checked_file_by_file(tmp_path, caplog):
+    """words.json that is not JSON or not a word list, a TLG.fst truncated, of another
+    build or not OpenFST's: each an error naming the file (before: a traceback naming no
+    file, or a TypeError after OpenFST's log line); stage 5's cache is built again."""
+    import json
+    import logging
+
+    from cat.decoding.wfst import GraphError, read_graph
+
+    write_table(tmp_path / "text", [(f"u{i}", "".join(w)) for i, w in enumerate(WORDS)])
+    tokenizer = train_sentencepiece([tmp_path / "text"])
+    graph_dir = tmp_path / "graph"
+    graph = decoding_graph(tokenizer, _arpa(tmp_path), graph_dir)
+    fst_path, words_path = graph_dir / "TLG.fst", graph_dir / "words.json"
+    fst, words = fst_path.read_bytes(), words_path.read_text(encoding="utf-8")
+    size = len(fst)
+
+    cases = [
+        (words_path, '{"words": ["今天",', rf"{words_path}: not a TLG words file: invalid "
+                                           r"JSON at line 1 column \d+: Expecting value"),
+        (words_path, "\udcff", rf"{words_path}: not a TLG words file: not UTF-8"),
+        (words_path, json.dumps(["今天"]), rf"{words_path}: not a TLG words file: expected an "
+                                           r"object with 'words' \(a list of strings\)"),
+        (fst_path, fst[:size // 2], rf"{fst_path}: {size // 2} bytes, but {words_path} records "
+                                    rf"{size}: damaged, or written by another build"),
+        (fst_path, b"\0garbage" * (size // 8) + b"\0" * (size % 8),
+         rf"{fst_path}: not a readable OpenFST graph \(damaged or truncated\)"),
+    ]
+    for path, content, message in cases:
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_bytes(content.encode("utf-8", "surrogateescape"))
+        with pytest.raises(GraphError, match=message):
+            read_graph(graph_dir)
+        with caplog.at_level(logging.WARNING):  # stage 5's cache: built again
+            assert decoding_graph(tokenizer, _arpa(tmp_path), graph_dir).words == graph.words
+        assert "building it again" in caplog.text
+        assert fst_path.read_bytes() == fst and words_path.read_text(encoding="utf-8") == words
+        caplog.clear()
+
+
 def test_the_best_path_gives_its_units_and_each_word_their_span(tmp_path):
     """`decode_path`: the words and the units the path reads (CTC labels collapsed, a
     repeated unit kept when a blank parts it); `word_spans` places each word's spelling
@@ -132,7 +174,7 @@ def tlg_experiment(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch):
+def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch, caplog):
     """`python -m cat.decode --tlg`: the words of WFST decoding of each utterance's
     posteriors, each word timed by its units' spikes: in order, inside the utterance."""
     import json
@@ -178,3 +220,14 @@ def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch):
     # No N-best from the graph, no shallow fusion beside it, hotwords go into the graph.
     assert main("cat.decode", ["exp/tiny", "--data", "data/fbank/test", "--tlg", "graph",
                                "--hotwords", "x.txt", "--out", str(root / "x")]) == 1
+    # A damaged graph dir: an error naming its file, exit status 1, nothing written.
+    import shutil
+
+    shutil.copytree(root / "graph", root / "damaged")
+    (root / "damaged/words.json").write_text("not json", encoding="utf-8")
+    caplog.clear()
+    assert main("cat.decode", ["exp/tiny", "--data", "data/fbank/test", "--tlg", "damaged",
+                               "--out", str(root / "y"), "--checkpoint", str(checkpoint)]) == 1
+    assert "damaged/words.json: not a TLG words file: invalid JSON at line 1 column 1" \
+        in caplog.text
+    assert not (root / "y/hyp").exists()

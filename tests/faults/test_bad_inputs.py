@@ -1040,6 +1040,48 @@ def test_resume_after_the_learning_rate_or_grad_accum_changed(trained_copy, capl
         "ckpt-e003-s00000015.pt"
 
 
+def another_tokenizer_of_the_same_size(path: Path) -> None:
+    """Replace the tokenizer file at `path` by a tokenizer of as many ids that maps them to
+    other pieces: every weight still fits, every id means something else."""
+    tokenizer = tk.load(path)
+    pieces = [tokenizer.id_to_piece(index) for index in range(2, tokenizer.vocab_size)]
+    tk.save(tk.JiebaTokenizer([tk.BLANK, tk.UNK, *reversed(pieces)]), path)
+
+
+def test_resume_after_the_front_end_or_the_tokenizer_changed(trained_copy, caplog):
+    """The checkpoint records the front end and the tokenizer its model was trained with;
+    --resume refuses another one by name (before: it trained on, exit 0)."""
+    checkpoints = CheckpointManager(trained_copy / NAME / "check")
+    settings = torch.load(checkpoints.latest(), weights_only=True)["meta"]["settings"]
+    tokenizer = tk.load(trained_copy / NAME / "tokenizer.tknz")
+    assert settings["front_end"]["name"] == "kaldi" and settings["front_end"]["high_freq"] == 0
+    assert settings["tokenizer"] == {"digest": tk.digest(tokenizer),
+                                     "vocab_size": tokenizer.vocab_size}
+    hyper_path = trained_copy / NAME / "hyper-p.json"
+    hyper = json.loads(hyper_path.read_text(encoding="utf-8"))
+    hyper["data"]["front_end"] = "sherpa-onnx"
+    # Streamed: the shards hold text, tokenized as they are read (a map pack holds ids, and
+    # names a tokenizer other than the one it was packed with itself).
+    hyper["train"]["option"].update(epochs=2, large_dataset=True,
+                                    trset="data/wds/train/data-*.tar", dev_large_dataset=True,
+                                    devset="data/wds/dev/data-*.tar")
+    hyper_path.write_text(json.dumps(hyper), encoding="utf-8")
+    another_tokenizer_of_the_same_size(trained_copy / NAME / "tokenizer.tknz")
+    with pytest.raises(ConfigChangedError, match=r"ckpt-e002-s00000010\.pt: the training "
+                                                 r"settings changed since this checkpoint was "
+                                                 r"written: hyper-p\.json: data\.front_end: "
+                                                 r"high_freq: 0\.0 -> -400\.0; hyper-p\.json: "
+                                                 r"data\.front_end: name: \"kaldi\" -> "
+                                                 r"\"sherpa-onnx\"; hyper-p\.json: "
+                                                 r"data\.front_end: snip_edges: true -> false; "
+                                                 r"the tokenizer: digest: \"[0-9a-f]{16}\" -> "
+                                                 r"\"[0-9a-f]{16}\"\. .*--resume-allow-config-"):
+        train(NAME, "cat.ctc.train", resume=True)
+    train(NAME, "cat.ctc.train", allow_config_change=True)
+    assert "resuming with changed training settings (--resume-allow-config-change): " \
+           "hyper-p.json: data.front_end: high_freq: 0.0 -> -400.0" in caplog.text
+
+
 def test_resume_without_a_checkpoint(experiment):
     with pytest.raises(FileNotFoundError, match=r"--resume: no checkpoint in exp/tiny/check"):
         train(NAME, "cat.ctc.train", resume=True)

@@ -1,12 +1,17 @@
 """Stages 1 and 2 interrupted: SIGINT to the whole process group (a terminal's Ctrl-C), or
 SIGTERM to the stage script alone (a scheduler, `kill`), mid-work. Within 3 s no process of
 the stage is left, no file under a final name is partial, and the re-run completes with
-the bytes of an uninterrupted run."""
+the bytes of an uninterrupted run. Stage 3 interrupted by SIGTERM to a recipe's run.sh,
+training here or as a Slurm job: nothing is left running (the job cancelled, not
+requeued), and run.sh again resumes exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +27,10 @@ from cat.formats.shard_pack import START_WORKERS_VARIABLE
 from cat.testing.audio import make_data_dir
 from cat.testing.features import write_feature_corpus
 from cat.testing.processes import ProcessTree, alive, wait_until
+from cat.testing.slurm import job_states, run_client
+from cat.testing.training import epoch_coverage, write_tiny_experiment
+from cat.training.checkpoint import CheckpointManager
+from cat.training.preemption import STOPPED_EXIT_STATUS
 
 REPO_ROOT = Path(cat.__file__).resolve().parent.parent
 ENVIRONMENT = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
@@ -125,3 +134,78 @@ def test_stage_2_interrupted(tmp_path, how):
     for shard in clean.glob("*"):
         if shard.is_file():
             assert filecmp.cmp(out / shard.name, shard, shallow=False), shard.name
+
+
+def _recipe_with_a_tiny_experiment(root: Path):
+    """The AISHELL recipe's run.sh and cmd.sh in a scratch tree (path.sh and utils/ linked
+    from the checkout), holding a tiny streaming experiment exp/tiny of 400 utterances."""
+    for name in ("path.sh", "utils"):
+        (root / name).symlink_to(REPO_ROOT / name)
+    recipe = root / "egs" / "aishell"
+    recipe.mkdir(parents=True)
+    for name in ("run.sh", "cmd.sh"):
+        shutil.copy(REPO_ROOT / "egs/aishell" / name, recipe)
+    experiment = write_tiny_experiment(recipe, num_train=400, utts_per_shard=10, options={
+        "epochs": 1, "batch_size": 4, "check_freq": 10, "keep_checkpoints": 3,
+        "log_utterances": True, "workers": 1})
+    experiment.use_shards()
+    return experiment
+
+
+def _latest_step(exp_dir: Path) -> int:
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        listed = json.loads((exp_dir / "check/checkpoints.json").read_text())
+        return int(listed["checkpoints"][-1]["step"])
+    return 0
+
+
+@pytest.mark.parametrize(("backend", "how"), [
+    ("local", "sigterm-run.sh"), ("slurm", "sigterm-run.sh"), ("slurm", "sigint-group")])
+def test_run_sh_interrupted_ends_stage_3_its_training_and_its_slurm_job(tmp_path, request,
+                                                                        backend, how):
+    """SIGTERM to a recipe's run.sh (a scheduler, `kill`), or Ctrl-C, reaches asr.sh, the
+    stage command and the training: they save, end and release the lock, the Slurm job is
+    cancelled for good, the output says how to resume; run.sh again resumes exactly."""
+    experiment = _recipe_with_a_tiny_experiment(tmp_path)
+    recipe = experiment.root
+    command = ["bash", "run.sh", "--stage", "3", "--stop_stage", "3", "--exp", "exp/tiny"]
+    if backend == "slurm":
+        request.getfixturevalue("slurm_cluster")
+        command += ["--cmd_backend", "slurm", "--train_mem", "1G", "--nproc", "2"]
+    # Read now: SLURM_CONF names the test cluster once its fixture has started it.
+    environment = {key: value for key, value in os.environ.items()
+                   if not key.startswith("PYTEST")}
+    environment.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+    with ProcessTree.start(command, cwd=recipe, env=environment) as tree:
+        tree.wait_for(lambda: _latest_step(experiment.exp_dir) >= 10, START_SECONDS,
+                      "a checkpoint at update 10")
+        tree.remember()
+        jobs = (run_client(["squeue", "--noheader", "--name=train", "--format=%i"]).split()
+                if backend == "slurm" else [])
+        if how == "sigint-group":
+            os.killpg(tree.process.pid, signal.SIGINT)
+        else:
+            os.kill(tree.process.pid, signal.SIGTERM)
+        assert tree.process.wait(timeout=200) == STOPPED_EXIT_STATUS, tree.output()[-3000:]
+        gone = wait_until(lambda: not alive(list(tree.seen)), GONE_WITHIN_SECONDS, 0.05)
+        assert gone, f"processes outlived run.sh: {[tree.seen[i] for i in alive(list(tree.seen))]}"
+        output = tree.output()
+    assert "run stage 3 again to resume it: bash run.sh --stage 3 --exp exp/tiny" in output
+    assert not (experiment.exp_dir / "train.lock").exists()
+    stopped_at = CheckpointManager(experiment.exp_dir / "check").records[-1]
+    assert stopped_at["dev_loss"] is None  # saved when the signal came
+    if backend == "slurm":
+        assert len(jobs) == 1
+        fields = next(iter(job_states(jobs[0]).values()))
+        print(f"{how}: Slurm job {jobs[0]} {fields['JobState']}, restarts "
+              f"{fields['Restarts']}")
+        assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0"
+        assert not run_client(["squeue", "--noheader", "--format=%i"]).split()
+
+    resumed = subprocess.run(command, cwd=recipe, env=environment, capture_output=True,
+                             text=True, timeout=600, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    coverage = epoch_coverage(experiment.exp_dir, experiment.train.keys)
+    print(f"{how} ({backend}) after update {stopped_at['step']}, run.sh again: {coverage}")
+    assert coverage.trained == 400
+    assert coverage.missing == [] and coverage.duplicated == [] and coverage.retrained == 0

@@ -88,3 +88,35 @@ def test_a_failing_command_is_still_a_counted_skip(tmp_path):
     summary = extract(data, tmp_path / "fbank", nj=2, progress=False, launcher=Launcher())
     assert summary.num_skipped == 1
     assert "exited with status 1" in read_table(tmp_path / "fbank/skipped.txt")[victim]
+
+
+@pytest.mark.parametrize("fix", ["command become a file", "file of another size"])
+def test_a_fixed_line_keeps_every_other_recording_in_its_job(tmp_path, fix):
+    """Fixing a failed line changes no other job, whatever wav.scp holds: a line that was a
+    command (jobs dealt by count) becoming a file (then every size is known), or a file
+    replaced by one of another size (jobs dealt by size), moves no other recording."""
+    data = make_data_dir(tmp_path / "corpus", DURATIONS)
+    wav_scp = read_table(data / "wav.scp")
+    victim = sorted(wav_scp)[2]
+    fixed_path = wav_scp[victim]
+    if fix == "command become a file":
+        wav_scp[victim] = f"cat-audio-tool {fixed_path} |"  # status 127: the job stops
+    else:
+        wav_scp[victim] = str(tmp_path / "not-yet-copied.wav")  # skipped, not stopped
+    write_kaldi_data_dir(data, wav_scp, read_table(data / "text"), read_table(data / "utt2spk"))
+    feat_dir = tmp_path / "fbank"
+    if fix == "command become a file":
+        with pytest.raises(FeatureExtractionError, match="1 feature job"):
+            extract(data, feat_dir, nj=3, progress=False, launcher=Launcher())
+    else:
+        assert extract(data, feat_dir, nj=3, progress=False, launcher=Launcher()).num_skipped == 1
+    before = {i: sorted(read_table(feat_dir / f"split3/{i}/wav.scp")) for i in (1, 2, 3)}
+    job = next(i for i, recordings in before.items() if victim in recordings)
+
+    wav_scp[victim] = fixed_path
+    write_kaldi_data_dir(data, wav_scp, read_table(data / "text"), read_table(data / "utt2spk"))
+    summary = extract(data, feat_dir, nj=3, progress=False, launcher=Launcher())
+    after = {i: sorted(read_table(feat_dir / f"split3/{i}/wav.scp")) for i in (1, 2, 3)}
+    assert after == before
+    assert summary.jobs_run == (job,)
+    assert summary.num_utterances == len(DURATIONS) and summary.num_skipped == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 
+from cat.audio.codec import AudioDecodeError, decode, encode, ogg_pages
 from cat.features import fbank
 from cat.features.extract import utterance_features
 from cat.features.fbank import (
@@ -198,3 +202,41 @@ def test_the_command_time_limit_setting(monkeypatch):
         with pytest.raises(ValueError, match=f"CAT_WAV_SCP_TIMEOUT='{wrong}': expected "
                                              "seconds"):
             command_timeout()
+
+
+def _encoded(audio_format: str, waveform: np.ndarray) -> bytes:
+    """`waveform` (16 kHz) as a file of `audio_format`: the packers' formats, Ogg Vorbis,
+    and MP3 as libsndfile writes it (with a Xing header)."""
+    if audio_format in ("wav", "flac", "opus"):
+        return encode(waveform, 16000, audio_format)
+    out = io.BytesIO()
+    major, subtype = {"ogg": ("OGG", "VORBIS"), "mp3": ("MP3", "MPEG_LAYER_III")}[audio_format]
+    soundfile.write(out, waveform, 16000, format=major, subtype=subtype)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("audio_format", ["wav", "flac", "opus", "ogg", "mp3"])
+def test_truncated_audio_of_every_format_is_an_error_naming_the_file(tmp_path, audio_format):
+    """libsndfile reads an Ogg (Opus, Vorbis) or MP3 stream cut short as shorter audio, with
+    no error: a file, a command's output and shard bytes are refused by name instead,
+    wherever the stream is cut (inside a page, or at a page boundary)."""
+    waveform = synth_waveform(3.0, 16000, seed=3)
+    data = _encoded(audio_format, waveform)
+    whole = tmp_path / f"whole.{audio_format}"
+    whole.write_bytes(data)
+    assert len(read_audio(str(whole))[0]) == len(waveform)
+    assert len(read_audio(f"cat {whole} |")[0]) == len(waveform)
+    cuts = [len(data) // 2, len(data) - 3]
+    if audio_format in ("opus", "ogg"):
+        cuts.append(ogg_pages(data)[-2].end)  # the last page, that ends the stream, lost
+    # A FLAC stream cut short does not decode at all (libsndfile: "lost sync").
+    what = ("truncated audio|cannot decode( audio)?" if audio_format == "flac"
+            else "truncated audio")
+    for cut in cuts:
+        path = tmp_path / f"cut{cut}.{audio_format}"
+        path.write_bytes(data[:cut])
+        for spec, name in ((str(path), str(path)), (f"cat {path} |", f"command 'cat {path}'")):
+            with pytest.raises(AudioError, match=rf"^({what}) {re.escape(name)}: "):
+                read_audio(spec)
+        with pytest.raises(AudioDecodeError, match=rf"^({what}) {re.escape(str(path))}: "):
+            decode(data[:cut], str(path))

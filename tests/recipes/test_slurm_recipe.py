@@ -123,11 +123,17 @@ def test_stages_1_to_4_on_slurm_match_the_local_run(tmp_path, slurm_cluster):
     assert _cers(local) == _cers(cluster) and set(_cers(local)) == {"dev", "test"}
 
 
-def test_a_failed_slurm_task_is_named_and_the_rerun_submits_only_it(tmp_path, slurm_cluster):
+@pytest.mark.parametrize("fix", ["install the program", "name the file instead"])
+def test_a_failed_slurm_task_is_named_and_the_rerun_submits_only_it(tmp_path, slurm_cluster,
+                                                                    fix):
+    """Whatever the fix (the program installed; the line turned into the file's path, after
+    which every line is a file: jobs would be dealt by size, not by count), the re-run
+    submits the failed task alone: the other recordings stay in their jobs."""
     data = make_data_dir(tmp_path / "corpus", (1.0, 1.3, 0.8, 1.6, 1.1, 0.9))
     wav_scp = read_table(data / "wav.scp")
     victim = sorted(wav_scp)[4]
-    wav_scp[victim] = f"cat-audio-tool {wav_scp[victim]} |"  # a program the node lacks
+    audio_file = wav_scp[victim]
+    wav_scp[victim] = f"cat-audio-tool {audio_file} |"  # a program the node lacks
     write_table(data / "wav.scp", sorted(wav_scp.items()))
     command = [sys.executable, "-m", "cat.features.extract", "--nj", "3", "--no-progress",
                "--cmd", "launch.sh --backend slurm --poll-seconds 0.2", str(data),
@@ -142,14 +148,21 @@ def test_a_failed_slurm_task_is_named_and_the_rerun_submits_only_it(tmp_path, sl
     assert f"job {job} failed (exited with status 1); see {log}" in failed.stderr
     assert "status 127: not found" in log.read_text()
 
-    tool = tmp_path / "bin/cat-audio-tool"
-    tool.parent.mkdir()
-    tool.write_text('#!/bin/sh\nexec cat "$@"\n')
-    tool.chmod(0o755)
-    env["PATH"] = f"{tool.parent}{os.pathsep}{env['PATH']}"
+    if fix == "install the program":
+        tool = tmp_path / "bin/cat-audio-tool"
+        tool.parent.mkdir()
+        tool.write_text('#!/bin/sh\nexec cat "$@"\n')
+        tool.chmod(0o755)
+        env["PATH"] = f"{tool.parent}{os.pathsep}{env['PATH']}"
+    else:
+        wav_scp[victim] = audio_file
+        write_table(data / "wav.scp", sorted(wav_scp.items()))
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
                            check=False)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    submitted = re.search(r"--array=(\S+) ", rerun.stderr)
+    print(f"fix: {fix}; the failed task {job}; the re-run submitted --array="
+          f"{submitted and submitted[1]}")
     assert f"extract: 1 task(s) ({job}) through the slurm backend" in rerun.stderr
     assert f"--array={job} " in rerun.stderr
     features = kaldiio.load_scp(str(tmp_path / "fbank/feats.scp"))

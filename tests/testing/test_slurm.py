@@ -11,6 +11,7 @@ import pytest
 from cat.testing.processes import process_identity, wait_until
 from cat.testing.slurm import (
     DAEMONS,
+    URGENT_PARTITION,
     job_states,
     sbatch,
     slurm_cluster,
@@ -36,8 +37,10 @@ def test_cluster_starts_idle_and_stop_leaves_no_process(tmp_path):
         assert cluster.conf.is_file()
         assert cluster.env["SLURM_CONF"] == str(cluster.conf)
         assert set(cluster.pids) == set(DAEMONS)
-        assert cluster.run(["sinfo", "-h", "-o", "%P %T %c"]).split() == [
-            f"{cluster.partition}*", "idle", str(cluster.cpus)]
+        # The default partition, and the one whose jobs preempt its jobs (requeued).
+        assert cluster.run(["sinfo", "-h", "-o", "%P %T %c"]).splitlines() == [
+            f"{cluster.partition}* idle {cluster.cpus}",
+            f"{URGENT_PARTITION} idle {cluster.cpus}"]
         job_id = sbatch(["-o", str(tmp_path / "job.log"), str(job)], cluster.env)
         assert wait_until(lambda: (tmp_path / "job.pid").is_file()
                           and (tmp_path / "job.pid").read_text().strip() != "",

@@ -1,7 +1,10 @@
 """Stage 3 as a Slurm job on the test cluster (`slurm_cluster`, a real one-node Slurm):
 two gloo ranks started by srun, each utterance of the epoch trained once; preemption drills
-(`scancel --signal=TERM` / `--signal=USR1` mid-epoch): the ranks save, the job requeues
-itself, resumes, and the epoch still trains every utterance once, none twice."""
+(`scancel --signal=TERM` / `--signal=USR1` mid-epoch, and a job of a higher partition that
+Slurm preempts the training for and requeues it): the ranks save, the job is requeued,
+resumes, and the epoch still trains every utterance once, none twice; a user's `scancel`
+(plain or `--signal=KILL`) ends the job for good on the first try, and stage 3 run again
+resumes it exactly."""
 
 from __future__ import annotations
 
@@ -16,10 +19,18 @@ from pathlib import Path
 import pytest
 
 import cat
-from cat.testing.slurm import job_states, release, run_client
+from cat.testing.slurm import (
+    URGENT_PARTITION,
+    job_states,
+    release,
+    run_client,
+    sbatch,
+    wait_for_job,
+)
 from cat.testing.training import epoch_coverage, write_tiny_experiment
 from cat.training.checkpoint import CheckpointManager
 from cat.training.jobs import SLURM_LOG
+from cat.training.preemption import STOPPED_EXIT_STATUS
 
 REPO_ROOT = Path(cat.__file__).resolve().parent.parent
 NAME = "exp/tiny"
@@ -88,6 +99,94 @@ def test_two_ranks_as_a_slurm_job_train_every_utterance_once(tmp_path, slurm_clu
     assert (experiment.exp_dir / "check.done").is_file()  # stage 3 finished
 
 
+def _wait_for_step(process: subprocess.Popen, exp_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while _latest_step(exp_dir) < step:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint at step {step} in time"
+        time.sleep(0.02)
+
+
+def _wait_for_requeue(process: subprocess.Popen, job: str) -> None:
+    """Until Slurm holds the requeued job (its 120 s wait; the test shortens it)."""
+    deadline = time.monotonic() + TIMEOUT_SECONDS
+    while True:
+        fields = next(iter(job_states(job).values()), {})
+        if fields.get("Restarts", "0") != "0" and fields.get("JobState") == "PENDING" \
+                and fields.get("Reason") == "BeginTime":
+            return
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, f"job {job} was not requeued in time: {fields}"
+        time.sleep(0.1)
+
+
+def _assert_exact(experiment, num_train: int, what: str) -> None:
+    coverage = epoch_coverage(experiment.exp_dir, experiment.train.keys)
+    print(f"{what}; {coverage}")
+    assert coverage.trained == num_train
+    assert coverage.missing == [] and coverage.duplicated == [] and coverage.retrained == 0
+    summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
+    assert summary["trained"] == num_train
+
+
+@pytest.mark.parametrize("how", ["scancel", "scancel --signal=KILL"])
+def test_a_cancelled_slurm_job_ends_for_good_and_stage_3_again_resumes_it(
+        tmp_path, slurm_cluster, how):
+    num_train = 400
+    experiment = _experiment(tmp_path, num_train, large_dataset=True)
+    process = _stage3(tmp_path, nproc=2)
+    _wait_for_step(process, experiment.exp_dir, 10)
+    job = _training_job()
+    run_client([*how.split(), job])
+    try:
+        stderr = process.communicate(timeout=TIMEOUT_SECONDS)[1]
+    finally:
+        process.kill()
+    log = (experiment.exp_dir / SLURM_LOG).read_text()
+    fields = next(iter(job_states(job).values()))
+    stopped_at = CheckpointManager(experiment.exp_dir / "check").records[-1]
+    print(f"{how}: job {job} {fields['JobState']}, restarts {fields['Restarts']}; stage 3 "
+          f"exit status {process.returncode}; the last checkpoint: update "
+          f"{stopped_at['step']}")
+    # The first scancel ends the job: cancelled, never requeued, nothing left in the queue.
+    assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0"
+    assert "run 2 of job" not in log
+    assert "the job was cancelled (scancel): not requeued" in log
+    assert not run_client(["squeue", "--noheader", "--format=%i"]).split()
+    # Stage 3 ends, saying how to resume; the lock is released.
+    assert process.returncode == STOPPED_EXIT_STATUS, stderr[-3000:]
+    assert f"its Slurm job {job} was cancelled (scancel), not requeued" in stderr
+    assert "run stage 3 again to resume it: bash run.sh --stage 3 --exp exp/tiny" in stderr
+    assert not (experiment.exp_dir / "train.lock").exists()
+    assert stopped_at["dev_loss"] is None  # the ranks saved when they were stopped
+
+    _finish(_stage3(tmp_path, nproc=2), tmp_path)
+    _assert_exact(experiment, num_train, f"{how}, then stage 3 again")
+
+
+def test_a_job_preempted_and_requeued_by_slurm_resumes_exactly(tmp_path, slurm_cluster):
+    num_train = 400
+    experiment = _experiment(tmp_path, num_train, large_dataset=True)
+    process = _stage3(tmp_path, nproc=2)
+    _wait_for_step(process, experiment.exp_dir, 10)
+    job = _training_job()
+    # A job of the higher partition that needs every CPU: Slurm preempts the training job,
+    # requeues it, and runs the urgent job.
+    urgent = sbatch([f"--partition={URGENT_PARTITION}", f"--cpus-per-task={slurm_cluster.cpus}",
+                     "--output=/dev/null", "--wrap=sleep 1"])
+    _wait_for_requeue(process, job)
+    stopped_at = CheckpointManager(experiment.exp_dir / "check").records[-1]
+    assert wait_for_job(urgent, TIMEOUT_SECONDS)[urgent]["JobState"] == "COMPLETED"
+    time.sleep(HOLD_SECONDS)
+    release(job)
+    log = _finish(process, tmp_path)
+    assert stopped_at["dev_loss"] is None and 10 <= stopped_at["step"] < num_train // 4 // 2
+    assert "the ranks saved and stopped; Slurm requeues the job itself (preempted)" in log
+    assert "run 2 of job" in log
+    _assert_exact(experiment, num_train, f"preempted after update {stopped_at['step']}, "
+                                         "requeued by Slurm, resumed")
+
+
 @pytest.mark.parametrize("signal_name", ["TERM", "USR1"])
 def test_a_preempted_slurm_job_requeues_itself_and_resumes_exactly(tmp_path, slurm_cluster,
                                                                   signal_name):
@@ -121,7 +220,7 @@ def test_a_preempted_slurm_job_requeues_itself_and_resumes_exactly(tmp_path, slu
     print(f"SIG{signal_name}: saved after update {stopped_at['step']}, requeued, resumed; "
           f"{coverage}")
     assert stopped_at["dev_loss"] is None and 10 <= stopped_at["step"] < num_train // 4 // 2
-    assert "the ranks saved and stopped: requeued" in log and "run 2 of job" in log
+    assert "the ranks saved and stopped (signalled): requeued" in log and "run 2 of job" in log
     assert coverage.trained == num_train
     assert coverage.missing == [] and coverage.duplicated == [] and coverage.retrained == 0
     summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
