@@ -852,7 +852,8 @@ def part_loader(ctx: Context) -> dict[str, Any]:
     print("one worker over Opus shards, no step: " + ", ".join(
         f"fbank on {row['features']} {row['utts_per_second']:.1f} utt/s" for row in per_worker))
     print(f"simulated step: {seconds_per_frame * 1e6:.2f} us per input frame ({source}); "
-          f"{workers} workers; batches of {batch[0]} utterances / {batch[1]:,} frames")
+          f"{workers} workers; batches of {batch[0]} utterances"
+          + (f" / {batch[1]:,} frames" if batch[1] else " (no frame budget)"))
     print(f"{'shards':<13} {'variant':<7} {'alone utt/s':>11} {'steps utt/s':>11} "
           f"{'utt/s':>7} {'wait share':>10} {'1st batch s':>11} {'padding':>8} {'workers':>7}")
     rows = []
