@@ -16,9 +16,8 @@ training progress (`ProgressHead`: the forward's `step`, the optimizer updates d
 the trainer passes): a head of `views` 2 (CR-CTC, `cat.ctc.crctc`) has the batch run as two
 independently SpecAugmented views stacked into one encoder call, every head's loss read on
 both and averaged per utterance, so that its consistency loss lives in its own module. The
-other heads may rank the first head's N-best
-again, a decoding method each (`Rescorer`): the attention decoder's `attention_rescoring`,
-an auxiliary CTC head's `joint_rescoring`.
+other heads may rank the first head's N-best again, a decoding method each (`Rescorer`): the
+attention decoder's `attention_rescoring`, an auxiliary CTC head's `joint_rescoring`.
 
 What the trainer and decoding use:
 
