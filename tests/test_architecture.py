@@ -105,11 +105,13 @@ def imports_of(path: Path, root: Path = CAT) -> list[tuple[int, str, bool]]:
 
 def registry_loads() -> dict[str, list[str]]:
     """The modules `cat.models.registry` imports by name: each head's module
-    (`HEADS`, `KIND_HEADS`) and each family's parts (`FAMILIES` x `FAMILY_PARTS`)."""
+    (`HEADS`, `KIND_HEADS`, `SECTION_HEADS`) and each family's parts (`FAMILIES` x
+    `FAMILY_PARTS`)."""
     from cat.models import registry
 
     loaded = {module for _, module in registry.HEADS.values()}
-    loaded |= {module for heads in registry.KIND_HEADS.values() for module in heads.values()}
+    loaded |= {module for table in (registry.KIND_HEADS, registry.SECTION_HEADS)
+               for heads in table.values() for module in heads.values()}
     loaded |= {f"{registry.FAMILIES[registry.DECODES_AS.get(kind, kind)]}.{part}"
                for kind in registry.FAMILIES for part in registry.FAMILY_PARTS}
     return {"models.registry": sorted(name.removeprefix("cat.") for name in loaded)}

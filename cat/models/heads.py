@@ -1,7 +1,8 @@
 """Heads over the encoder output: their interfaces (`Head`, `SearchHead`, `Rescorer`,
-`FramePosteriors`, which `cat.models.model.AsrModel` uses), and what heads share: CTC losses,
-loss normalisation, batch checks, blank-heavy output init. The heads live with their own
-code: the CTC head in `cat.ctc.head`, the transducer's in `cat.rnnt.model`, CTC-CRF's in
+`FramePosteriors`, `ProgressHead`, which `cat.models.model.AsrModel` uses), and what heads
+share: CTC losses, loss normalisation, batch checks, blank-heavy output init, training
+progress (`Progress`). The heads live with their own code: the CTC head in `cat.ctc.head`,
+CR-CTC's in `cat.ctc.crctc`, the transducer's in `cat.rnnt.model`, CTC-CRF's in
 `cat.crf.model`, the attention decoder's in `cat.models.attention`.
 
 Usage:
@@ -12,6 +13,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -106,6 +108,44 @@ class FramePosteriors(Protocol):
     """
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a `ProgressHead`'s loss reads beside the batch (`AsrModel.forward` makes it).
+
+    * `step`: the optimizer updates done before this batch (the trainer's, which
+      checkpoints keep: a resumed run goes on at the same step); 0 when not given;
+    * `views`: the copies of each utterance the batch holds, stacked view-major (row
+      `v * B + b` is view `v` of utterance `b`): `ProgressHead.views` in training mode,
+      1 in evaluation.
+    """
+
+    step: int = 0
+    views: int = 1
+
+
+@runtime_checkable
+class ProgressHead(Head, Protocol):
+    """A head that asks the model for passes beyond one forward of the batch and reads the
+    training progress (CR-CTC's consistency loss, a loss that warms up with the step).
+
+    * `views`: augmented views of each utterance its loss compares (1: the batch as it is;
+      2: CR-CTC). The model stacks that many independently SpecAugmented copies of the
+      batch into one encoder call (time warp once per utterance, masks per copy), every
+      head's loss reads all of them, and each utterance's loss is the mean over its views;
+    * `progress_losses(hidden, lengths, labels, label_lens, progress)`: `losses` of the
+      stacked views (`hidden` [views x B, T', D], labels repeated alike) with the batch's
+      `Progress`; its stats are per utterance already (summed over views, divided by
+      `progress.views`).
+    """
+
+    views: int
+
+    def progress_losses(self, hidden: torch.Tensor, lengths: torch.Tensor,
+                        labels: torch.Tensor, label_lens: torch.Tensor, progress: Progress
+                        ) -> tuple[torch.Tensor, torch.Tensor,
+                                   dict[str, float | torch.Tensor]]: ...
 
 
 def on_device(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -11,13 +11,17 @@ with the weights of the config (`ctc.weight` beside a transducer, `attention.ctc
 beside a CTC head; 1 for a head alone). A CUSIDE model (`chunking`, config.json's
 `trainer.chunk_size`: `cat.models.cuside`) adds, per utterance, the same heads' losses on
 its chunked forward and the simulation network's weighted L1 loss (stats
-`chunk_loss_sum`, `simu_loss_sum`). The other heads may rank the first head's N-best
-again, a decoding method each (`Rescorer`): the attention decoder's `attention_rescoring`,
-an auxiliary CTC head's `joint_rescoring`.
+`chunk_loss_sum`, `simu_loss_sum`). A head may ask for passes of its own and read the
+training progress (`ProgressHead`: the forward's `step`, the optimizer updates done, which
+the trainer passes): a head of `views` 2 (CR-CTC, `cat.ctc.crctc`) has the batch run as two
+independently SpecAugmented views stacked into one encoder call, every head's loss read on
+both and averaged per utterance, so that its consistency loss lives in its own module. The
+other heads may rank the first head's N-best again, a decoding method each (`Rescorer`): the
+attention decoder's `attention_rescoring`, an auxiliary CTC head's `joint_rescoring`.
 
 What the trainer and decoding use:
 
-  * `loss, stats = model(feats, feat_lens, labels, label_lens)`
+  * `loss, stats = model(feats, feat_lens, labels, label_lens, step=0)`
       - `feats` [B, T, D] float, `feat_lens` [B] long,
       - `labels` [B, U] long padded with 0 (positions >= `label_lens` are ignored),
         `label_lens` [B] long;
@@ -25,11 +29,14 @@ What the trainer and decoding use:
       - `stats`: floats `loss` (= loss.item()), `loss_sum`, `normalizer`, `num_utts`,
         `num_tokens`, `num_frames` (encoder frames) and `num_infeasible` (utterances the
         first head cannot align: their loss is 0 and they get no gradient); with several
-        heads also each head's `<stat_name>_loss_sum` and its own stats (`att_acc`). They
-        are read when first asked for (`cat.models.stats.Stats`: one copy from the device
-        for all of them), and lengths and labels given on the CPU are checked and counted
-        there, so that the forward never waits for the device (the trainer passes the
-        batch's CPU lengths and labels beside its features on the device).
+        heads also each head's `<stat_name>_loss_sum`; the heads' own stats (`att_acc`,
+        CR-CTC's `cr_loss_sum`). They are read when first asked for
+        (`cat.models.stats.Stats`: one copy from the device for all of them), and lengths
+        and labels given on the CPU are checked and counted there, so that the forward
+        never waits for the device (the trainer passes the batch's CPU lengths and labels
+        beside its features on the device);
+      - `step`: the optimizer updates done before this batch, handed to the heads that
+        read it (`cat.models.heads.Progress`).
   * `decode(feats, feat_lens, method, beam_size, **search) -> token ids per utterance`,
     `decode_methods` the methods it has and `search_settings` the names of the
     `DecodeOptions` its searches take (e.g. `blank_penalty`; `method_settings(method)` adds a
@@ -74,6 +81,8 @@ from cat.models.heads import (
     FramePosteriors,
     Head,
     NBest,
+    Progress,
+    ProgressHead,
     Rescorer,
     SearchHead,
     batch_loss,
@@ -154,6 +163,14 @@ class AsrModel(nn.Module):
             self.add_module(name, head)
         self.weights = dict(weights)
         self.num_classes = int(first.num_classes)
+        #: augmented views of each utterance a training batch runs as (the most a head
+        #: asks for: `ProgressHead.views`)
+        self.views = max((int(head.views) for head in heads.values()
+                          if isinstance(head, ProgressHead)), default=1)
+        if self.views > 1 and chunking is not None:
+            raise ValueError(f"a head asking for {self.views} augmented views (CR-CTC: "
+                             "ctc.cr_ctc) does not train with CUSIDE's chunked forward "
+                             "(trainer.chunk_size); remove one of them")
         self.rescorers: dict[str, Rescorer] = {
             head.rescoring_method: head for head in list(heads.values())[1:]
             if isinstance(head, Rescorer)}
@@ -188,30 +205,47 @@ class AsrModel(nn.Module):
                 prepare(units)
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tensor,
-                label_lens: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        """Return (normalised loss, stats); see the module docstring."""
+                label_lens: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, Stats]:
+        """Return (normalised loss, stats); see the module docstring. `step`: the optimizer
+        updates done before this batch, which the heads are handed (`Progress`)."""
         # Lengths and labels given on the CPU are checked and counted there, and moved
         # to the device without waiting: nothing here waits for the device.
         check_batch(feats, feat_lens, labels, label_lens, self.num_classes)
         given_label_lens = label_lens
         clean = feats
+        batch = feats.size(0)
+        views = self.views if self.training else 1
+        progress = Progress(step=step, views=views)
         if self.training and self.specaug is not None:
-            feats = self.specaug(feats, feat_lens)
+            feats = self.specaug(feats, feat_lens, views=views)
+        elif views > 1:
+            feats = feats.repeat(views, 1, 1)
+        if views > 1:
+            # The heads' second augmented view (CR-CTC): one encoder call on the views
+            # stacked view-major, the labels repeated alike.
+            feat_lens, labels, label_lens = (feat_lens.repeat(views),
+                                             labels.repeat(views, 1), label_lens.repeat(views))
         feat_lens, labels, label_lens = on_device(feats.device, feat_lens, labels, label_lens)
         hidden, lengths = self.encoder(feats, feat_lens)
-        combined, infeasible, extra = self._head_losses(hidden, lengths, labels, label_lens)
+        combined, infeasible, extra = self._head_losses(hidden, lengths, labels, label_lens,
+                                                        progress)
         if self.chunking is not None:
             # CUSIDE's unified training: the heads on the chunked forward too, plus the
             # simulation's loss (`cat.models.cuside`).
             hidden, chunk_lengths, simulation = self.chunking.training_pass(
                 self.encoder, feats, clean, feat_lens)
             chunked, chunk_infeasible, _ = self._head_losses(hidden, chunk_lengths, labels,
-                                                             label_lens)
+                                                             label_lens, progress)
             combined, infeasible = combined + chunked, infeasible | chunk_infeasible
             extra["chunk_loss_sum"] = chunked.detach().masked_fill(infeasible, 0).sum()
             if simulation is not None:
                 extra["simu_loss_sum"] = simulation.detach().sum()
                 combined = combined + simulation
+        if views > 1:
+            # An utterance's loss is the mean over its views.
+            combined = combined.view(views, batch).mean(dim=0)
+            infeasible = infeasible.view(views, batch).any(dim=0)
+            labels, lengths = labels[:batch], lengths[:batch]
         combined = combined.masked_fill(infeasible, 0.0)
         loss, stats = batch_loss(combined, labels, given_label_lens, lengths, infeasible,
                                  self.loss_normalization)
@@ -219,23 +253,31 @@ class AsrModel(nn.Module):
         return loss, stats
 
     def _head_losses(self, hidden: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
-                     label_lens: torch.Tensor
+                     label_lens: torch.Tensor, progress: Progress
                      ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float | torch.Tensor]]:
         """The heads' weighted per-utterance losses summed, the first head's infeasible
-        utterances, and with several heads each head's stats and loss sum."""
+        utterances, each head's own stats, and with several heads each head's loss sum
+        (per utterance: divided by `progress.views`)."""
         combined = infeasible = None
         extra: dict[str, float | torch.Tensor] = {}
         for name, head in self.heads.items():
-            losses, head_infeasible, stats = head.losses(hidden, lengths, labels, label_lens)
+            if isinstance(head, ProgressHead):
+                losses, head_infeasible, stats = head.progress_losses(
+                    hidden, lengths, labels, label_lens, progress)
+            else:
+                losses, head_infeasible, stats = head.losses(hidden, lengths, labels,
+                                                             label_lens)
             weighted = losses if len(self.head_names) == 1 else self.weights[name] * losses
             if infeasible is None:  # the first head's
                 infeasible = head_infeasible
                 combined = weighted
             else:
                 combined = combined + weighted
+            extra.update(stats)
             if len(self.head_names) > 1:
-                extra.update(stats)
-                extra[f"{head.stat_name}_loss_sum"] = losses.detach().sum()
+                loss_sum = losses.detach().sum()
+                extra[f"{head.stat_name}_loss_sum"] = (loss_sum if progress.views == 1
+                                                       else loss_sum / progress.views)
         return combined, infeasible, extra
 
     def encode(self, feats: torch.Tensor,

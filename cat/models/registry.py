@@ -21,14 +21,16 @@ a model has that head, so that generic code (this registry, the trainer, decodin
 imports a head's family: its `build_head(config, encoder_dim, num_classes, source)` returns
 the head and its loss weight (None: what the other heads' weights leave). The first head
 present in `HEADS`' order decodes. A model kind (`cat.core.config.model_kind`) can build a
-head with another module (`KIND_HEADS`: CTC-CRF's CTC head has a graph loss). `FAMILIES`
+head with another module (`KIND_HEADS`: CTC-CRF's CTC head has a graph loss), and so can a key
+of the head's section (`SECTION_HEADS`: `ctc.cr_ctc`, CR-CTC's head). `FAMILIES`
 maps a kind to the package of its streaming search and export (the verbs `python -m
 cat.stream` and `cat.export` find them with `family(kind, part)`).
 
 What an encoder and a head provide is declared in `cat.models.encoder` (`Encoder`) and
 `cat.models.heads` (`Head`, `SearchHead`, `Rescorer`) and checked when a model is built.
 Adding a head: its module (with `build_head`), an entry here, its config section in the
-schema.
+schema; a head that needs more than one forward of the batch or the training progress says
+so itself (`ProgressHead`: CR-CTC's second view, a loss warmed up with the step).
 
 Usage::
 
@@ -68,6 +70,10 @@ HEADS: Mapping[str, tuple[str, str]] = MappingProxyType({
 #: Heads a model kind builds with another module: CTC-CRF's CTC head has a graph loss.
 KIND_HEADS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "crf": MappingProxyType({"ctc": "cat.crf.model"})})
+#: Heads a key of their config section builds with another module: `ctc.cr_ctc` is CR-CTC's
+#: CTC head (a second augmented view and a consistency loss).
+SECTION_HEADS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "ctc": MappingProxyType({"cr_ctc": "cat.ctc.crctc"})})
 #: Model kinds (`cat.core.config.model_kind`, the one place a kind is worked out) to the
 #: package of their streaming search and export.
 FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc", "rnnt": "cat.rnnt",
@@ -135,6 +141,12 @@ def build_model(config: dict[str, Any], num_classes: int, source: str = "config.
         if section not in config:
             continue
         module = KIND_HEADS.get(kind, {}).get(name, module)
+        for key, variant in SECTION_HEADS.get(name, {}).items():
+            if key in config[section]:
+                if name in KIND_HEADS.get(kind, {}):
+                    raise ConfigError(f"{source}: {section}.{key}: not for a {kind} model, "
+                                      f"whose {name} head is {module}'s")
+                module = variant
         try:
             heads[name], weights[name] = importlib.import_module(module).build_head(
                 config, encoder.output_dim, num_classes, source)

@@ -137,16 +137,25 @@ class SpecAugment(nn.Module):
         return feats
 
     def forward(self, feats: torch.Tensor, feat_lens: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """Return an augmented copy of `feats` [B, T, D]; frames >= `feat_lens` are untouched."""
+                generator: torch.Generator | None = None, views: int = 1) -> torch.Tensor:
+        """Return an augmented copy of `feats` [B, T, D]; frames >= `feat_lens` are untouched.
+
+        `views` > 1: [views x B, T, D], each utterance time-warped once and then `views`
+        copies of it, each with masks of its own, stacked view-major (as icefall's CR-CTC
+        warps before it duplicates the batch, so that the views' frames stay aligned); one
+        batch for `start_batch`."""
+        if views < 1:
+            raise ValueError(f"specaug views must be >= 1, got {views}")
         self.batches_seen += 1
         if self.start_batch:
             self._seen_on_host = (int(self.batches_seen) if self._seen_on_host is None
                                   else self._seen_on_host + 1)
             if self._seen_on_host <= self.start_batch:
-                return feats
-        batch, time, dim = feats.shape
+                return feats.repeat(views, 1, 1) if views > 1 else feats
         feats = self.time_warp(feats, feat_lens, generator)
+        if views > 1:
+            feats, feat_lens = feats.repeat(views, 1, 1), feat_lens.repeat(views)
+        batch, time, dim = feats.shape
         lengths = feat_lens.to(device=feats.device, dtype=torch.float32, non_blocking=True)
         mask = torch.zeros(batch, time, dim, dtype=torch.bool, device=feats.device)
         if self.num_freq_masks > 0:

@@ -17,7 +17,9 @@ Non-final micro-batches run under `no_sync`. Gradients are clipped to `grad_norm
 update with a non-finite gradient norm is skipped (counted; its utterances count as
 skipped, not trained, and too many stop training: `Manager`), the utterances the loss
 found infeasible (the model's `num_infeasible`: no alignment, loss 0 and no gradient) are
-counted per update for the epoch's record, AMP (autocast to `amp_dtype`: bfloat16 where the
+counted per update for the epoch's record, the model is handed the training progress
+(`step`: the scheduler's count of updates done, which checkpoints keep, for the heads' losses
+that warm up), AMP (autocast to `amp_dtype`: bfloat16 where the
 GPU supports it, else float16 with a GradScaler) is used on GPU only, evaluation autocasts
 alike, and the learning rate follows the scheduler per update.
 
@@ -188,7 +190,8 @@ class Updater:
             sync = position == len(batches) - 1 or self.ddp is None
             with (contextlib.nullcontext() if sync else self.ddp.no_sync()), \
                     torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
-                loss, stats = model(batch.feats, batch.feat_lens, batch.labels, batch.label_lens)
+                loss, stats = model(batch.feats, batch.feat_lens, batch.labels, batch.label_lens,
+                                    step=self.scheduler.num_steps)
                 normalizer = batch_normalizer(batch, self.loss_normalization)
                 if stats["normalizer"] != normalizer:
                     raise RuntimeError(f"the model normalised by {stats['normalizer']}, the "
@@ -234,7 +237,7 @@ class Updater:
             batch = batch.to(self.device, non_blocking=True).featurize()
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
                 _, stats = self.model(batch.feats, batch.feat_lens, batch.labels,
-                                      batch.label_lens)
+                                      batch.label_lens, step=self.scheduler.num_steps)
             loss_sums.append(stats.value("loss_sum"))
             normalizer += stats["normalizer"]
         self.model.train()

@@ -8,7 +8,9 @@ from torch import nn
 
 from cat.ctc.head import CTCHead
 from cat.models.encoder import ConformerNet
+from cat.models.heads import Progress, ProgressHead
 from cat.models.model import AsrModel, upgrade_state_dict
+from cat.models.specaug import SpecAugment
 
 
 class ConstantHead(nn.Module):
@@ -110,3 +112,111 @@ def test_each_method_takes_the_settings_of_the_heads_that_run_it():
                                                        "decoder_weight")
     with pytest.raises(ValueError, match="unknown decoding method 'attention_rescoring'"):
         rnnt.method_settings("attention_rescoring")
+
+
+class StepCountingHead(ConstantHead):
+    """A head that asks for `views` augmented views and reads the step: its loss per row is
+    the mean of its hidden input (so each view shows in it) plus the step."""
+
+    def __init__(self, views: int) -> None:
+        super().__init__(1.0)
+        self.views = views
+        self.seen: list[tuple[int, Progress, int]] = []
+
+    def progress_losses(self, hidden, lengths, labels, label_lens, progress):
+        self.seen.append((hidden.size(0), progress, labels.size(0)))
+        losses = hidden.mean(dim=(1, 2)) + progress.step
+        return losses, torch.zeros_like(lengths, dtype=torch.bool), {"rows": hidden.size(0)}
+
+
+def test_a_head_asks_for_views_and_is_handed_the_step():
+    """A `ProgressHead` of 2 views: the batch runs as two SpecAugmented copies in one encoder
+    call, every head reads both, and an utterance's loss is the mean over its views; in
+    evaluation one view; the step reaches the heads that read it."""
+    encoder = _encoder()
+    counting = StepCountingHead(views=2)
+    assert isinstance(counting, ProgressHead)
+    model = AsrModel(encoder, {"ctc": CTCHead(32, 6), "counting": counting},
+                     {"ctc": 0.5, "counting": 0.5},
+                     specaug=SpecAugment(num_freq_masks=2, num_time_masks=2)).train()
+    assert model.views == 2
+    feats, feat_lens, labels, label_lens = _batch()
+    torch.manual_seed(0)
+    _, stats = model(feats, feat_lens, labels, label_lens, step=7)
+    assert [(rows, progress, label_rows) for rows, progress, label_rows in counting.seen] == \
+        [(6, Progress(step=7, views=2), 6)]
+    torch.manual_seed(0)
+    views = model.specaug(feats, feat_lens, views=2)
+    with torch.no_grad():
+        hidden, lengths = encoder(views, feat_lens.repeat(2))
+        ctc = model.ctc.losses(hidden, lengths, labels.repeat(2, 1), label_lens.repeat(2))[0]
+        own = hidden.mean(dim=(1, 2)) + 7
+    assert stats["num_utts"] == 3 and stats["rows"] == 6
+    assert stats["num_frames"] == float(lengths[:3].sum())
+    assert stats["ctc_loss_sum"] == pytest.approx(float(ctc.sum()) / 2, rel=1e-5)
+    assert stats["const_loss_sum"] == pytest.approx(float(own.sum()) / 2, rel=1e-5)
+    assert stats["loss_sum"] == pytest.approx(float(0.5 * (ctc + own).sum()) / 2, rel=1e-5)
+    model.eval()
+    model(feats, feat_lens, labels, label_lens, step=9)
+    assert counting.seen[-1] == (3, Progress(step=9, views=1), 3)
+    with pytest.raises(ValueError, match="CUSIDE"):
+        AsrModel(encoder, {"ctc": CTCHead(32, 6), "counting": counting},
+                 {"ctc": 0.5, "counting": 0.5}, chunking=object())
+
+
+def _tiny_configs() -> dict[str, dict]:
+    from cat.testing.training import tiny_model_config
+
+    specaug = {"num_freq_masks": 2, "num_time_masks": 2, "max_time_warp": 3}
+    configs = {kind: tiny_model_config(kind, 8) for kind in ("ctc", "rnnt")}
+    configs["u2"] = tiny_model_config("ctc", 8)
+    configs["u2"]["attention"] = {"num_layers": 1, "num_heads": 2, "ffn_dim": 32,
+                                  "dropout": 0.0, "ctc_weight": 0.3}
+    configs["cuside"] = tiny_model_config("ctc", 8)
+    configs["cuside"]["trainer"] = {"chunk_size": 16, "simu": True}
+    for config in configs.values():
+        config["specaug"] = dict(specaug)
+    return configs
+
+
+def _one_pass_loss_sum(model, feats, feat_lens, labels, label_lens) -> float:
+    """The summed loss as the forward gave it before heads could ask for passes: SpecAugment,
+    one encoder call, each head's `losses` weighted, CUSIDE's chunked pass and simulation."""
+    augmented = model.specaug(feats, feat_lens)
+
+    def heads_on(hidden, lengths):
+        total, infeasible = 0.0, None
+        for name, head in model.heads.items():
+            losses, bad, _ = head.losses(hidden, lengths, labels, label_lens)
+            total = total + (losses if len(model.heads) == 1 else model.weights[name] * losses)
+            infeasible = bad if infeasible is None else infeasible
+        return total, infeasible
+
+    total, infeasible = heads_on(*model.encoder(augmented, feat_lens))
+    if model.chunking is not None:
+        hidden, chunk_lengths, simulation = model.chunking.training_pass(
+            model.encoder, augmented, feats, feat_lens)
+        chunked, chunk_infeasible = heads_on(hidden, chunk_lengths)
+        total, infeasible = total + chunked + simulation, infeasible | chunk_infeasible
+    return float(total.masked_fill(infeasible, 0.0).sum())
+
+
+@pytest.mark.parametrize("kind", ["ctc", "rnnt", "u2", "cuside"])
+def test_heads_that_ask_for_no_pass_train_on_the_losses_of_one_pass(kind):
+    """CTC, RNN-T, U2 and CUSIDE's unified training give, with the same seed, the loss of the
+    one-pass forward they had before heads could ask for passes (to 1e-6)."""
+    from cat.models.registry import build_model
+
+    torch.manual_seed(0)
+    model = build_model(_tiny_configs()[kind], 12).train()
+    assert model.views == 1
+    generator = torch.Generator().manual_seed(1)
+    batch = (torch.randn(3, 90, 8, generator=generator), torch.tensor([90, 70, 55]),
+             torch.randint(1, 12, (3, 6), generator=generator), torch.tensor([6, 4, 3]))
+    for step in (0, 5):
+        torch.manual_seed(10 + step)
+        _, stats = model(*batch, step=step)
+        torch.manual_seed(10 + step)
+        with torch.no_grad():
+            expected = _one_pass_loss_sum(model, *batch)
+        assert stats["loss_sum"] == pytest.approx(expected, rel=1e-6, abs=1e-6)

@@ -20,9 +20,11 @@ VOCAB = 20
 
 def tiny_updater(kind: str, tmp_path, normalization: str = "utterance",
                  device: torch.device | None = None, **options) -> Updater:
-    """An Updater of a tiny model of `kind` (ctc, rnnt, crf) with SpecAugment's time warp
-    and delayed start, which read lengths and a counter."""
+    """An Updater of a tiny model of `kind` (ctc, rnnt, crf, crctc) with SpecAugment's time
+    warp and delayed start, which read lengths and a counter."""
     config = tiny_model_config("rnnt" if kind == "rnnt" else "ctc", 8)
+    if kind == "crctc":
+        config["ctc"]["cr_ctc"] = {"warmup_steps": 10}
     config["specaug"] = {"num_freq_masks": 1, "num_time_masks": 1, "max_time_warp": 3,
                          "start_batch": 1}
     config["trainer"] = {"loss_normalization": normalization}
@@ -52,7 +54,8 @@ def host_tensors(batches: list[Batch]) -> list[torch.Tensor]:
     return [t for b in batches for t in (b.feats, b.feat_lens, b.labels, b.label_lens)]
 
 
-@pytest.mark.parametrize(("kind", "reads_per_batch"), [("ctc", 0), ("rnnt", 1), ("crf", 1)])
+@pytest.mark.parametrize(("kind", "reads_per_batch"), [("ctc", 0), ("rnnt", 1), ("crf", 1),
+                                                      ("crctc", 0)])
 @pytest.mark.parametrize("normalization", ["utterance", "token"])
 def test_an_update_reads_the_device_once(kind, reads_per_batch, normalization, tmp_path):
     """Once for the update's figures; a transducer reads its lengths to trim the logits,
@@ -80,6 +83,24 @@ def test_update_figures_are_those_of_the_model(tmp_path):
     stats = updater.update(batches, 6.0)
     assert stats["loss"] == pytest.approx(sum(sums) / 6.0, rel=1e-6)
     assert stats["lr"] > 0 and stats["skipped"] is False
+
+
+def test_the_model_is_handed_the_updates_done(tmp_path, monkeypatch):
+    """The step the heads warm up with (`cat.models.heads.Progress`) is the scheduler's count
+    of updates done, the same for an update's micro-batches, and evaluation's too."""
+    updater = tiny_updater("crctc", tmp_path, grad_accum=2)
+    steps = []
+    forward = updater.model.forward
+
+    def spy(*args, step, **kwargs):
+        steps.append(step)
+        return forward(*args, step=step, **kwargs)
+
+    monkeypatch.setattr(updater.model, "forward", spy)
+    for _ in range(3):
+        updater.update([batch(0), batch(1)], 6.0)
+    updater.evaluate([batch(2)])
+    assert steps == [0, 0, 1, 1, 2, 2, 3] and updater.scheduler.num_steps == 3
 
 
 def test_evaluate_reads_the_device_once(tmp_path):
