@@ -394,18 +394,24 @@ def _stretch_features(piece: Piece, audio: soundfile.SoundFile, name: str,
                       options: FbankOptions, first: int, last: int) -> np.ndarray | str:
     """Stage 1's features of samples `first` to `last` (at the target rate) of an
     utterance, read alone (and resampled at another rate), or why there are none."""
-    rate, target = audio.samplerate, options.sample_rate
+    target = options.sample_rate
     try:
-        samples = read_channel(audio, name, round(first * rate / target),
-                               round(last * rate / target))
+        samples = _read_stretch(audio, name, first, last, target, target)
     except AudioError as error:
         return f"{piece.where}: {error}"
-    if rate != target:
-        samples = resample(samples, rate, target)
     features = cut_features(samples, piece.key, options)
     if isinstance(features, str):
         return f"{piece.where}: {name}: the stretch at {first / target:g} s: {features}"
     return features
+
+
+def _read_stretch(audio: soundfile.SoundFile, name: str, first: int, last: int, target: int,
+                  out_rate: int) -> np.ndarray:
+    """Samples `first` to `last` (counted at `target` Hz) of a recording, read alone and
+    resampled to `out_rate` when the file has another rate."""
+    rate = audio.samplerate
+    samples = read_channel(audio, name, round(first * rate / target), round(last * rate / target))
+    return samples if rate == out_rate else resample(samples, rate, out_rate)
 
 
 #: Seconds of audio the voice-activity detector is given at once.
@@ -415,19 +421,15 @@ VAD_BLOCK_SECONDS = 60.0
 def _speech_probabilities(piece: Piece, span: tuple[int, int], audio: soundfile.SoundFile,
                           name: str, target: int) -> np.ndarray | str:
     """The VAD's probabilities of an utterance, read a block at a time, or why not."""
-    rate = audio.samplerate
     vad = SileroVad()
     probabilities = []
     block = round(VAD_BLOCK_SECONDS * target)
     for first in range(span[0], span[1], block):
         last = min(span[1], first + block)
         try:
-            samples = read_channel(audio, name, round(first * rate / target),
-                                   round(last * rate / target))
+            samples = _read_stretch(audio, name, first, last, target, VAD_RATE)
         except AudioError as error:
             return f"{piece.where}: {error}"
-        if rate != VAD_RATE:
-            samples = resample(samples, rate, VAD_RATE)
         probabilities.append(vad.accept(samples))
     probabilities.append(vad.finish())
     return np.concatenate(probabilities)

@@ -15,6 +15,7 @@ Paths inside the JSON files are relative to `root`, so run training from there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -236,3 +237,12 @@ def epoch_coverage(exp_dir: PathLike, keys: list[str], epoch: int = 1) -> EpochC
     return EpochCoverage(len(trained), sorted(set(keys) - set(counts)),
                          sorted(key for key, count in counts.items() if count > 1),
                          int(record["retrained"]))
+
+
+def latest_step(exp_dir: PathLike) -> int:
+    """The update count of the newest checkpoint an experiment lists, 0 while it lists none
+    (or while its list is being written)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+        listed = json.loads((Path(exp_dir) / "check/checkpoints.json").read_text())
+        return int(listed["checkpoints"][-1]["step"])
+    return 0

@@ -7,9 +7,7 @@ requeued), and run.sh again resumes exactly."""
 
 from __future__ import annotations
 
-import contextlib
 import filecmp
-import json
 import os
 import shutil
 import signal
@@ -28,7 +26,7 @@ from cat.testing.audio import make_data_dir
 from cat.testing.features import write_feature_corpus
 from cat.testing.processes import ProcessTree, alive, wait_until
 from cat.testing.slurm import job_states, run_client
-from cat.testing.training import epoch_coverage, write_tiny_experiment
+from cat.testing.training import epoch_coverage, latest_step, write_tiny_experiment
 from cat.training.checkpoint import CheckpointManager
 from cat.training.preemption import STOPPED_EXIT_STATUS
 
@@ -152,13 +150,6 @@ def _recipe_with_a_tiny_experiment(root: Path):
     return experiment
 
 
-def _latest_step(exp_dir: Path) -> int:
-    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
-        listed = json.loads((exp_dir / "check/checkpoints.json").read_text())
-        return int(listed["checkpoints"][-1]["step"])
-    return 0
-
-
 @pytest.mark.parametrize(("backend", "how"), [
     ("local", "sigterm-run.sh"), ("slurm", "sigterm-run.sh"), ("slurm", "sigint-group")])
 def test_run_sh_interrupted_ends_stage_3_its_training_and_its_slurm_job(tmp_path, request,
@@ -177,7 +168,7 @@ def test_run_sh_interrupted_ends_stage_3_its_training_and_its_slurm_job(tmp_path
                    if not key.startswith("PYTEST")}
     environment.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
     with ProcessTree.start(command, cwd=recipe, env=environment) as tree:
-        tree.wait_for(lambda: _latest_step(experiment.exp_dir) >= 10, START_SECONDS,
+        tree.wait_for(lambda: latest_step(experiment.exp_dir) >= 10, START_SECONDS,
                       "a checkpoint at update 10")
         tree.remember()
         jobs = (run_client(["squeue", "--noheader", "--name=train", "--format=%i"]).split()

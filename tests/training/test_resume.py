@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cat
-from cat.testing.training import write_tiny_experiment
+from cat.testing.training import latest_step, write_tiny_experiment
 from cat.training.checkpoint import CheckpointManager, load_checkpoint
 from cat.training.cli import train
 
@@ -42,13 +42,6 @@ def _experiment(root: Path, data: str, workers: int):
     return experiment
 
 
-def _latest_step(exp_dir: Path) -> int:
-    with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
-        listed = json.loads((exp_dir / "check/checkpoints.json").read_text())
-        return int(listed["checkpoints"][-1]["step"])
-    return 0
-
-
 def _train_until_killed(root: Path, step: int, resume: bool) -> int:
     """Start training in a new process and SIGKILL it once a checkpoint at `step` (or
     later) exists; returns the step of the checkpoint the kill left behind."""
@@ -58,7 +51,7 @@ def _train_until_killed(root: Path, step: int, resume: bool) -> int:
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + TIMEOUT_SECONDS
     try:
-        while _latest_step(root / NAME) < step:
+        while latest_step(root / NAME) < step:
             assert process.poll() is None, f"training ended before step {step}:\n" \
                                            f"{process.stderr.read()[-3000:]}"
             assert time.monotonic() < deadline, f"no checkpoint at step {step} in time"
@@ -69,7 +62,7 @@ def _train_until_killed(root: Path, step: int, resume: bool) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # its DataLoader workers, if any remain
         process.stderr.close()
-    return _latest_step(root / NAME)
+    return latest_step(root / NAME)
 
 
 def _outcome(experiment) -> tuple[list[str], dict, dict]:
