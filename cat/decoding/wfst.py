@@ -203,13 +203,12 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
     utterances of `batches` (a share of a stage-5 array task), by default of every one in
     `plan_batches`'s batches. An utterance's posteriors depend on its batch (padding), so
     a share is cut from those batches to give the figures of the whole set."""
-    kind = experiment_kind(exp_dir)
     # Posteriors do not depend on hotwords: WFST decoding boosts them in the graph.
     options = dataclasses.replace(options, hotwords=None)
-    searcher = Searcher(exp_dir, checkpoint, kind, options, "cpu")
+    searcher = Searcher(exp_dir, checkpoint, options, "cpu")
     if not searcher.model.frame_posteriors:
-        raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame "
-                         f"posteriors of a CTC head, which a {kind} model has not")
+        raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame posteriors "
+                         f"of a CTC head, which a {experiment_kind(exp_dir)} model has not")
     if batches is None:
         table = read_feature_index(Path(data_dir) / "feats.scp")
         lengths = dict(zip(table.keys, table.num_frames.tolist(), strict=True))
@@ -260,13 +259,13 @@ class TlgSearcher(Searcher):
     `best` gives the words of the best path joined without spaces (Chinese), `results`
     the words with their times (see the module docstring); no N-best lists."""
 
-    def __init__(self, exp_dir: PathLike, checkpoint: PathLike, kind: str,
+    def __init__(self, exp_dir: PathLike, checkpoint: PathLike,
                  options: DecodeOptions, device: str,
                  specs: list[FusionSpec | None] | tuple = ()) -> None:
         if any(spec is not None for spec in specs):
             raise ValueError("tlg: the word LM is in the graph; shallow fusion (--lm) "
                              "goes with the model's beam search")
-        super().__init__(exp_dir, checkpoint, kind, options, device)
+        super().__init__(exp_dir, checkpoint, options, device)
         check_frame_posteriors(self.model)
         self.graph = read_graph(options.tlg)
         self.spell = pronouncer(self.tokenizer)
@@ -312,8 +311,8 @@ class TlgSearcher(Searcher):
         raise ValueError("tlg: WFST decoding gives the best path only, no N-best lists")
 
 
-def searcher_for(exp_dir: PathLike, checkpoint: PathLike, kind: str, options: DecodeOptions,
+def searcher_for(exp_dir: PathLike, checkpoint: PathLike, options: DecodeOptions,
                  device: str, specs: list[FusionSpec | None] | tuple = ()) -> Searcher:
     """The searcher of `options`: a `TlgSearcher` with `tlg`, else the model's `Searcher`."""
     cls = TlgSearcher if options.tlg is not None else Searcher
-    return cls(exp_dir, checkpoint, kind, options, device, list(specs))
+    return cls(exp_dir, checkpoint, options, device, list(specs))

@@ -199,7 +199,7 @@ def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch, caplog):
     records = [json.loads(line) for line in (out / "hyp.jsonl").read_text().splitlines()]
     hyps = read_table(out / "hyp", allow_empty_value=True)
     graph = read_graph(root / "graph")
-    model, _ = load_model("exp/tiny", checkpoint, "ctc", torch.device("cpu"))
+    model, _ = load_model("exp/tiny", checkpoint, torch.device("cpu"))
 
     features = kaldiio.load_scp("data/fbank/test/feats.scp")
     words = 0
