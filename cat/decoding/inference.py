@@ -142,14 +142,15 @@ from cat.decoding.searcher import (
     DecodeSummary,
     FusionSpec,
     plan_batches,
+    searcher_for,
     write_hyp,
 )
 from cat.decoding.segments import VADS
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
-from cat.decoding.wfst import GraphError, searcher_for
 from cat.features.fbank import experiment_front_end
 from cat.formats.tables import read_feature_index
+from cat.graph.tlg import GraphError
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
 from cat.models.registry import check_command

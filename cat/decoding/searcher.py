@@ -432,3 +432,14 @@ def write_hyp(path: PathLike, pairs: Iterable[tuple[str, str]]) -> None:
     with atomic_write(path) as f:
         for key, text in sorted(pairs):
             f.write(f"{key} {text}\n" if text else f"{key}\n")
+
+
+def searcher_for(exp_dir: PathLike, checkpoint: PathLike, options: DecodeOptions,
+                 device: str, specs: Sequence[FusionSpec | None] = ()) -> Searcher:
+    """The searcher of `options`: with `tlg`, `cat.decoding.wfst.TlgSearcher` (the WFST
+    code is imported only then), else the model's `Searcher`."""
+    if options.tlg is not None:
+        from cat.decoding.wfst import TlgSearcher
+
+        return TlgSearcher(exp_dir, checkpoint, options, device, list(specs))
+    return Searcher(exp_dir, checkpoint, options, device, list(specs))

@@ -108,10 +108,10 @@ from cat.decoding.searcher import (
     NBest,
     Searcher,
     plan_batches,
+    searcher_for,
     write_hyp,
 )
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
-from cat.decoding.wfst import searcher_for
 from cat.features.fbank import FbankOptions, experiment_front_end
 from cat.features.plan import balance_jobs
 from cat.lm.rescore import NBEST_NAME, write_nbest

@@ -11,10 +11,11 @@ CTC-CRF as for CTC) are decoded by kaldi-decoder's FasterDecoder with
 Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
 
 `inference.infer.option.tlg` (`python -m cat.decode --tlg DIR --lm-weight W`) decodes a
-feature dir or audio with a graph stage 5 built (`TlgSearcher`, what `searcher_for` gives
-with it): the words of the best path, each timed by its units' spikes on the forced
-alignment of the path's units to the log-posteriors (the definition of the other searches'
-times, `cat.decoding.timestamps`), so `--format json | ctm | srt` hold word times.
+feature dir or audio with a graph stage 5 built (`TlgSearcher`, what
+`cat.decoding.searcher.searcher_for` gives with it, importing this module only then): the
+words of the best path, each timed by its units' spikes on the forced alignment of the
+path's units to the log-posteriors (the definition of the other searches' times,
+`cat.decoding.timestamps`), so `--format json | ctm | srt` hold word times.
 
 Hotwords (`inference.infer.option.hotwords`, the file the beam searches read) bias the
 graph itself: each phrase is a word of G whose n-grams gain its bonus (its score per token
@@ -49,7 +50,14 @@ from cat.decoding.timestamps import (
     token_times,
 )
 from cat.formats.tables import read_feature_index
-from cat.graph.tlg import ChunkDecoder, DecodingGraph, build_tlg, decode, decode_path
+from cat.graph.tlg import (
+    ChunkDecoder,
+    DecodingGraph,
+    GraphError,
+    build_tlg,
+    decode,
+    decode_path,
+)
 from cat.loading.batch import Utterance, collate
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import UNK_ID, Tokenizer
@@ -110,11 +118,6 @@ def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike,
         json.dump({"words": graph.words, "info": graph.info}, f, ensure_ascii=False)
     logger.info("TLG %s: %s", fst_path, graph.info)
     return graph
-
-
-class GraphError(ValueError):
-    """A file of a TLG graph dir is unreadable, damaged or not of the graph; the message
-    names it."""
 
 
 _REBUILD = "build the graph again (stage 5 rebuilds a graph dir it finds damaged)"
@@ -309,10 +312,3 @@ class TlgSearcher(Searcher):
 
     def nbest(self, utterances: list[Utterance]) -> list[list[tuple[str, Any]]]:
         raise ValueError("tlg: WFST decoding gives the best path only, no N-best lists")
-
-
-def searcher_for(exp_dir: PathLike, checkpoint: PathLike, options: DecodeOptions,
-                 device: str, specs: list[FusionSpec | None] | tuple = ()) -> Searcher:
-    """The searcher of `options`: a `TlgSearcher` with `tlg`, else the model's `Searcher`."""
-    cls = TlgSearcher if options.tlg is not None else Searcher
-    return cls(exp_dir, checkpoint, options, device, list(specs))
