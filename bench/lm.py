@@ -109,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for index, (name, spec) in enumerate(runs):
             out = Path(scratch) / str(index)
-            summary = decode_passes(args.exp, args.data, checkpoint, kind, options,
+            summary = decode_passes(args.exp, args.data, checkpoint, options,
                                     [(spec, out)])[0]
             baseline = baseline or summary.decode_seconds
             print(f"{name:42s} {summary.decode_seconds:8.2f} {summary.rtf:8.4f} "

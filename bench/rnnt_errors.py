@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         checkpoint = Path(scratch) / "avg.pt"
         torch.save(averaged_checkpoint(args.checkpoints), checkpoint)
-        model, tokenizer = load_model(args.exp, checkpoint, "rnnt", torch.device("cpu"),
+        model, tokenizer = load_model(args.exp, checkpoint, torch.device("cpu"),
                                       allow_config_change=True)
     rows = []
     for spec in args.data:

@@ -57,7 +57,7 @@ def main() -> None:
     hyper = load_hyper(Path(args.exp) / "hyper-p.json")
     checkpoint = select_checkpoint(args.exp, hyper)
     fbank = experiment_front_end(hyper)
-    model, tokenizer = load_model(args.exp, checkpoint, args.kind, torch.device("cpu"))
+    model, tokenizer = load_model(args.exp, checkpoint, torch.device("cpu"))
     wavs = sorted(read_table(Path(f"data/{args.set}/wav.scp")).items())
     if args.limit:
         wavs = wavs[:args.limit]

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cat.audio.vad import FRAME_SAMPLES, FRAME_SECONDS, SileroVad
-from cat.core.config import HYPER_NAME, experiment_kind, load_hyper
+from cat.core.config import HYPER_NAME, load_hyper
 from cat.core.io import read_table, write_table
 from cat.decoding.audio import Segmenting
 from cat.decoding.checkpoint import select_checkpoint
@@ -61,7 +61,7 @@ def ctc_blank(samples: np.ndarray, exp_dir: str, checkpoint: str, window: float,
               spread: float) -> np.ndarray:
     """Speech probabilities per 32 ms from the CTC head's blank posteriors (see the doc)."""
     torch.set_num_threads(1)
-    model, _ = load_model(exp_dir, checkpoint, experiment_kind(exp_dir), torch.device("cpu"))
+    model, _ = load_model(exp_dir, checkpoint, torch.device("cpu"))
     frame = model.encoder.frame_rate_factor * 0.01
     speech: list[np.ndarray] = []
     step = round(window * 16000)

@@ -94,7 +94,7 @@ def _check_nbest_rescoring(experiment) -> None:
                                                                           1.0)):
         options = DecodeOptions(method=method, beam_size=3, device="cpu",
                                 ctc_weight=1.0, decoder_weight=weight)
-        searcher = Searcher(NAME, checkpoint, "ctc", options, "cpu", [None])
+        searcher = Searcher(NAME, checkpoint, options, "cpu", [None])
         lists[method, weight] = [dict(hyps) for _, hyps in searcher.nbest(batch)[0]]
     beam = lists["beam", 1.0]
     assert [list(hyps) for hyps in lists["attention_rescoring", 0.0]] == \

@@ -138,9 +138,15 @@ def check_against_schema(instance: Any, schema: dict[str, Any], source: str) -> 
     raise ConfigError("\n".join(dict.fromkeys(lines)))
 
 
-#: `trainer` keys of CUSIDE other than `chunk_size`, which turns it on (`cat.models.cuside`).
-CUSIDE_KEYS = ("context_size_left", "context_size_right", "jitter_range", "simu",
-               "simu_loss_weight", "simu_hdim", "simu_layers", "downsampling_ratio", "mel_dim")
+def cuside_keys(role: str | None = None) -> dict[str, Any]:
+    """{key: default (None without one)} of the `trainer` keys of CUSIDE, those the
+    config.json schema marks `x-cuside` (`cat.models.cuside`), in schema order: of `role`
+    ('chunking': the settings of its chunked forward, 'check': CAT's keys checked against
+    the encoder), or all of them. The schema is the one list of the keys and their
+    defaults; `chunk_size` turns CUSIDE on."""
+    properties = load_config_schema()["$defs"]["trainer"]["properties"]
+    return {key: spec.get("default") for key, spec in properties.items()
+            if "x-cuside" in spec and role in (None, spec["x-cuside"])}
 
 
 def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
@@ -170,7 +176,7 @@ def model_kind(config: dict[str, Any], source: str = "config.json") -> str:
     if not transducer and "simple_loss_scale" in trainer:
         raise ConfigError(f"{source}: trainer.simple_loss_scale: only used by RNN-T models "
                           f"('decoder' and 'joiner')")
-    cuside = [key for key in CUSIDE_KEYS if key in trainer]
+    cuside = [key for key in cuside_keys() if key != "chunk_size" and key in trainer]
     if cuside and "chunk_size" not in trainer:
         raise ConfigError(f"{source}: trainer.{cuside[0]}: a CUSIDE setting, used only with "
                           f"trainer.chunk_size (which turns CUSIDE on)")

@@ -96,7 +96,7 @@ def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | N
         raise ExportError(f"cannot export {exp_dir}: {error}") from None
     if not path.is_file():
         raise ExportError(f"cannot export {exp_dir}: no checkpoint {path}")
-    model, tokenizer = load_model(exp_dir, path, kind, torch.device("cpu"),
+    model, tokenizer = load_model(exp_dir, path, torch.device("cpu"),
                                   allow_config_change)
     return model, tokenizer, path
 

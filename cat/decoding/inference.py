@@ -142,14 +142,15 @@ from cat.decoding.searcher import (
     DecodeSummary,
     FusionSpec,
     plan_batches,
+    searcher_for,
     write_hyp,
 )
 from cat.decoding.segments import VADS
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
 from cat.decoding.transcribe import TranscribeError, transcribe, write_outputs
-from cat.decoding.wfst import GraphError, searcher_for
 from cat.features.fbank import experiment_front_end
 from cat.formats.tables import read_feature_index
+from cat.graph.tlg import GraphError
 from cat.lm.rescore import NBEST_NAME, write_nbest
 from cat.loading.batch import Utterance
 from cat.models.registry import check_command
@@ -172,12 +173,12 @@ def _utterances(features: dict, keys: list[str]) -> list[Utterance]:
     return [Utterance(key, features[key], NO_LABEL) for key in keys]
 
 
-def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
+def _decode_batches(exp_dir: str, checkpoint: str, scp: str, batches: list[list[str]],
                     options: DecodeOptions, device: str, output: str = "text",
                     spec: FusionSpec | None = None) -> list[Result]:
     """Decode `batches` in this process; returns a `Result` per utterance, with times,
     pieces and N-best unless `output` (a format of `cat.decoding.results`) is text."""
-    searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
+    searcher = searcher_for(exp_dir, checkpoint, options, device,
                             [spec] if spec is not None else [])
     features = kaldiio.load_scp(scp)
     results: list[Result] = []
@@ -191,7 +192,7 @@ def _decode_batches(exp_dir: str, checkpoint: str, kind: str, scp: str, batches:
     return results
 
 
-def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
+def _search_batches(exp_dir: str, checkpoint: str, scp: str,
                     batches: list[list[str]], options: DecodeOptions, device: str,
                     specs: list[FusionSpec | None]) -> tuple[list[list], float, list[float]]:
     """N-best beam search of `batches` once per fusion spec (one network forward per batch).
@@ -199,7 +200,7 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
     Returns, per spec, (utt, [(text, score), ...]) pairs; the forward seconds; and the
     search seconds per spec.
     """
-    searcher = searcher_for(exp_dir, checkpoint, kind, options, device, specs)
+    searcher = searcher_for(exp_dir, checkpoint, options, device, specs)
     features = kaldiio.load_scp(scp)
     results: list[list] = [[] for _ in specs]
     for keys in batches:
@@ -209,22 +210,22 @@ def _search_batches(exp_dir: str, checkpoint: str, kind: str, scp: str,
     return results, searcher.forward_seconds, searcher.search_seconds
 
 
-def _decode_task(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
+def _decode_task(exp_dir: str, checkpoint: str, scp: str, batches: list[list[str]],
                  options: DecodeOptions, output: str = "text",
                  spec: FusionSpec | None = None) -> tuple[list[Result], str]:
     """A task of `decode_set`'s array: `_decode_batches` on the device of the node it runs
     on; returns the results and that device."""
     device = options.resolved_device()
-    return _decode_batches(exp_dir, checkpoint, kind, scp, batches, options, device, output,
+    return _decode_batches(exp_dir, checkpoint, scp, batches, options, device, output,
                            spec), device
 
 
-def _search_task(exp_dir: str, checkpoint: str, kind: str, scp: str, batches: list[list[str]],
+def _search_task(exp_dir: str, checkpoint: str, scp: str, batches: list[list[str]],
                  options: DecodeOptions, specs: list[FusionSpec | None]) -> tuple[tuple, str]:
     """A task of `decode_passes`'s array: `_search_batches` on the device of the node it
     runs on; returns its output and that device."""
     device = options.resolved_device()
-    return _search_batches(exp_dir, checkpoint, kind, scp, batches, options, device,
+    return _search_batches(exp_dir, checkpoint, scp, batches, options, device,
                            specs), device
 
 
@@ -260,13 +261,13 @@ def _backend(launcher: Launcher | None) -> dict[str, str]:
     return {} if launcher is None else {"backend": launcher.backend}
 
 
-def _search_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path,
+def _search_shares(exp_dir: PathLike, checkpoint: PathLike, scp: Path,
                    shares: list[list[list[str]]], options: DecodeOptions, device: str,
                    specs: list[FusionSpec | None], launcher: Launcher | None, log_dir: Path,
                    title: str, total: int) -> tuple[list[tuple], str]:
     """`_search_batches` of every share (here, in a process pool, or as array tasks) and
     the device(s) it ran on."""
-    args = (str(exp_dir), str(checkpoint), kind, str(scp))
+    args = (str(exp_dir), str(checkpoint), str(scp))
     if launcher is not None:
         return _run_array(launcher, _search_task,
                           [(*args, share, options, specs) for share in shares], log_dir)
@@ -279,7 +280,7 @@ def _search_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path
             return [future.result() for future in futures], device
 
 
-def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, kind: str,
+def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike,
                   options: DecodeOptions, passes: list[tuple[FusionSpec | None, PathLike]],
                   launcher: Launcher | None = None,
                   log_dir: PathLike | None = None) -> list[DecodeSummary]:
@@ -296,7 +297,7 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
     specs = [spec for spec, _ in passes]
     start = time.perf_counter()
     outputs, device = _search_shares(
-        exp_dir, checkpoint, kind, scp, shares, options, device, specs, launcher,
+        exp_dir, checkpoint, scp, shares, options, device, specs, launcher,
         Path(log_dir or Path(passes[0][1]) / "log"),
         f"decoding {data_dir.name} ({len(passes)} pass{'es' * (len(passes) > 1)})",
         len(lengths))
@@ -330,14 +331,14 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, k
     return summaries
 
 
-def _decode_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path,
+def _decode_shares(exp_dir: PathLike, checkpoint: PathLike, scp: Path,
                    shares: list[list[list[str]]], options: DecodeOptions, device: str,
                    launcher: Launcher | None, log_dir: Path, title: str, total: int,
                    output: str = "text", spec: FusionSpec | None = None
                    ) -> tuple[list[Result], str]:
     """`_decode_batches` of every share (here, in a process pool, or as array tasks): the
     results in share order and the device(s) they were decoded on."""
-    args = (str(exp_dir), str(checkpoint), kind, str(scp))
+    args = (str(exp_dir), str(checkpoint), str(scp))
     if launcher is not None:
         results, device = _run_array(launcher, _decode_task,
                                      [(*args, share, options, output, spec)
@@ -353,7 +354,7 @@ def _decode_shares(exp_dir: PathLike, checkpoint: PathLike, kind: str, scp: Path
 
 
 def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_dir: PathLike,
-               kind: str, options: DecodeOptions,
+               options: DecodeOptions,
                launcher: Launcher | None = None, output: str = "text",
                spec: FusionSpec | None = None) -> DecodeSummary:
     """Decode every utterance of `data_dir/feats.scp`; writes `out_dir/{hyp,decode.log}`
@@ -371,7 +372,7 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
     scp, lengths, device, shares = _plan_workers(data_dir, options, launcher)
     workers = len(shares)
     start = time.perf_counter()
-    results, device = _decode_shares(exp_dir, checkpoint, kind, scp, shares, options, device,
+    results, device = _decode_shares(exp_dir, checkpoint, scp, shares, options, device,
                                      launcher, out_dir / "log", f"decoding {data_dir.name}",
                                      len(lengths), output, spec)
     seconds = time.perf_counter() - start
@@ -477,12 +478,12 @@ def _audio_list(args: argparse.Namespace) -> AudioList:
     return from_data_list(args.data_list)
 
 
-def _decode_features(args: argparse.Namespace, kind: str, checkpoint: Path,
+def _decode_features(args: argparse.Namespace, checkpoint: Path,
                      options: DecodeOptions, spec: FusionSpec | None) -> DecodeSummary:
     if spec is not None and args.format == "text":
-        return decode_passes(args.exp_dir, args.data, checkpoint, kind, options,
+        return decode_passes(args.exp_dir, args.data, checkpoint, options,
                              [(spec, args.out)])[0]
-    return decode_set(args.exp_dir, args.data, checkpoint, args.out, kind, options,
+    return decode_set(args.exp_dir, args.data, checkpoint, args.out, options,
                       output=args.format, spec=spec)
 
 
@@ -495,11 +496,11 @@ def _segmenting(args: argparse.Namespace) -> Segmenting | None:
                       args.vad_min_silence, args.segment_target)
 
 
-def _transcribe(args: argparse.Namespace, kind: str, checkpoint: Path, options: DecodeOptions,
+def _transcribe(args: argparse.Namespace, checkpoint: Path, options: DecodeOptions,
                 spec: FusionSpec | None) -> DecodeSummary:
     audio = _audio_list(args)
     segmenting = _segmenting(args)
-    transcript = transcribe(args.exp_dir, audio, checkpoint, kind, options, spec,
+    transcript = transcribe(args.exp_dir, audio, checkpoint, options, spec,
                             output=args.format, segmenting=segmenting)
     if args.out:
         write_outputs(transcript, args.out)
@@ -540,8 +541,8 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
                      f"{', '.join(FORMATS)}")
     setup_logging()
     try:
-        kind = experiment_kind(args.exp_dir)
-        check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
+        check_command(command, experiment_kind(args.exp_dir),
+                      str(Path(args.exp_dir) / CONFIG_NAME))
     except ConfigError as error:
         logger.error("%s", error)
         return 1
@@ -560,9 +561,9 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
         checkpoint = Path(args.checkpoint) if args.checkpoint \
             else select_checkpoint(args.exp_dir, hyper)
         if args.data:
-            summary = _decode_features(args, kind, checkpoint, options, spec)
+            summary = _decode_features(args, checkpoint, options, spec)
         else:
-            summary = _transcribe(args, kind, checkpoint, options, spec)
+            summary = _transcribe(args, checkpoint, options, spec)
     except (AudioListError, TranscribeError, FileNotFoundError, ModelConfigChangedError,
             CheckpointMismatchError, HotwordsError, ResultFormatError, VadError,
             GraphError) as error:

@@ -321,7 +321,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
     try:
         kind = experiment_kind(args.exp_dir)
         check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
-        model, tokenizer = load_model(args.exp_dir, checkpoint, kind, torch.device("cpu"),
+        model, tokenizer = load_model(args.exp_dir, checkpoint, torch.device("cpu"),
                                       args.allow_config_change)
         encoder = streaming_encoder(model, args.chunk_size, args.right_context)
         if (args.hotwords or args.lm_arpa) and not args.tlg:

@@ -23,7 +23,7 @@ file without a usable phrase decodes as without hotwords.
 
 Usage:
     options = DecodeOptions.of_experiment(hyper, "exp/x/hyper-p.json", {"nj": 2})
-    searcher = Searcher("exp/x", "exp/x/check/avg-best-5.pt", "ctc", options, "cpu")
+    searcher = Searcher("exp/x", "exp/x/check/avg-best-5.pt", options, "cpu")
     pairs = searcher.best([Utterance(key, features, NO_LABEL) for key, features in batch])
 """
 
@@ -45,7 +45,6 @@ from cat.core.config import (
     check_against_schema,
     load_config,
     load_hyper,
-    model_kind,
     tokenizer_file,
 )
 from cat.core.io import PathLike, atomic_write
@@ -57,7 +56,7 @@ from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_tim
 from cat.features.fbank import experiment_front_end
 from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
-from cat.models.registry import DECODES_AS, build_model
+from cat.models.registry import build_model
 from cat.text.tokenizer import load as load_tokenizer
 from cat.training.checkpoint import load_model_state, model_interface, read_model_checkpoint
 
@@ -248,8 +247,8 @@ class FusionSpec:
                              models[self.lodr] if self.lodr else None, self.lodr_weight)
 
 
-def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
-               device: torch.device, allow_config_change: bool | None = None
+def load_model(exp_dir: PathLike, checkpoint: PathLike, device: torch.device,
+               allow_config_change: bool | None = None
                ) -> tuple[torch.nn.Module, Any]:
     """The experiment's model (eval mode, on `device`) with `checkpoint`'s weights, and its
     tokenizer. The weights must fit the model built from `config.json`
@@ -260,10 +259,6 @@ def load_model(exp_dir: PathLike, checkpoint: PathLike, expected_kind: str,
     exp_dir = Path(exp_dir)
     hyper = load_hyper(exp_dir / HYPER_NAME)
     config = load_config(exp_dir / CONFIG_NAME)
-    kind = model_kind(config)
-    if DECODES_AS.get(kind, kind) != DECODES_AS.get(expected_kind, expected_kind):
-        raise ValueError(f"{exp_dir / CONFIG_NAME} describes a {kind} model, not "
-                         f"{expected_kind}; decode it with cat.decode")
     if allow_config_change is None:
         allow_config_change = DecodeOptions.of_experiment(
             hyper, str(exp_dir / HYPER_NAME), {}).allow_config_change
@@ -307,14 +302,14 @@ class Searcher:
     hotwords or when the file has no usable phrase.
     """
 
-    def __init__(self, exp_dir: PathLike, checkpoint: PathLike, kind: str,
+    def __init__(self, exp_dir: PathLike, checkpoint: PathLike,
                  options: DecodeOptions, device: str,
                  specs: Sequence[FusionSpec | None] = ()) -> None:
         if device == "cpu":
             configure_threads(1)  # processes (--nj) are the unit of parallelism
         self.device = torch.device(device)
         self.options = options
-        self.model, self.tokenizer = load_model(exp_dir, checkpoint, kind, self.device,
+        self.model, self.tokenizer = load_model(exp_dir, checkpoint, self.device,
                                                 options.allow_config_change)
         if options.method not in self.model.decode_methods:
             raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: this model decodes with "
@@ -437,3 +432,14 @@ def write_hyp(path: PathLike, pairs: Iterable[tuple[str, str]]) -> None:
     with atomic_write(path) as f:
         for key, text in sorted(pairs):
             f.write(f"{key} {text}\n" if text else f"{key}\n")
+
+
+def searcher_for(exp_dir: PathLike, checkpoint: PathLike, options: DecodeOptions,
+                 device: str, specs: Sequence[FusionSpec | None] = ()) -> Searcher:
+    """The searcher of `options`: with `tlg`, `cat.decoding.wfst.TlgSearcher` (the WFST
+    code is imported only then), else the model's `Searcher`."""
+    if options.tlg is not None:
+        from cat.decoding.wfst import TlgSearcher
+
+        return TlgSearcher(exp_dir, checkpoint, options, device, list(specs))
+    return Searcher(exp_dir, checkpoint, options, device, list(specs))

@@ -108,10 +108,10 @@ from cat.decoding.searcher import (
     NBest,
     Searcher,
     plan_batches,
+    searcher_for,
     write_hyp,
 )
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS
-from cat.decoding.wfst import searcher_for
 from cat.features.fbank import FbankOptions, experiment_front_end
 from cat.features.plan import balance_jobs
 from cat.lm.rescore import NBEST_NAME, write_nbest
@@ -369,12 +369,12 @@ def _decode(searcher: Searcher, items: Iterable[tuple[Order, str, Features]],
     return out
 
 
-def _decode_share(exp_dir: str, checkpoint: str, kind: str, options: DecodeOptions,
+def _decode_share(exp_dir: str, checkpoint: str, options: DecodeOptions,
                   device: str, fusion: FusionSpec | None, share: list[tuple[int, Recording]],
                   fbank: FbankOptions, window_frames: int, output: str = "text",
                   segmenting: Segmenting | None = None) -> _Decoded:
     """Read, featurize and decode `share` in this process."""
-    searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
+    searcher = searcher_for(exp_dir, checkpoint, options, device,
                             [fusion] if fusion is not None else [])
     return _decode(searcher, _features(share, fbank, window_frames, segmenting), options,
                    window_frames, output)
@@ -391,7 +391,7 @@ def _shares(audio: AudioList, num_workers: int) -> list[list[tuple[int, Recordin
             for job in jobs if job]
 
 
-def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: DecodeOptions,
+def _run(exp_dir: str, audio: AudioList, checkpoint: str, options: DecodeOptions,
          device: str, fusion: FusionSpec | None, fbank: FbankOptions,
          window_frames: int, initializer: tuple, output: str = "text",
          segmenting: Segmenting | None = None) -> tuple[list[_Decoded], int]:
@@ -399,7 +399,7 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
     processes, that report their progress."""
     workers = max(1, min(options.nj, len(audio.recordings)))
     if device == "cuda":
-        searcher = searcher_for(exp_dir, checkpoint, kind, options, device,
+        searcher = searcher_for(exp_dir, checkpoint, options, device,
                                 [fusion] if fusion is not None else [])
         if workers == 1:
             items = _features(enumerate(audio.recordings), fbank, window_frames, segmenting)
@@ -409,7 +409,7 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
                                      window_frames, segmenting)
             return [_decode(searcher, items, options, window_frames, output)], workers
     shares = _shares(audio, workers)
-    arguments = (exp_dir, checkpoint, kind, options, device, fusion)
+    arguments = (exp_dir, checkpoint, options, device, fusion)
     if len(shares) == 1:
         return [_decode_share(*arguments, shares[0], fbank, window_frames, output,
                               segmenting)], 1
@@ -419,7 +419,7 @@ def _run(exp_dir: str, audio: AudioList, checkpoint: str, kind: str, options: De
         return [future.result() for future in futures], len(shares)
 
 
-def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: str,
+def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike,
                options: DecodeOptions, fusion: FusionSpec | None = None,
                fbank: FbankOptions | None = None,
                window_frames: int | None = None, output: str = "text",
@@ -444,7 +444,7 @@ def transcribe(exp_dir: PathLike, audio: AudioList, checkpoint: PathLike, kind: 
     start = time.perf_counter()
     with WorkerProgress(_known_frames(audio), f"transcribing {audio.name}", unit="s",
                         scale=FRAME_SHIFT_SECONDS) as progress:
-        results, workers = _run(str(exp_dir), audio, str(checkpoint), kind, options, device,
+        results, workers = _run(str(exp_dir), audio, str(checkpoint), options, device,
                                 fusion, fbank, window_frames, progress.pool_initializer(),
                                 output, segmenting)
     seconds = time.perf_counter() - start

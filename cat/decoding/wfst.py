@@ -11,10 +11,11 @@ CTC-CRF as for CTC) are decoded by kaldi-decoder's FasterDecoder with
 Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
 
 `inference.infer.option.tlg` (`python -m cat.decode --tlg DIR --lm-weight W`) decodes a
-feature dir or audio with a graph stage 5 built (`TlgSearcher`, what `searcher_for` gives
-with it): the words of the best path, each timed by its units' spikes on the forced
-alignment of the path's units to the log-posteriors (the definition of the other searches'
-times, `cat.decoding.timestamps`), so `--format json | ctm | srt` hold word times.
+feature dir or audio with a graph stage 5 built (`TlgSearcher`, what
+`cat.decoding.searcher.searcher_for` gives with it, importing this module only then): the
+words of the best path, each timed by its units' spikes on the forced alignment of the
+path's units to the log-posteriors (the definition of the other searches' times,
+`cat.decoding.timestamps`), so `--format json | ctm | srt` hold word times.
 
 Hotwords (`inference.infer.option.hotwords`, the file the beam searches read) bias the
 graph itself: each phrase is a word of G whose n-grams gain its bonus (its score per token
@@ -49,7 +50,14 @@ from cat.decoding.timestamps import (
     token_times,
 )
 from cat.formats.tables import read_feature_index
-from cat.graph.tlg import ChunkDecoder, DecodingGraph, build_tlg, decode, decode_path
+from cat.graph.tlg import (
+    ChunkDecoder,
+    DecodingGraph,
+    GraphError,
+    build_tlg,
+    decode,
+    decode_path,
+)
 from cat.loading.batch import Utterance, collate
 from cat.text.lexicon import LexiconTokenizer
 from cat.text.tokenizer import UNK_ID, Tokenizer
@@ -110,11 +118,6 @@ def decoding_graph(tokenizer: Tokenizer, arpa: PathLike, out_dir: PathLike,
         json.dump({"words": graph.words, "info": graph.info}, f, ensure_ascii=False)
     logger.info("TLG %s: %s", fst_path, graph.info)
     return graph
-
-
-class GraphError(ValueError):
-    """A file of a TLG graph dir is unreadable, damaged or not of the graph; the message
-    names it."""
 
 
 _REBUILD = "build the graph again (stage 5 rebuilds a graph dir it finds damaged)"
@@ -203,13 +206,12 @@ def log_posteriors(exp_dir: PathLike, checkpoint: PathLike, data_dir: PathLike,
     utterances of `batches` (a share of a stage-5 array task), by default of every one in
     `plan_batches`'s batches. An utterance's posteriors depend on its batch (padding), so
     a share is cut from those batches to give the figures of the whole set."""
-    kind = experiment_kind(exp_dir)
     # Posteriors do not depend on hotwords: WFST decoding boosts them in the graph.
     options = dataclasses.replace(options, hotwords=None)
-    searcher = Searcher(exp_dir, checkpoint, kind, options, "cpu")
+    searcher = Searcher(exp_dir, checkpoint, options, "cpu")
     if not searcher.model.frame_posteriors:
-        raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame "
-                         f"posteriors of a CTC head, which a {kind} model has not")
+        raise ValueError(f"{Path(exp_dir) / CONFIG_NAME}: WFST decoding needs frame posteriors "
+                         f"of a CTC head, which a {experiment_kind(exp_dir)} model has not")
     if batches is None:
         table = read_feature_index(Path(data_dir) / "feats.scp")
         lengths = dict(zip(table.keys, table.num_frames.tolist(), strict=True))
@@ -260,13 +262,13 @@ class TlgSearcher(Searcher):
     `best` gives the words of the best path joined without spaces (Chinese), `results`
     the words with their times (see the module docstring); no N-best lists."""
 
-    def __init__(self, exp_dir: PathLike, checkpoint: PathLike, kind: str,
+    def __init__(self, exp_dir: PathLike, checkpoint: PathLike,
                  options: DecodeOptions, device: str,
                  specs: list[FusionSpec | None] | tuple = ()) -> None:
         if any(spec is not None for spec in specs):
             raise ValueError("tlg: the word LM is in the graph; shallow fusion (--lm) "
                              "goes with the model's beam search")
-        super().__init__(exp_dir, checkpoint, kind, options, device)
+        super().__init__(exp_dir, checkpoint, options, device)
         check_frame_posteriors(self.model)
         self.graph = read_graph(options.tlg)
         self.spell = pronouncer(self.tokenizer)
@@ -310,10 +312,3 @@ class TlgSearcher(Searcher):
 
     def nbest(self, utterances: list[Utterance]) -> list[list[tuple[str, Any]]]:
         raise ValueError("tlg: WFST decoding gives the best path only, no N-best lists")
-
-
-def searcher_for(exp_dir: PathLike, checkpoint: PathLike, kind: str, options: DecodeOptions,
-                 device: str, specs: list[FusionSpec | None] | tuple = ()) -> Searcher:
-    """The searcher of `options`: a `TlgSearcher` with `tlg`, else the model's `Searcher`."""
-    cls = TlgSearcher if options.tlg is not None else Searcher
-    return cls(exp_dir, checkpoint, kind, options, device, list(specs))

@@ -45,6 +45,11 @@ from cat.core.io import PathLike
 from cat.lm.ngram import BOS, EOS, ArpaError, iter_arpa, read_arpa, write_arpa_tables
 
 
+class GraphError(ValueError):
+    """A file of a TLG graph dir is unreadable, damaged or not of the graph; the message
+    names it (`cat.decoding.wfst.read_graph`)."""
+
+
 @dataclasses.dataclass
 class DecodingGraph:
     """A TLG and its word list (`words[i - 1]` is word symbol i)."""

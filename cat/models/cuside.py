@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cat.core.config import cuside_keys
+
 RIGHT_CONTEXTS = ("simulated", "real", "none")
 
 
@@ -59,7 +61,7 @@ class SimulationNet(nn.Module):
     units (dropout between them, a residual connection where sizes match), then a linear
     layer from a hidden state to the `frames` feature frames that follow it."""
 
-    def __init__(self, feature_dim: int, frames: int, hidden: int = 256, num_layers: int = 3,
+    def __init__(self, feature_dim: int, frames: int, hidden: int, num_layers: int,
                  dropout: float = 0.1) -> None:
         super().__init__()
         if frames < 1 or hidden < 1 or num_layers < 1:
@@ -96,6 +98,10 @@ class SimulationNet(nn.Module):
         return self.postnet(hidden).unflatten(-1, (self.frames, self.feature_dim))
 
 
+#: The defaults of the chunking settings: the config.json schema's (`x-cuside`).
+_DEFAULTS = cuside_keys("chunking")
+
+
 class ContextChunking(nn.Module):
     """The chunked forward of a CUSIDE model and its settings (see the module docstring).
 
@@ -108,12 +114,19 @@ class ContextChunking(nn.Module):
         simu: train a simulation network and decode with simulated right context.
         simu_loss_weight: weight of the simulation's L1 loss.
         simu_hdim, simu_layers: the simulation network's GRUs (CAT: 256 units, 3 layers).
+
+    The defaults are those of the config.json schema (`cuside_keys`), as `build_chunking`
+    gives them for a key `trainer` does not set.
     """
 
-    def __init__(self, feature_dim: int, frame_rate: int, chunk_size: int = 40,
-                 context_size_left: int = 40, context_size_right: int = 40,
-                 jitter_range: int = 2, simu: bool = False, simu_loss_weight: float = 1.0,
-                 simu_hdim: int = 256, simu_layers: int = 3) -> None:
+    def __init__(self, feature_dim: int, frame_rate: int, chunk_size: int,
+                 context_size_left: int = _DEFAULTS["context_size_left"],
+                 context_size_right: int = _DEFAULTS["context_size_right"],
+                 jitter_range: int = _DEFAULTS["jitter_range"],
+                 simu: bool = _DEFAULTS["simu"],
+                 simu_loss_weight: float = _DEFAULTS["simu_loss_weight"],
+                 simu_hdim: int = _DEFAULTS["simu_hdim"],
+                 simu_layers: int = _DEFAULTS["simu_layers"]) -> None:
         super().__init__()
         if chunk_size < frame_rate or chunk_size % frame_rate or context_size_left % frame_rate:
             raise ValueError(f"chunk_size ({chunk_size}) and context_size_left "
@@ -336,11 +349,10 @@ def build_chunking(trainer: dict[str, Any], encoder: nn.Module,
     if trainer.get("mel_dim", feature_dim) != feature_dim:
         raise ValueError(f"trainer.mel_dim {trainer['mel_dim']}: the encoder takes "
                          f"{feature_dim}-dim features")
-    keys = ("chunk_size", "context_size_left", "context_size_right", "jitter_range", "simu",
-            "simu_loss_weight", "simu_hdim", "simu_layers")
+    # The settings and their defaults are the schema's (`x-cuside`: 'chunking').
+    settings = {key: trainer.get(key, default) for key, default in cuside_keys("chunking").items()}
     try:
-        return ContextChunking(feature_dim, rate,
-                               **{key: trainer[key] for key in keys if key in trainer})
+        return ContextChunking(feature_dim, rate, **settings)
     except ValueError as error:
         raise ValueError(f"trainer (CUSIDE): {error}") from None
 

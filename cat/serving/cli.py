@@ -102,12 +102,12 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
         options = DecodeOptions.of_experiment(
             hyper, str(path / HYPER_NAME), {"allow_config_change": args.allow_config_change})
-        searcher = Searcher(path, checkpoint, kind, options, "cpu")
+        searcher = Searcher(path, checkpoint, options, "cpu")
         torch.set_num_threads(args.threads)  # the searcher takes one thread
         return OfflineEngine(searcher, fbank, args.max_segment_seconds, args.max_batch)
     from cat.serving.streaming import StreamingEngine
 
-    model, tokenizer = load_model(path, checkpoint, kind, torch.device("cpu"),
+    model, tokenizer = load_model(path, checkpoint, torch.device("cpu"),
                                   args.allow_config_change)
     return StreamingEngine(model, tokenizer, family(kind, "stream").ChunkSearch,
                            args.chunk_size, fbank, rules, args.right_context, args.max_batch,

@@ -112,7 +112,6 @@ class LMRun:
 
     plan: Plan
     checkpoint: Path
-    kind: str
     option: dict[str, Any]
     options: Any
     unit: str
@@ -164,7 +163,7 @@ class LMRun:
             if not is_done(out / "hyp", sig):
                 missing[out] = (spec, sig)
         if missing:
-            decode_passes(self.plan.exp_dir, data_dir, self.checkpoint, self.kind, self.options,
+            decode_passes(self.plan.exp_dir, data_dir, self.checkpoint, self.options,
                           [(spec, out) for out, (spec, _) in missing.items()], self.launcher,
                           self.root / "first-pass" / set_name(data_dir) / "log")
             for out, (_, sig) in missing.items():
@@ -346,12 +345,11 @@ def decode_lm(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) 
         logger.info("%s sets no inference.lm: no language model to decode with",
                     plan.exp_dir / HYPER_NAME)
         return None
-    kind = plan.kind
     option = {"nj": nj, **inference.get("infer", {}).get("option", {})}
     options = DecodeOptions.from_dict(option, f"{plan.exp_dir / HYPER_NAME}: "
                                               "inference.infer.option")
     unit = "char" if inference.get("er", {}).get("cer", True) else "word"
-    run = LMRun(plan, select_checkpoint(plan), kind, option, options, unit, launcher=launcher)
+    run = LMRun(plan, select_checkpoint(plan), option, options, unit, launcher=launcher)
     dev = section.get("dev") or plan.section("dev")[0]
     tests = plan.section("test")
     settings = section["settings"]

@@ -289,7 +289,7 @@ def decode(exp_dir: PathLike, nj: int = 1, launcher: Launcher | None = None) -> 
         sig = signature("decode", option,
                         files=[checkpoint, Path(test) / "feats.scp", *hotwords, *graph])
         if not is_done(out / "hyp", sig):
-            decode_set(plan.exp_dir, test, checkpoint, out, kind, options, launcher)
+            decode_set(plan.exp_dir, test, checkpoint, out, options, launcher)
             mark_done(out / "hyp", sig)
         refs = read_table(Path(test) / "text", allow_empty_value=True)
         hyps = read_table(out / "hyp", allow_empty_value=True)

@@ -17,7 +17,6 @@ import soundfile
 import torch
 
 from cat import train as cat_train
-from cat.core.config import experiment_kind
 from cat.decoding.context_graph import ContextGraph, HotwordsError, read_hotwords
 from cat.decoding.inference import FusionSpec, decode_passes
 from cat.decoding.inference import main as decode_main
@@ -441,9 +440,9 @@ def test_hotwords_join_the_language_model_of_each_pass(trained, monkeypatch):
     (experiment.root / "hotwords.txt").write_text(f"{word} :2\n", encoding="utf-8")
     data = "data/fbank/dev"
     plain = DecodeOptions(beam_size=6, device="cpu")
-    decode_passes(NAME, data, checkpoint, experiment_kind(NAME), plain, [(None, "nohot")])
+    decode_passes(NAME, data, checkpoint, plain, [(None, "nohot")])
     biased = DecodeOptions(beam_size=6, device="cpu", hotwords="hotwords.txt")
-    decode_passes(NAME, data, checkpoint, experiment_kind(NAME), biased,
+    decode_passes(NAME, data, checkpoint, biased,
                   [(None, "hot"), (FusionSpec("lm.arpa", 0.0), "hot-lm")])
     lists = {name: read_nbest(f"{name}/{NBEST_NAME}") for name in ("nohot", "hot", "hot-lm")}
     assert lists["hot-lm"] == lists["hot"] != lists["nohot"]

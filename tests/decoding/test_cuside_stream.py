@@ -68,7 +68,7 @@ def test_streaming_gives_the_chunked_decoding_hypotheses(cuside_experiment, righ
                                                          tmp_path, monkeypatch):
     kind, experiment, checkpoint = cuside_experiment
     monkeypatch.chdir(experiment.root)
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     rng = np.random.default_rng(0)
     emitted = 0
     for key, path in sorted(experiment.test_audio().items()):
@@ -112,7 +112,7 @@ def test_the_export_streams_in_onnxruntime(cuside_experiment, tmp_path, monkeypa
     assert (meta["streaming"], meta["chunk_size"], meta["stride"], meta["right_context"]) == (
         "cuside", CHUNK, 8, "simulated")
     assert (out / ctc_export.WENET_CTC_NAME).exists() == (kind == "ctc")
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     encoder = onnx_chunk_encoder(out)
     assert isinstance(encoder, OnnxCusideEncoder)
     emitted = 0
@@ -182,7 +182,7 @@ def test_sherpa_onnx_online_runs_the_cuside_export(cuside_experiment, tmp_path, 
         _factory_refuses_other_settings(out, experiment.test_audio())
     else:
         recognizer = rnnt_export.sherpa_online_recognizer(out)
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     emitted = assert_sherpa_streams_as_ours(
         recognizer, lambda: StreamingRecognizer(streaming_encoder(model, CHUNK),
                                                 _search(kind, model), tokenizer),

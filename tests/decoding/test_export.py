@@ -56,7 +56,7 @@ def recipe(trained, monkeypatch):
 
 def _references(kind: str, experiment, checkpoint: Path, max_symbols: int = 3):
     """PyTorch's greedy token ids per test utterance, and the tokenizer."""
-    model, tokenizer = load_model(experiment.exp_dir, checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model(experiment.exp_dir, checkpoint, torch.device("cpu"))
     feats = dict(kaldiio.load_scp(str(experiment.test_features / "feats.scp")))
     hyps = {}
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_onnxruntime_gives_pytorch_hypotheses(recipe, tmp_path):
     runner = (ctc_export.OnnxCtcDecoder if kind == "ctc" else rnnt_export.OnnxRnntDecoder)(out)
     assert {key: runner.decode(matrix) for key, matrix in feats.items()} == hyps
     if kind == "ctc":
-        model, _ = load_model(experiment.exp_dir, checkpoint, "ctc", torch.device("cpu"))
+        model, _ = load_model(experiment.exp_dir, checkpoint, torch.device("cpu"))
         matrix = feats[sorted(feats)[0]]
         with torch.no_grad():
             expected = model.log_probs(torch.from_numpy(matrix)[None],
@@ -97,7 +97,7 @@ def test_torchscript_export_equals_pytorch(recipe, tmp_path):
     variant, experiment, checkpoint = recipe
     kind = variant.split("-")[0]
     out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
-    model, _ = load_model(experiment.exp_dir, checkpoint, kind, torch.device("cpu"))
+    model, _ = load_model(experiment.exp_dir, checkpoint, torch.device("cpu"))
     feats = dict(kaldiio.load_scp(str(experiment.test_features / "feats.scp")))
     matrices = [torch.from_numpy(np.array(feats[key])) for key in sorted(feats)[:3]]
     x = torch.nn.utils.rnn.pad_sequence(matrices, batch_first=True)

@@ -72,8 +72,8 @@ def test_array_tasks_decode_as_the_process_pool(recipe, tmp_path):
     data = recipe / "data/fbank/test"
     assert all(_shares(data, options)), "two shares, each with utterances"
     pool, array = tmp_path / "pool", tmp_path / "array"
-    decode_set(EXP, data, CHECKPOINT, pool, "ctc", options)
-    decode_set(EXP, data, CHECKPOINT, array, "ctc", options, Launcher("local"))
+    decode_set(EXP, data, CHECKPOINT, pool, options)
+    decode_set(EXP, data, CHECKPOINT, array, options, Launcher("local"))
     hyp = (pool / "hyp").read_bytes()
     assert (array / "hyp").read_bytes() == hyp
     hyps = read_table(pool / "hyp", allow_empty_value=True)
@@ -98,7 +98,7 @@ def test_array_tasks_search_first_passes_as_the_process_pool(recipe, tmp_path):
     write_arpa(estimate(texts, 2, (0.5, 1.0, 1.5)), arpa)
     specs = [None, FusionSpec(str(arpa), 0.5, 0.5)]
     for name, launcher in (("pool", None), ("array", Launcher("local"))):
-        decode_passes(EXP, data, CHECKPOINT, "ctc", options,
+        decode_passes(EXP, data, CHECKPOINT, options,
                       [(spec, tmp_path / name / str(i)) for i, spec in enumerate(specs)],
                       launcher, tmp_path / name / "log")
     assert sorted(p.name for p in (tmp_path / "array/log").glob("*.log")) == \

@@ -38,13 +38,13 @@ def experiment(request, tmp_path):
 
 def test_passes_share_a_run_and_a_weightless_lm_changes_nothing(experiment, tmp_path,
                                                                 monkeypatch):
-    kind, tiny, checkpoint, arpa = experiment
+    _kind, tiny, checkpoint, arpa = experiment
     monkeypatch.chdir(tiny.root)
     options = DecodeOptions(beam_size=3, nj=1, device="cpu")
     data = tiny.root / "data/fbank/dev"
     passes = [(None, tmp_path / "nolm"), (FusionSpec(str(arpa), 0.0), tmp_path / "zero"),
               (FusionSpec(str(arpa), 2.0, 1.0, str(arpa), 0.5), tmp_path / "lm")]
-    summaries = decode_passes(tiny.exp_dir, data, checkpoint, kind, options, passes)
+    summaries = decode_passes(tiny.exp_dir, data, checkpoint, options, passes)
     assert [s.num_utts for s in summaries] == [6, 6, 6]
     nbests = {name: read_nbest(tmp_path / name / "nbest.jsonl")
               for name in ("nolm", "zero", "lm")}
@@ -63,14 +63,14 @@ def test_passes_share_a_run_and_a_weightless_lm_changes_nothing(experiment, tmp_
     assert json.loads((tmp_path / "lm" / "decode.log").read_text())["fusion"]["lodr_weight"] \
         == 0.5
     # The LM path without LM decodes exactly as stage 4 does.
-    decode_set(tiny.exp_dir, data, checkpoint, tmp_path / "stage4", kind, options)
+    decode_set(tiny.exp_dir, data, checkpoint, tmp_path / "stage4", options)
     assert (tmp_path / "stage4" / "hyp").read_text(encoding="utf-8") == \
         (tmp_path / "nolm" / "hyp").read_text(encoding="utf-8")
 
 
 def test_greedy_cannot_use_an_lm(experiment, tmp_path):
-    kind, tiny, checkpoint, arpa = experiment
+    _kind, tiny, checkpoint, arpa = experiment
     options = DecodeOptions(method="greedy", nj=1, device="cpu")
     with pytest.raises(ValueError, match="needs method 'beam'"):
-        decode_passes(tiny.exp_dir, tiny.root / "data/fbank/dev", checkpoint, kind, options,
+        decode_passes(tiny.exp_dir, tiny.root / "data/fbank/dev", checkpoint, options,
                       [(FusionSpec(str(arpa), 0.3), tmp_path / "lm")])

@@ -153,7 +153,7 @@ def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp
     out = family.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert (meta["chunk_size"], meta["stride"], meta["frames_per_chunk"]) == (4, 16, 19)
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     emitted = 0
     for key, path in sorted(experiment.test_audio().items()):
         samples, rate = soundfile.read(str(path), dtype="float32")
@@ -186,7 +186,7 @@ def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_e
     assert {key: meta[key] for key in ("head", "num_blocks", "subsampling_factor",
                                        "right_context")} == {
         "head": "2", "num_blocks": "1", "subsampling_factor": "4", "right_context": "6"}
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     recognizer = ctc_export.sherpa_online_recognizer(out, num_left_chunks=64)
     emitted = assert_sherpa_streams_as_ours(
         recognizer, lambda: _recognizer(kind, model, 4), experiment.test_audio(), tokenizer,
@@ -292,7 +292,7 @@ def test_sherpa_onnx_online_transducer_gives_pytorch_streaming_hypotheses(chunk_
     out = rnnt_export.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
     meta = read_metadata(out / rnnt_export.LSTM_LAYOUT_NAME)
     assert (meta["model_type"], meta["T"], meta["decode_chunk_len"]) == ("lstm", "19", "16")
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     recognizer = rnnt_export.sherpa_online_recognizer(out)
     emitted = assert_sherpa_streams_as_ours(
         recognizer, lambda: _recognizer(kind, model, 4), experiment.test_audio(), tokenizer,
@@ -313,9 +313,9 @@ def test_streaming_tlg_decoding_ends_with_the_whole_utterance_wfst_result(chunk_
     from cat.graph.tlg import decode
     from cat.lm.ngram import estimate, write_arpa
 
-    kind, experiment, checkpoint = chunk_experiment
+    _kind, experiment, checkpoint = chunk_experiment
     monkeypatch.chdir(experiment.root)
-    model, tokenizer = load_model("exp/tiny", checkpoint, kind, torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     texts = read_table(experiment.root / "data/fbank/train/text").values()
     arpa = tmp_path / "lm.arpa"
     write_arpa(estimate([list(text.replace(" ", "")) for text in texts], 2,

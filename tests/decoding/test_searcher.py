@@ -118,17 +118,17 @@ def _wav(directory: Path) -> Path:
 def test_decoding_a_model_whose_config_changed_since_training_is_refused(recipe):
     _make_streaming(recipe)
     with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
-        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", OPTIONS)
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", OPTIONS)
     assert not (recipe.exp_dir / "decode/hyp").exists()
 
 
 def test_transcription_and_streaming_refuse_it_too(recipe, capsys):
     _make_streaming(recipe)
     with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
-        Searcher(NAME, FIRST, "ctc", OPTIONS, "cpu")
+        Searcher(NAME, FIRST, OPTIONS, "cpu")
     wav = _wav(recipe.root)
     with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(FIRST))):
-        transcribe(NAME, from_files([str(wav)]), FIRST, "ctc", OPTIONS)
+        transcribe(NAME, from_files([str(wav)]), FIRST, OPTIONS)
     status = stream_main("cat.ctc.stream", [
         NAME, "--wav-scp", "wav.scp", "--chunk-size", "4", "--checkpoint", FIRST,
         "--out", f"{NAME}/stream"])
@@ -167,7 +167,7 @@ def test_averaged_checkpoints_record_the_config_they_were_trained_with(recipe):
         (recipe.exp_dir / "config.json").read_text())
     _make_streaming(recipe)
     with pytest.raises(ModelConfigChangedError, match=re.escape(_changes(str(average)))):
-        load_model(NAME, average, "ctc", torch.device("cpu"))
+        load_model(NAME, average, torch.device("cpu"))
 
 
 def test_an_accepted_change_is_logged_and_decoded(recipe, capsys, caplog):
@@ -177,7 +177,7 @@ def test_an_accepted_change_is_logged_and_decoded(recipe, capsys, caplog):
                                           {"method": "greedy", "device": "cpu"})
     assert options.allow_config_change
     with caplog.at_level(logging.WARNING):
-        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", options)
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", options)
     assert (f"{FIRST}: {CONFIG} changed since this model was trained (accepted by "
             "allow_config_change): encoder.kwargs.causal_conv: (absent) -> true;"
             in caplog.text)
@@ -199,7 +199,7 @@ def test_optimizer_settings_are_not_part_of_the_model(recipe, caplog):
     config["scheduler"]["kwargs"]["peak_lr"] = 0.5
     path.write_text(json.dumps(config))
     with caplog.at_level(logging.WARNING):
-        load_model(NAME, FIRST, "ctc", torch.device("cpu"))
+        load_model(NAME, FIRST, torch.device("cpu"))
     assert "changed since" not in caplog.text
 
 
@@ -210,7 +210,7 @@ def test_a_checkpoint_without_a_recorded_config_decodes_with_a_warning(recipe, c
     torch.save(state, old)
     _make_streaming(recipe)
     with caplog.at_level(logging.WARNING):
-        load_model(NAME, old, "ctc", torch.device("cpu"))
+        load_model(NAME, old, torch.device("cpu"))
     assert (f"{old} records no config.json (written before checkpoints recorded theirs): "
             f"{CONFIG} cannot be compared with the config it was trained with, only the "
             "parameter shapes are") in caplog.text
@@ -237,10 +237,10 @@ def test_a_front_end_edited_after_training_is_refused_by_every_verb(recipe, caps
     recipe.hyper_path.write_text(json.dumps(hyper))
     error = re.escape(_interface_error(FIRST, FRONT_END_CHANGES))
     with pytest.raises(ModelConfigChangedError, match=error):
-        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", OPTIONS)
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", OPTIONS)
     wav = _wav(recipe.root)
     with pytest.raises(ModelConfigChangedError, match=error):
-        transcribe(NAME, from_files([str(wav)]), FIRST, "ctc", OPTIONS)
+        transcribe(NAME, from_files([str(wav)]), FIRST, OPTIONS)
     assert stream_main("cat.ctc.stream", [NAME, "--wav-scp", "wav.scp", "--chunk-size", "4",
                                           "--checkpoint", FIRST, "--out", f"{NAME}/stream"]) == 1
     assert f"error: {_interface_error(FIRST, FRONT_END_CHANGES)}" in capsys.readouterr().err
@@ -264,7 +264,7 @@ def test_another_tokenizer_than_the_models_is_refused(recipe):
     with pytest.raises(ModelConfigChangedError, match=re.escape(_interface_error(
             FIRST, 'the tokenizer: digest: "').rsplit("digest", 1)[0]) +
             r'digest: "[0-9a-f]{16}" -> "[0-9a-f]{16}"\. Features of another front end'):
-        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", "ctc", OPTIONS)
+        decode_set(NAME, "data/fbank/dev", FIRST, f"{NAME}/decode", OPTIONS)
 
 
 def test_features_of_another_front_end_than_the_models_are_refused(recipe, caplog):

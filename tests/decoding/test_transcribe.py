@@ -254,7 +254,7 @@ def test_truncated_audio_of_every_format_is_skipped_naming_the_file(recipe, tmp_
 def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
     """Segments of one long recording; features gathered 1.6 s at a time (the longest
     utterance: a longer one would be refused)."""
-    kind, experiment, _ = recipe
+    _kind, experiment, _ = recipe
     audio = experiment.test_audio()
     pieces, segments, position = [], {}, 0.0
     for utt in sorted(audio):
@@ -267,7 +267,7 @@ def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
                                     segments=segments)
     extract(data_dir, tmp_path / "fbank", progress=False)
     options = DecodeOptions(beam_size=4, max_frames=300, device="cpu")
-    decode_set(EXP, tmp_path / "fbank", CHECKPOINT, tmp_path / "stage4", kind, options)
+    decode_set(EXP, tmp_path / "fbank", CHECKPOINT, tmp_path / "stage4", options)
     stage4 = read_table(tmp_path / "stage4/hyp", allow_empty_value=True)
     assert len(stage4) == 6
 
@@ -275,7 +275,7 @@ def test_segments_and_small_windows_give_stage_4_hypotheses(recipe, tmp_path):
                        str(data_dir / "segments"), "--out", str(tmp_path / "out")]) == 0
     assert read_table(tmp_path / "out/hyp", allow_empty_value=True) == stage4
     transcript = transcribe(EXP, from_wav_scp(data_dir / "wav.scp", data_dir / "segments"),
-                            CHECKPOINT, kind, options, window_frames=160, segmenting=None)
+                            CHECKPOINT, options, window_frames=160, segmenting=None)
     assert dict(transcript.hypotheses) == stage4
 
 

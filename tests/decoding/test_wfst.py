@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from cat.core.io import write_table
+from cat.decoding import searcher as searcher_module
+from cat.decoding import wfst
+from cat.decoding.searcher import DecodeOptions, Searcher, searcher_for
 from cat.decoding.wfst import decode_all, decoding_graph, pronouncer
 from cat.lm.ngram import estimate, write_arpa
 from cat.text.lexicon import LexiconTokenizer
@@ -199,7 +207,7 @@ def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch, caplog):
     records = [json.loads(line) for line in (out / "hyp.jsonl").read_text().splitlines()]
     hyps = read_table(out / "hyp", allow_empty_value=True)
     graph = read_graph(root / "graph")
-    model, _ = load_model("exp/tiny", checkpoint, "ctc", torch.device("cpu"))
+    model, _ = load_model("exp/tiny", checkpoint, torch.device("cpu"))
 
     features = kaldiio.load_scp("data/fbank/test/feats.scp")
     words = 0
@@ -231,3 +239,29 @@ def test_decoding_with_tlg_times_its_words(tlg_experiment, monkeypatch, caplog):
     assert "damaged/words.json: not a TLG words file: invalid JSON at line 1 column 1" \
         in caplog.text
     assert not (root / "y/hyp").exists()
+
+
+def test_decoding_without_a_graph_does_not_import_the_wfst_code():
+    """The searcher factory lives with `Searcher`: decoding and transcribing import
+    `cat.decoding.wfst` only when `searcher_for` is given a graph."""
+    code = ("import sys, cat.decoding.inference, cat.decoding.transcribe, cat.decoding.searcher;"
+            "print('cat.decoding.wfst' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "False"
+
+
+def test_the_factory_gives_the_tlg_searcher_with_a_graph(monkeypatch):
+    built = []
+    monkeypatch.setattr(wfst.TlgSearcher, "__init__",
+                        lambda self, *args: built.append(("tlg", args)))
+    monkeypatch.setattr(searcher_module.Searcher, "__init__",
+                        lambda self, *args: built.append(("plain", args)))
+    options = DecodeOptions(tlg="graph", device="cpu")
+    assert type(searcher_for("exp/x", "ckpt.pt", options, "cpu")) is wfst.TlgSearcher
+    plain = DecodeOptions(device="cpu")
+    assert type(searcher_for("exp/x", "ckpt.pt", plain, "cpu", (None,))) is Searcher
+    assert built == [("tlg", ("exp/x", "ckpt.pt", options, "cpu", [])),
+                     ("plain", ("exp/x", "ckpt.pt", plain, "cpu", [None]))]

@@ -1097,7 +1097,7 @@ def test_training_again_over_checkpoints(trained_copy):
 
 
 def _decode(root: Path, checkpoint: Path, data: str = "data/fbank/dev") -> None:
-    decode_set(NAME, data, checkpoint, root / "decode", "ctc",
+    decode_set(NAME, data, checkpoint, root / "decode",
                DecodeOptions(method="greedy", device="cpu"))
 
 

@@ -117,7 +117,7 @@ def test_sherpa_onnx_factory_methods_run_a_model_of_their_front_end(tmp_path, mo
     recognizer = sherpa_onnx.OnlineRecognizer.from_wenet_ctc(
         tokens=str(out / "tokens.txt"), model=str(out / ctc_export.WENET_CTC_NAME),
         chunk_size=4, num_left_chunks=64, num_threads=1)
-    model, tokenizer = load_model("exp/tiny", checkpoint, "ctc", torch.device("cpu"))
+    model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
     emitted = assert_sherpa_streams_as_ours(
         recognizer, lambda: StreamingRecognizer(streaming_encoder(model, 4),
                                                 CtcChunkSearch(model), tokenizer,

@@ -4,13 +4,15 @@ step, and the settings' errors."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
 import pytest
 import torch
 
-from cat.core.config import ConfigError
+from cat.core import config as core_config
+from cat.core.config import ConfigError, cuside_keys, load_config_schema, model_kind
 from cat.decoding.export import (
     METADATA_NAME,
     STREAMING_NAME,
@@ -20,11 +22,13 @@ from cat.decoding.export import (
     streaming_metadata,
 )
 from cat.decoding.online import StreamingError, streaming_encoder
+from cat.models import cuside
 from cat.models.cuside import (
     ContextChunking,
     CusideStep,
     CusideStreamingEncoder,
     SimulationNet,
+    build_chunking,
 )
 from cat.models.registry import build_model, count_parameters
 from cat.testing.training import tiny_model_config
@@ -252,6 +256,45 @@ def test_settings_that_do_not_fit_are_errors_naming_the_key(trainer, message):
     config["trainer"] = trainer
     with pytest.raises(ConfigError, match=message):
         build_model(config, num_classes=7)
+
+
+def test_the_schema_is_the_one_list_of_the_keys_and_their_defaults():
+    """The chunking settings the schema marks are `ContextChunking`'s keyword arguments,
+    with the schema's defaults; CAT's checked keys are the two it compares."""
+    chunking = cuside_keys("chunking")
+    parameters = inspect.signature(ContextChunking).parameters
+    assert list(chunking) == list(parameters)[2:]
+    assert {key: parameters[key].default for key in list(chunking)[1:]} == {
+        "context_size_left": 40, "context_size_right": 40, "jitter_range": 2, "simu": False,
+        "simu_loss_weight": 1.0, "simu_hdim": 256, "simu_layers": 3} == {
+        key: chunking[key] for key in list(chunking)[1:]}
+    assert list(cuside_keys("check")) == ["downsampling_ratio", "mel_dim"]
+    assert list(cuside_keys()) == [*chunking, "downsampling_ratio", "mel_dim"]
+
+
+class _Encoder:
+    max_chunk_size = 0
+    frame_rate_factor = 4
+
+
+def test_a_key_added_to_the_schema_is_seen_by_the_config_check_and_the_model(monkeypatch):
+    """A CUSIDE key (and a default) changed in the schema alone reaches both readers: the
+    config check (`model_kind`) and the settings `build_chunking` gives the chunking."""
+    schema = load_config_schema()
+    properties = schema["$defs"]["trainer"]["properties"]
+    properties["simu_dropout"] = {"x-cuside": "chunking", "type": "number", "default": 0.25}
+    properties["context_size_left"]["default"] = 48
+    monkeypatch.setattr(core_config, "load_config_schema", lambda: schema)
+    with pytest.raises(ConfigError, match=r"trainer\.simu_dropout: a CUSIDE setting, used "
+                                          r"only with trainer\.chunk_size"):
+        model_kind({"ctc": {}, "trainer": {"simu_dropout": 0.5}})
+    given: dict = {}
+    monkeypatch.setattr(cuside, "ContextChunking",
+                        lambda feature_dim, rate, **settings: given.update(settings))
+    build_chunking({"chunk_size": 16, "simu_dropout": 0.5}, _Encoder(), FEATS)
+    assert given["simu_dropout"] == 0.5 and given["context_size_left"] == 48
+    build_chunking({"chunk_size": 16}, _Encoder(), FEATS)
+    assert given["simu_dropout"] == 0.25
 
 
 def test_cuside_and_u2_chunk_training_exclude_each_other():

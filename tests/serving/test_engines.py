@@ -74,7 +74,7 @@ def _run(engine: StreamingEngine, samples: list[np.ndarray], head_start: float
 def test_streams_at_different_points_batch_as_each_alone(tone, audio):
     experiment, checkpoint = tone
     with contextlib.chdir(experiment.root):
-        model, tokenizer = load_model(experiment.name, checkpoint, "ctc", torch.device("cpu"))
+        model, tokenizer = load_model(experiment.name, checkpoint, torch.device("cpu"))
     engine = StreamingEngine(model, tokenizer, RecordingSearch, CHUNK_SIZE, FbankOptions(),
                              EndpointRules())
     assert engine.batched is not None  # a U2 model's chunks batch
@@ -164,7 +164,7 @@ def test_a_streams_state_is_bounded_by_its_utterance(tone, audio, reference):
     stream), and the fbank's samples and the frames waiting are bounded throughout."""
     experiment, checkpoint = tone
     with contextlib.chdir(experiment.root):
-        model, tokenizer = load_model(experiment.name, checkpoint, "ctc", torch.device("cpu"))
+        model, tokenizer = load_model(experiment.name, checkpoint, torch.device("cpu"))
     engine = StreamingEngine(model, tokenizer, CtcChunkSearch, CHUNK_SIZE, FbankOptions(),
                              EndpointRules())
     key = next(iter(audio))
