@@ -29,7 +29,7 @@ import torch
 
 from cat.core.config import load_hyper, tokenizer_file
 from cat.core.io import read_table
-from cat.decoding.export import sherpa_recognizer
+from cat.decoding.export import export, sherpa_recognizer
 from cat.text.tokenizer import load as load_tokenizer
 from cat.utils.wer import score
 
@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     module = __import__(f"cat.{args.kind}.export", fromlist=["export"])
-    export_dir = module.export(args.exp, None, args.checkpoint)
+    export_dir = export(args.exp, None, args.checkpoint, kind=args.kind)
     feats_scp = Path(f"data/fbank/{args.set}/feats.scp")
     keys = sorted(read_table(feats_scp))
     if args.limit:

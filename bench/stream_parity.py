@@ -27,7 +27,7 @@ import torch
 from cat.core.config import load_hyper
 from cat.core.io import read_table
 from cat.decoding.checkpoint import select_checkpoint
-from cat.decoding.export import onnx_chunk_encoder
+from cat.decoding.export import export, onnx_chunk_encoder
 from cat.decoding.online import StreamingRecognizer, decode_utterance, streaming_encoder
 from cat.decoding.searcher import load_model
 from cat.features.fbank import experiment_front_end, read_audio
@@ -52,8 +52,8 @@ def main() -> None:
     torch.set_num_threads(1)
     family = __import__(f"cat.{args.kind}.export", fromlist=["export"])
     stream = __import__(f"cat.{args.kind}.stream", fromlist=["main"])
-    export_dir = family.export(args.exp, Path(args.exp) / "export-stream", None,
-                               args.chunk_size)
+    export_dir = export(args.exp, Path(args.exp) / "export-stream", None, args.chunk_size,
+                        kind=args.kind)
     hyper = load_hyper(Path(args.exp) / "hyper-p.json")
     checkpoint = select_checkpoint(args.exp, hyper)
     fbank = experiment_front_end(hyper)

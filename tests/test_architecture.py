@@ -42,10 +42,9 @@ FLOORS = {
     "testing": 15,
 }
 
-#: Upward imports that are known and still to be removed: a family's ONNX export writer
-#: uses `cat.decoding.export`'s helpers and its model loading (issue 37: the export hooks
-#: the registry collects). The test fails when one of them goes, so that it is taken off.
-KNOWN_UPWARD = {("ctc.export", "decoding.export"), ("rnnt.export", "decoding.export")}
+#: Upward imports that are known and still to be removed (none now). The test fails when
+#: one of them goes, so that it is taken off.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -253,6 +252,16 @@ def test_the_commands_of_a_family_stand_with_the_verbs(tmp_path):
         "cat/training/cli.py:1: cat.training.cli (training, floor 10) imports "
         "cat.testing.factory (testing, floor 15)"]
     assert len(upward_imports(root, loads={}, commands=())) == 2
+
+
+def test_every_family_declares_the_export_hooks():
+    """`cat.decoding.export` reaches a family's export only through these hooks (no branch on
+    the family): the loaded model to files, and its sherpa-onnx offline model type."""
+    from cat.models.registry import FAMILIES, family
+
+    for kind in FAMILIES:
+        module = family(kind, "export")
+        assert callable(module.export_model) and callable(module.sherpa_model_config), kind
 
 
 def test_generic_code_names_no_model_family():

@@ -23,17 +23,17 @@ from torch import nn
 
 from cat.core.io import PathLike
 from cat.ctc.stream import CtcChunkSearch
-from cat.decoding.export import (
-    EXPORT_NAME,
+from cat.models.chunked import KeyValueStreamingEncoder
+from cat.models.ctc_search import ctc_greedy_search
+from cat.models.cuside import CusideStep
+from cat.models.onnx_export import (
     METADATA_NAME,
     STREAMING_NAME,
     TOKENS_NAME,
     ExportError,
     experiment_feature_metadata,
-    export_main,
     export_onnx,
     export_streaming,
-    load_experiment_model,
     load_export_metadata,
     onnx_session,
     sherpa_feature_config,
@@ -43,9 +43,6 @@ from cat.decoding.export import (
     write_export,
     write_tokens,
 )
-from cat.models.chunked import KeyValueStreamingEncoder
-from cat.models.ctc_search import ctc_greedy_search
-from cat.models.cuside import CusideStep
 
 MODEL_NAME = "model.onnx"
 #: The streaming model in sherpa-onnx's online `wenet_ctc` layout.
@@ -107,11 +104,11 @@ def refusal_name(settings: dict[str, Any]) -> str:
 
 class _WenetCtcStep(nn.Module):
     """One chunk in the state layout of sherpa-onnx's online `wenet_ctc` model type (inputs
-    and outputs matched by position; see `export`). A runtime of another chunk size than the
-    export's, or whose cache holds other than `wenet_ctc_runtime`'s `num_left_chunks` (the
-    model's `left_chunks` exactly; at least 16 for a model trained with all left context),
-    is refused (`_Refusal`): sherpa-onnx's factory defaults (chunk 16, 4 left chunks) fit
-    neither unless the export was made for them."""
+    and outputs matched by position; see `export_wenet_ctc`). A runtime of another chunk
+    size than the export's, or whose cache holds other than `wenet_ctc_runtime`'s
+    `num_left_chunks` (the model's `left_chunks` exactly; at least 16 for a model trained
+    with all left context), is refused (`_Refusal`): sherpa-onnx's factory defaults (chunk
+    16, 4 left chunks) fit neither unless the export was made for them."""
 
     def __init__(self, streaming: KeyValueStreamingEncoder, head: nn.Module,
                  settings: dict[str, Any]) -> None:
@@ -279,17 +276,14 @@ def _export_cuside_wenet_ctc(model: nn.Module, chunk_size: int, path: Path,
                 {**metadata, **layout, "vocab_size": int(model.num_classes)}, torchscript=False)
 
 
-def export(exp_dir: PathLike, out_dir: PathLike | None = None,
-           checkpoint: PathLike | None = None, chunk_size: int | None = None,
-           allow_config_change: bool | None = None) -> Path:
+def export_model(model: nn.Module, tokenizer: Any, checkpoint: Path, exp_dir: PathLike,
+                 out_dir: PathLike, chunk_size: int | None = None) -> Path:
     """Write `model.onnx`, `tokens.txt` and `export.json` of a CTC experiment; with
     `chunk_size`, also `streaming.onnx` (chunk log-probabilities, state in and out) and
     `streaming_wenet_ctc.onnx` (the same in sherpa-onnx's online `wenet_ctc` layout)."""
-    model, tokenizer, path = load_experiment_model(exp_dir, "ctc", checkpoint,
-                                                   allow_config_change)
     metadata: dict[str, Any] = {
         "family": "ctc", "model_type": "zipformer2_ctc", "framework": "cat",
-        "vocab_size": int(model.num_classes), "blank_id": 0, "checkpoint": path.name,
+        "vocab_size": int(model.num_classes), "blank_id": 0, "checkpoint": checkpoint.name,
         **experiment_feature_metadata(exp_dir, model.encoder)}
     dim = metadata["feature_dim"]
     streaming = streaming_step(model, chunk_size) if chunk_size else None
@@ -311,7 +305,18 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
         export_wenet_ctc(model, streaming.chunk_size, directory / WENET_CTC_NAME, metadata)
         return {**metadata, RUNTIME_KEY: wenet_ctc_runtime(model, streaming.chunk_size)}
 
-    return write_export(out_dir or Path(exp_dir) / EXPORT_NAME, write)
+    return write_export(out_dir, write)
+
+
+def sherpa_model_config(export_dir: Path, meta: dict[str, Any], common: dict[str, Any]) -> Any:
+    """The family's hook for `cat.decoding.export.sherpa_recognizer`: sherpa-onnx's offline
+    model of the export's `model.onnx`, its generic CTC type `zipformer2_ctc`
+    (`OfflineZipformerCtcModelConfig`); `common` holds the tokens, threads and provider."""
+    import sherpa_onnx
+
+    return sherpa_onnx.OfflineModelConfig(
+        zipformer_ctc=sherpa_onnx.OfflineZipformerCtcModelConfig(
+            model=str(export_dir / MODEL_NAME)), **common)
 
 
 def sherpa_online_recognizer(export_dir: PathLike, num_left_chunks: int | None = None,
@@ -386,4 +391,6 @@ class OnnxCtcChunkSearch(CtcChunkSearch):
 
 
 if __name__ == "__main__":
+    from cat.decoding.export import export_main
+
     sys.exit(export_main("cat.ctc.export"))

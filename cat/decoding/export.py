@@ -1,6 +1,10 @@
-"""What the families' ONNX exports share: the model and checkpoint of an experiment, the
-metadata a runtime needs, `tokens.txt`, writing a directory of models atomically, and
-sherpa-onnx recognizers over an export.
+"""Exporting an experiment to ONNX, and sherpa-onnx and onnxruntime over an export: the
+model and checkpoint of an experiment (`load_experiment_model`) handed to its family's
+writer (`export`: the family's `export_model`, `cat.ctc.export`, `cat.rnnt.export`), the
+sherpa-onnx recognizer of an export (its family's `sherpa_model_config`), and the chunk
+encoders of its `streaming.onnx`. What the writers share (`export.json`, `tokens.txt`,
+the files' digests, the traces) is `cat.models.onnx_export`, whose names this module
+also offers.
 
 An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family
 (`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), their
@@ -24,19 +28,12 @@ is written, unless `--allow-config-change` or `hyper-p.json`'s `inference.infer.
 allow_config_change` accepts it (then the keys are logged).
 
 Usage:
-    model, tokenizer, checkpoint = load_experiment_model("exp/synth-ctc")
+    out = export("exp/synth-ctc")                             # -> exp/synth-ctc/export/
     recognizer = sherpa_recognizer("exp/synth-ctc/export")   # sherpa_onnx.OfflineRecognizer
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-import shutil
-import warnings
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,28 +51,37 @@ from cat.core.config import (
 from cat.core.io import PathLike
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
-from cat.features.fbank import FbankOptions, experiment_front_end, front_end_name
-from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
-from cat.models.cuside import CusideChunks, CusideStep
-from cat.models.encoder import Encoder
-from cat.models.registry import DECODES_AS, check_command, family
-
-EXPORT_NAME = "export"
-TOKENS_NAME = "tokens.txt"
-METADATA_NAME = "export.json"
-#: export.json's key of the size and sha256 of each file of the export.
-FILES_KEY = "files"
-OPSET = 17
-BLANK_SYMBOL = "<blk>"
-# Kaldi's low end of the mel banks, which every front end keeps.
-LOW_FREQ = 20.0
-
-
-logger = logging.getLogger(__name__)
-
-
-class ExportError(RuntimeError):
-    """An experiment cannot be exported; the message says why."""
+from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP
+from cat.models.cuside import CusideChunks
+from cat.models.onnx_export import (  # noqa: F401  (offered here to the runtimes and tests)
+    BLANK_SYMBOL,
+    CUSIDE_INPUTS,
+    EXPORT_NAME,
+    FILES_KEY,
+    LOW_FREQ,
+    METADATA_NAME,
+    OPSET,
+    STREAMING_NAME,
+    TOKENS_NAME,
+    ExportError,
+    check_export_files,
+    experiment_feature_metadata,
+    export_cuside_streaming,
+    export_onnx,
+    export_streaming,
+    feature_metadata,
+    file_digest,
+    load_export_metadata,
+    onnx_session,
+    read_metadata,
+    sherpa_feature_config,
+    sherpa_wrap,
+    streaming_metadata,
+    streaming_step,
+    write_export,
+    write_tokens,
+)
+from cat.models.registry import DECODES_AS, FAMILIES, check_command, family
 
 
 def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | None = None,
@@ -101,228 +107,45 @@ def load_experiment_model(exp_dir: PathLike, kind: str, checkpoint: PathLike | N
     return model, tokenizer, path
 
 
-def feature_metadata(encoder: Encoder, fbank: FbankOptions | None = None) -> dict[str, Any]:
-    """What a runtime needs to compute the encoder's input: the fbank settings of the
-    experiment's front end (`fbank`, default Kaldi's), the frame-rate reduction, and where
-    CMVN went."""
-    fbank = fbank or FbankOptions()
-    normalizer = encoder.normalizer
-    return {
-        "sample_rate": fbank.sample_rate, "feature_dim": fbank.num_mel_bins,
-        "frame_length_ms": fbank.frame_length_ms, "frame_shift_ms": fbank.frame_shift_ms,
-        "dither": fbank.dither, "snip_edges": int(fbank.snip_edges), "low_freq": LOW_FREQ,
-        "high_freq": fbank.high_freq,
-        # 0: samples in [-1, 1) scaled to the int16 range before the fbank, as Kaldi does.
-        "normalize_samples": int(fbank.normalize_samples),
-        "front_end": front_end_name(fbank) or "custom",
-        "subsampling_factor": int(encoder.frame_rate_factor),
-        "cmvn": "folded" if normalizer is not None else "none",
-    }
-
-
-def experiment_feature_metadata(exp_dir: PathLike, encoder: Encoder) -> dict[str, Any]:
-    """`feature_metadata` of the experiment's front end (`hyper-p.json: data.front_end`)."""
-    return feature_metadata(encoder, experiment_front_end(load_hyper(Path(exp_dir) /
-                                                                     HYPER_NAME)))
-
-
-def write_tokens(tokenizer: Any, path: PathLike) -> None:
-    """sherpa-onnx's symbol table: `<piece> <id>` per line, id 0 named `<blk>`."""
-    lines = []
-    for index in range(tokenizer.vocab_size):
-        piece = BLANK_SYMBOL if index == 0 else tokenizer.id_to_piece(index)
-        if not piece or any(c.isspace() for c in piece):
-            raise ExportError(f"token {index} ({piece!r}) cannot be written to {TOKENS_NAME}: "
-                              "empty or holding white space")
-        lines.append(f"{piece} {index}\n")
-    Path(path).write_text("".join(lines), encoding="utf-8")
-
-
-def export_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: PathLike,
-                input_names: list[str], output_names: list[str],
-                dynamic_axes: Mapping[str, Mapping[int, str]],
-                metadata: Mapping[str, Any], torchscript: bool = True) -> None:
-    """Trace `module` on `args` into the ONNX file `path` with `metadata` (values as
-    strings, what sherpa-onnx's model readers parse); with `torchscript`, the same trace
-    as TorchScript next to it (`model.onnx` -> `model.pt`, `torch.jit.load`; the metadata
-    in its extra file `metadata.json`)."""
-    import onnx
-
-    with warnings.catch_warnings():
-        # The tracer's warnings are about branches on sizes, which the inputs' dynamic
-        # axes keep out of the graph (inputs shorter than one subsampling window aside).
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module.eval(), args, str(path), input_names=input_names,
-                          output_names=output_names, dynamic_axes=dict(dynamic_axes),
-                          opset_version=OPSET, dynamo=False)
-        if torchscript:
-            with torch.no_grad():
-                traced = torch.jit.trace(module, args, check_trace=False)
-            extra = {"metadata.json": json.dumps(dict(metadata), ensure_ascii=False)}
-            torch.jit.save(traced, str(Path(path).with_suffix(".pt")), _extra_files=extra)
-    model = onnx.load(str(path))
-    for key, value in metadata.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = key, str(value)
-    onnx.save(model, str(path))
-
-
-def read_metadata(path: PathLike) -> dict[str, str]:
-    """The metadata of an ONNX file."""
-    import onnx
-
-    return {entry.key: entry.value for entry in onnx.load(str(path)).metadata_props}
-
-
-def file_digest(path: PathLike) -> str:
-    """The sha256 of a file, read 1 MB at a time."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_export(out_dir: PathLike, write: Callable[[Path], dict[str, Any]]) -> Path:
-    """Run `write(tmp_dir)` (which writes the models and returns the metadata) into a
-    temporary directory, add `export.json` (the metadata, and under `files` the size and
-    sha256 of every file written), then put it in place of `out_dir`."""
-    out_dir = Path(out_dir)
-    tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
-    metadata = write(tmp_dir)
-    metadata = {**metadata, FILES_KEY: {
-        path.name: {"bytes": path.stat().st_size, "sha256": file_digest(path)}
-        for path in sorted(tmp_dir.iterdir()) if path.is_file()}}
-    (tmp_dir / METADATA_NAME).write_text(json.dumps(metadata, indent=1, ensure_ascii=False),
-                                         encoding="utf-8")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp_dir, out_dir)
-    return out_dir
-
-
-def load_export_metadata(export_dir: PathLike) -> dict[str, Any]:
-    """`export.json` of an export directory, its files checked against it
-    (`check_export_files`)."""
-    path = Path(export_dir) / METADATA_NAME
-    if not path.is_file():
-        raise ExportError(f"{export_dir}: no {METADATA_NAME} (not an export directory)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ExportError(f"{path}: not an export's metadata ({error})") from None
-    if not isinstance(meta, dict):
-        raise ExportError(f"{path}: not an export's metadata (not a JSON object)")
-    check_export_files(export_dir, meta)
-    return meta
-
-
-def check_export_files(export_dir: PathLike, meta: Mapping[str, Any]) -> None:
-    """ExportError naming the file when a file `export.json` lists is missing, or is not
-    the one the export wrote (another size or sha256: another model's, or changed since);
-    when `tokens.txt` holds another number of tokens than the model's vocabulary. An export
-    written before exports recorded their files is read with a warning."""
-    export_dir = Path(export_dir)
-    tokens = export_dir / TOKENS_NAME
-    if tokens.is_file() and "vocab_size" in meta:
-        with open(tokens, encoding="utf-8", errors="replace") as f:
-            count = sum(1 for line in f if line.strip())
-        if count != int(meta["vocab_size"]):
-            raise ExportError(f"{tokens}: {count} tokens, but the model's vocabulary "
-                              f"({METADATA_NAME} vocab_size) is {meta['vocab_size']}: it is "
-                              "not this model's symbol table (a runtime would fail on, or "
-                              "misname, the ids it lacks); export again")
-    files = meta.get(FILES_KEY)
-    if not isinstance(files, dict):
-        logger.warning("%s: %s records no files (written before exports recorded them): "
-                       "they are not checked", export_dir, METADATA_NAME)
-        return
-    for name, record in files.items():
-        path = export_dir / name
-        if not path.is_file():
-            raise ExportError(f"{path}: missing ({METADATA_NAME} lists it); export again")
-        size, digest = path.stat().st_size, None
-        if size == record.get("bytes"):
-            digest = file_digest(path)
-            if digest == record.get("sha256"):
-                continue
-        found = f"{size} bytes" if digest is None else f"sha256 {digest[:16]}"
-        recorded = (f"{record.get('bytes')} bytes" if digest is None
-                    else f"{str(record.get('sha256'))[:16]}")
-        raise ExportError(f"{path}: not the file this export wrote ({found}, {METADATA_NAME} "
-                          f"records {recorded}): another model's, or changed since; export "
-                          "again (python -m cat.export EXP --out DIR)")
-
-
-def sherpa_feature_config(meta: Mapping[str, Any]) -> Any:
-    """sherpa-onnx's fbank settings of an export's metadata (`feature_metadata`): its
-    recognizers' defaults differ (high_freq -400, samples in [-1, 1), snip_edges false)."""
-    import sherpa_onnx
-
-    return sherpa_onnx.FeatureExtractorConfig(
-        sampling_rate=int(meta["sample_rate"]), feature_dim=int(meta["feature_dim"]),
-        low_freq=float(meta["low_freq"]), high_freq=float(meta["high_freq"]),
-        dither=float(meta["dither"]), normalize_samples=bool(int(meta["normalize_samples"])),
-        snip_edges=bool(int(meta["snip_edges"])))
+def export(exp_dir: PathLike, out_dir: PathLike | None = None,
+           checkpoint: PathLike | None = None, chunk_size: int | None = None,
+           allow_config_change: bool | None = None, kind: str | None = None) -> Path:
+    """Export the experiment's model (`load_experiment_model`: stage 4's checkpoint or
+    `checkpoint`) with its family's writer (`export_model` of `family(kind, "export")`) to
+    `out_dir` (default `EXP/export`); with `chunk_size`, also its streaming models. `kind`
+    (default: `config.json`'s) is the family the caller expects: another is an
+    `ExportError`."""
+    kind = kind or experiment_kind(exp_dir)
+    model, tokenizer, path = load_experiment_model(exp_dir, DECODES_AS.get(kind, kind),
+                                                   checkpoint, allow_config_change)
+    return family(kind, "export").export_model(
+        model, tokenizer, path, exp_dir, out_dir or Path(exp_dir) / EXPORT_NAME, chunk_size)
 
 
 def sherpa_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
-    """A `sherpa_onnx.OfflineRecognizer` over an export (CTC or transducer), with the
-    fbank settings of `export.json` (the factory methods fix some of them otherwise)."""
+    """A `sherpa_onnx.OfflineRecognizer` over an export (its family's model type,
+    `sherpa_model_config` of `family(export.json's family, "export")`), with the fbank
+    settings of `export.json` (the factory methods fix some of them otherwise)."""
     import sherpa_onnx
     from sherpa_onnx.lib._sherpa_onnx import OfflineRecognizer as _Recognizer
 
     export_dir = Path(export_dir)
     meta = load_export_metadata(export_dir)
-    if meta.get("predictor") == "lstm":
-        raise ExportError(f"{export_dir}: sherpa-onnx's transducer type needs a stateless "
-                          "predictor (decoder.type StatelessPredictor); this model's LSTM "
-                          "predictor runs in onnxruntime only (cat.rnnt.export.OnnxRnntDecoder)")
-    features = sherpa_feature_config(meta)
+    if meta.get("family") not in FAMILIES:
+        raise ExportError(f"{export_dir / METADATA_NAME}: family {meta.get('family')!r} is "
+                          "not a model family of this toolkit; export again")
     common = {"tokens": str(export_dir / TOKENS_NAME), "num_threads": num_threads,
               "provider": "cpu", "debug": False}
-    if meta["model_type"] == "zipformer2_ctc":  # sherpa-onnx's name of its generic CTC model
-        models = sherpa_onnx.OfflineModelConfig(
-            zipformer_ctc=sherpa_onnx.OfflineZipformerCtcModelConfig(
-                model=str(export_dir / "model.onnx")), **common)
-    else:
-        models = sherpa_onnx.OfflineModelConfig(
-            transducer=sherpa_onnx.OfflineTransducerModelConfig(
-                encoder_filename=str(export_dir / "encoder.onnx"),
-                decoder_filename=str(export_dir / "decoder.onnx"),
-                joiner_filename=str(export_dir / "joiner.onnx")),
-            model_type="transducer", **common)
-    config = sherpa_onnx.OfflineRecognizerConfig(feat_config=features, model_config=models,
+    models = family(meta["family"], "export").sherpa_model_config(export_dir, meta, common)
+    config = sherpa_onnx.OfflineRecognizerConfig(feat_config=sherpa_feature_config(meta),
+                                                 model_config=models,
                                                  decoding_method="greedy_search")
     return sherpa_wrap(sherpa_onnx.OfflineRecognizer, _Recognizer, config)
 
 
-def sherpa_wrap(cls: type, native: type, config: Any) -> Any:
-    """An instance of sherpa-onnx's Python recognizer class `cls` over `native(config)`: what
-    the class's own factory methods do, with a config of our settings (its fbank)."""
-    recognizer = cls.__new__(cls)
-    recognizer.recognizer = native(config)
-    recognizer.config = config
-    return recognizer
-
-
-def onnx_session(path: PathLike, num_threads: int = 1) -> Any:
-    """An onnxruntime CPU session of `path` using `num_threads` threads."""
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = num_threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 def export_main(command: str, argv: list[str] | None = None) -> int:
     """Command line of `python -m cat.export` and its aliases `cat.ctc.export` /
-    `cat.rnnt.export` (`command`): the family's `export` of `config.json`'s model kind."""
+    `cat.rnnt.export` (`command`): `export` of `config.json`'s model kind."""
     import argparse
     import logging
     import sys
@@ -345,120 +168,13 @@ def export_main(command: str, argv: list[str] | None = None) -> int:
     try:
         kind = experiment_kind(args.exp_dir)
         check_command(command, kind, str(Path(args.exp_dir) / CONFIG_NAME))
-        out = family(kind, "export").export(args.exp_dir, args.out, args.checkpoint,
-                                            args.chunk_size, args.allow_config_change or None)
+        out = export(args.exp_dir, args.out, args.checkpoint, args.chunk_size,
+                     args.allow_config_change or None, kind)
     except (ExportError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(out)
     return 0
-
-
-STREAMING_NAME = "streaming.onnx"
-
-
-def streaming_step(model: torch.nn.Module, chunk_size: int,
-                   right_context: str | None = None) -> StreamingEncoder | CusideStep:
-    """What `streaming.onnx` traces for chunks of `chunk_size` encoder frames: a CUSIDE
-    model's `CusideStep` (with `right_context`), else the U2 model's `StreamingEncoder`."""
-    if model.chunking is not None:
-        return CusideStep(model.encoder, model.chunking, chunk_size, right_context)
-    if right_context is not None:
-        raise ExportError(f"right context {right_context!r}: only CUSIDE models "
-                          "(trainer.chunk_size) stream with a right context")
-    return StreamingEncoder(model.encoder, chunk_size)
-
-
-def streaming_metadata(streaming: StreamingEncoder | CusideStep) -> dict[str, Any]:
-    """What a runtime needs to cut features into chunks for `streaming.onnx`."""
-    if isinstance(streaming, CusideStep):
-        chunking = streaming.chunking
-        simulation = chunking.simulation
-        return {"streaming": "cuside", "chunk_size": streaming.chunk_size,
-                "stride": streaming.stride, "right_context": streaming.right_context,
-                "left_frames": streaming.left, "right_frames": chunking.context_size_right,
-                "simu_layers": len(simulation.rnns) if simulation is not None else 0,
-                "simu_hdim": simulation.hidden if simulation is not None else 0}
-    return {"streaming": "u2", "chunk_size": streaming.chunk_size, "stride": streaming.stride,
-            "frames_per_chunk": streaming.frames_per_chunk,
-            "left_chunks": streaming.encoder.left_chunks,
-            "num_layers": len(streaming.encoder.cells), "model_dim": streaming.encoder.output_dim,
-            "conv_cache_frames": streaming.encoder.cells[0].conv.depthwise.kernel_size[0] - 1}
-
-
-def export_streaming(head: torch.nn.Module, streaming: StreamingEncoder | CusideStep,
-                     path: PathLike, output_name: str, metadata: Mapping[str, Any]) -> None:
-    """`streaming.onnx`: one chunk `x` [1, T, 80] with `attn_cache` [layers, 1, L, D] and
-    `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
-    `attn_cache_out`, `conv_cache_out` (see `cat.models.chunked`); for a CUSIDE model
-    `export_cuside_streaming`'s graph."""
-    if isinstance(streaming, CusideStep):
-        export_cuside_streaming(head, streaming, path, output_name, metadata)
-        return
-
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.streaming, self.head = streaming, head
-
-        def forward(self, x: torch.Tensor, attn_cache: torch.Tensor,
-                    conv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out, attn_cache, conv_cache = self.streaming(x, attn_cache, conv_cache)
-            return self.head(out), attn_cache, conv_cache
-
-    attn, conv = streaming.initial_state()
-    with torch.no_grad():  # an example with a cache: its length is a dynamic axis
-        _, attn, conv = streaming(torch.randn(1, streaming.frames_per_chunk,
-                                              int(metadata["feature_dim"])), attn, conv)
-    example = (torch.randn(1, streaming.frames_per_chunk, int(metadata["feature_dim"])),
-               attn, conv)
-    export_onnx(_Step(), example, path, ["x", "attn_cache", "conv_cache"],
-                [output_name, "attn_cache_out", "conv_cache_out"],
-                {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
-                 "attn_cache_out": {2: "L_out"}}, metadata, torchscript=False)
-
-
-#: The inputs of a CUSIDE `streaming.onnx` besides the chunk, by right context.
-CUSIDE_INPUTS = {"simulated": ("simu_state",), "real": ("right", "right_valid"), "none": ()}
-
-
-def export_cuside_streaming(head: torch.nn.Module, step: CusideStep, path: PathLike,
-                            output_name: str, metadata: Mapping[str, Any]) -> None:
-    """A CUSIDE model's `streaming.onnx` (`cat.models.cuside.CusideStep`): `x` [1, stride,
-    80], `valid` int64 [1] (frames of `x` that exist), `history` [1, left, 80] and
-    `history_valid` int64 [1], then by right context (`CUSIDE_INPUTS`) `simu_state`
-    [layers, 1, H] (simulated) or `right` [1, R, 80] and `right_valid` (real) -> `head`'s
-    output of the chunk's encoder frames (`output_name`), `history_out`, and
-    `simu_state_out` (simulated)."""
-    if not step.left:
-        raise ExportError("a CUSIDE model without left context (trainer.context_size_left "
-                          "0) has no history to stream with")
-    mode = step.right_context
-    dim = int(metadata["feature_dim"])
-
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.step, self.head = step, head
-
-        def forward(self, x: torch.Tensor, valid: torch.Tensor, history: torch.Tensor,
-                    history_valid: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            state = rest[0] if mode == "simulated" else None
-            right, right_valid = rest if mode == "real" else (None, None)
-            out, history, state = self.step(x, valid, history, history_valid, state, right,
-                                            right_valid)
-            return (self.head(out), history) + ((state,) if state is not None else ())
-
-    history, state = step.initial_state()
-    extra = {"simulated": (state,), "none": (),
-             "real": (torch.randn(1, step.chunking.context_size_right, dim),
-                      torch.tensor([step.chunking.context_size_right]))}[mode]
-    example = (torch.randn(1, step.stride, dim), torch.tensor([step.stride]), history,
-               torch.tensor([0]), *extra)
-    outputs = [output_name, "history_out"] + (["simu_state_out"] if mode == "simulated" else [])
-    export_onnx(_Step(), example, path, ["x", "valid", "history", "history_valid",
-                                         *CUSIDE_INPUTS[mode]], outputs, {}, metadata,
-                torchscript=False)
 
 
 class OnnxCusideEncoder(CusideChunks):

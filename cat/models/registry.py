@@ -109,8 +109,9 @@ def check_command(command: str, kind: str, source: str) -> None:
 
 def family(kind: str, part: str) -> ModuleType:
     """The module `part` of the family of model kind `kind`: its `stream` (its
-    `ChunkSearch`) or `export` (its `export`), those of `DECODES_AS[kind]` when the kind
-    decodes as another."""
+    `ChunkSearch`) or `export` (its `export_model` and `sherpa_model_config`, the hooks
+    `cat.decoding.export` calls), those of `DECODES_AS[kind]` when the kind decodes as
+    another."""
     if part not in FAMILY_PARTS:
         raise ValueError(f"{part!r} is not a family's part; the parts are "
                          f"{', '.join(FAMILY_PARTS)}")

@@ -32,16 +32,16 @@ import torch
 from torch import nn
 
 from cat.core.io import PathLike
-from cat.decoding.export import (
-    EXPORT_NAME,
+from cat.models.chunked import SUBSAMPLING_OVERLAP, KeyValueStreamingEncoder
+from cat.models.cuside import CusideStep
+from cat.models.heads import TokenChunkSearch
+from cat.models.onnx_export import (
     STREAMING_NAME,
     TOKENS_NAME,
     ExportError,
     experiment_feature_metadata,
-    export_main,
     export_onnx,
     export_streaming,
-    load_experiment_model,
     load_export_metadata,
     onnx_session,
     sherpa_feature_config,
@@ -51,9 +51,6 @@ from cat.decoding.export import (
     write_export,
     write_tokens,
 )
-from cat.models.chunked import SUBSAMPLING_OVERLAP, KeyValueStreamingEncoder
-from cat.models.cuside import CusideStep
-from cat.models.heads import TokenChunkSearch
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -209,19 +206,16 @@ def export_lstm_layout(model: nn.Module, streaming: Any, path: Path,
                 {**metadata, **layout}, torchscript=False)
 
 
-def export(exp_dir: PathLike, out_dir: PathLike | None = None,
-           checkpoint: PathLike | None = None, chunk_size: int | None = None,
-           allow_config_change: bool | None = None) -> Path:
+def export_model(model: nn.Module, tokenizer: Any, checkpoint: Path, exp_dir: PathLike,
+                 out_dir: PathLike, chunk_size: int | None = None) -> Path:
     """Write `encoder.onnx`, `decoder.onnx`, `joiner.onnx`, `tokens.txt` and
     `export.json` of an RNN-T experiment; with `chunk_size`, also `streaming.onnx` (the
     encoder chunk by chunk, projected for the joiner, state in and out)."""
-    model, tokenizer, path = load_experiment_model(exp_dir, "rnnt", checkpoint,
-                                                   allow_config_change)
     predictor = model.transducer.predictor
     stateless = isinstance(predictor, StatelessPredictor)
     metadata: dict[str, Any] = {
         "family": "rnnt", "model_type": "transducer", "framework": "cat",
-        "vocab_size": int(model.num_classes), "blank_id": BLANK, "checkpoint": path.name,
+        "vocab_size": int(model.num_classes), "blank_id": BLANK, "checkpoint": checkpoint.name,
         "predictor": "stateless" if stateless else "lstm",
         "context_size": predictor.context_size if stateless else 1,
         "joiner_dim": int(model.transducer.joiner.enc_proj.out_features),
@@ -254,7 +248,26 @@ def export(exp_dir: PathLike, out_dir: PathLike | None = None,
         write_tokens(tokenizer, directory / TOKENS_NAME)
         return metadata
 
-    return write_export(out_dir or Path(exp_dir) / EXPORT_NAME, write)
+    return write_export(out_dir, write)
+
+
+def sherpa_model_config(export_dir: Path, meta: dict[str, Any], common: dict[str, Any]) -> Any:
+    """The family's hook for `cat.decoding.export.sherpa_recognizer`: sherpa-onnx's offline
+    `transducer` model of the export's encoder, decoder and joiner; `common` holds the
+    tokens, threads and provider. An LSTM predictor is an `ExportError`: sherpa-onnx's
+    transducer type needs a stateless one."""
+    import sherpa_onnx
+
+    if meta.get("predictor") == "lstm":
+        raise ExportError(f"{export_dir}: sherpa-onnx's transducer type needs a stateless "
+                          "predictor (decoder.type StatelessPredictor); this model's LSTM "
+                          "predictor runs in onnxruntime only (cat.rnnt.export.OnnxRnntDecoder)")
+    return sherpa_onnx.OfflineModelConfig(
+        transducer=sherpa_onnx.OfflineTransducerModelConfig(
+            encoder_filename=str(export_dir / "encoder.onnx"),
+            decoder_filename=str(export_dir / "decoder.onnx"),
+            joiner_filename=str(export_dir / "joiner.onnx")),
+        model_type="transducer", **common)
 
 
 def sherpa_online_recognizer(export_dir: PathLike, num_threads: int = 1) -> Any:
@@ -355,4 +368,6 @@ class OnnxRnntChunkSearch(TokenChunkSearch):
 
 
 if __name__ == "__main__":
+    from cat.decoding.export import export_main
+
     sys.exit(export_main("cat.rnnt.export"))

@@ -16,7 +16,7 @@ from cat.core.io import read_table
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
 from cat.decoding import online
-from cat.decoding.export import ExportError, OnnxCusideEncoder, onnx_chunk_encoder
+from cat.decoding.export import ExportError, OnnxCusideEncoder, export, onnx_chunk_encoder
 from cat.decoding.inference import main as decode_main
 from cat.decoding.online import StreamingRecognizer, streaming_encoder
 from cat.decoding.searcher import load_model
@@ -106,8 +106,7 @@ def test_the_export_streams_in_onnxruntime(cuside_experiment, tmp_path, monkeypa
     pytest.importorskip("onnxruntime")
     kind, experiment, checkpoint = cuside_experiment
     monkeypatch.chdir(experiment.root)
-    family = ctc_export if kind == "ctc" else rnnt_export
-    out = family.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=CHUNK)
+    out = export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=CHUNK)
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert (meta["streaming"], meta["chunk_size"], meta["stride"], meta["right_context"]) == (
         "cuside", CHUNK, 8, "simulated")
@@ -131,9 +130,9 @@ def test_the_export_streams_in_onnxruntime(cuside_experiment, tmp_path, monkeypa
     assert emitted >= 10
     with pytest.raises(ValueError, match="chunk size 5: this CUSIDE model was trained on "
                                          "chunks of 2 to 4"):
-        family.export("exp/tiny", tmp_path / "export5", checkpoint, chunk_size=5)
+        export("exp/tiny", tmp_path / "export5", checkpoint, chunk_size=5)
     with pytest.raises(ExportError, match=r"no streaming\.onnx"):
-        onnx_chunk_encoder(family.export("exp/tiny", tmp_path / "offline", checkpoint))
+        onnx_chunk_encoder(export("exp/tiny", tmp_path / "offline", checkpoint))
 
 
 def _factory_refuses_other_settings(out, audio: dict) -> None:
@@ -168,8 +167,7 @@ def test_sherpa_onnx_online_runs_the_cuside_export(cuside_experiment, tmp_path, 
     monkeypatch.chdir(experiment.root)
     # sherpa-onnx's transducer greedy search emits one token per frame at most.
     monkeypatch.setattr("cat.rnnt.stream.MAX_SYMBOLS_PER_FRAME", 1)
-    family = ctc_export if kind == "ctc" else rnnt_export
-    out = family.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=CHUNK)
+    out = export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=CHUNK)
     if kind == "ctc":
         with pytest.raises(ExportError, match=r"keeps 8 frames of left context in the "
                                               r"runtime's cache: num_left_chunks must be at "

@@ -15,7 +15,7 @@ import soundfile
 import torch
 
 from cat.ctc import export as ctc_export
-from cat.decoding.export import ExportError, read_metadata, sherpa_recognizer
+from cat.decoding.export import ExportError, export, export_main, read_metadata, sherpa_recognizer
 from cat.decoding.searcher import load_model
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.search import rnnt_greedy_search
@@ -25,7 +25,6 @@ from cat.testing.training import write_tiny_experiment
 pytestmark = pytest.mark.slow  # trains three tiny models (about 50 s in all)
 
 EXP = "exp/tiny"
-FAMILIES = {"ctc": ctc_export, "rnnt": rnnt_export}
 
 
 @pytest.fixture(scope="module", params=["ctc", "rnnt-stateless", "rnnt-lstm"])
@@ -75,7 +74,7 @@ def _references(kind: str, experiment, checkpoint: Path, max_symbols: int = 3):
 def test_onnxruntime_gives_pytorch_hypotheses(recipe, tmp_path):
     variant, experiment, checkpoint = recipe
     kind = variant.split("-")[0]
-    out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
+    out = export(experiment.exp_dir, tmp_path / "export", checkpoint)
     hyps, feats, _ = _references(kind, experiment, checkpoint)
     # Hypotheses that differ from each other: a wrong input would show.
     assert all(hyps.values()) and len({tuple(h) for h in hyps.values()}) >= 4, hyps
@@ -96,7 +95,7 @@ def test_torchscript_export_equals_pytorch(recipe, tmp_path):
     # than the trace's example (a batch of three).
     variant, experiment, checkpoint = recipe
     kind = variant.split("-")[0]
-    out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
+    out = export(experiment.exp_dir, tmp_path / "export", checkpoint)
     model, _ = load_model(experiment.exp_dir, checkpoint, torch.device("cpu"))
     feats = dict(kaldiio.load_scp(str(experiment.test_features / "feats.scp")))
     matrices = [torch.from_numpy(np.array(feats[key])) for key in sorted(feats)[:3]]
@@ -121,7 +120,7 @@ def test_torchscript_export_equals_pytorch(recipe, tmp_path):
 def test_sherpa_onnx_gives_pytorch_hypotheses_from_audio(recipe, tmp_path):
     variant, experiment, checkpoint = recipe
     kind = variant.split("-")[0]
-    out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
+    out = export(experiment.exp_dir, tmp_path / "export", checkpoint)
     if variant == "rnnt-lstm":
         with pytest.raises(ExportError, match="stateless predictor"):
             sherpa_recognizer(out)
@@ -146,7 +145,7 @@ def test_sherpa_onnx_gives_pytorch_hypotheses_from_audio(recipe, tmp_path):
 def test_export_command_uses_stage_4_checkpoint(recipe, capsys):
     variant, experiment, _ = recipe
     kind = variant.split("-")[0]
-    assert FAMILIES[kind].export_main(f"cat.{kind}.export", [EXP]) == 0
+    assert export_main(f"cat.{kind}.export", [EXP]) == 0
     out = experiment.exp_dir / "export"
     assert capsys.readouterr().out.strip() == str(Path(EXP) / "export")
     names = ["model.onnx"] if kind == "ctc" else ["encoder.onnx", "decoder.onnx", "joiner.onnx"]
@@ -183,7 +182,7 @@ def test_an_export_folder_is_checked_against_its_export_json(recipe, tmp_path):
     IndexError: _Map_base::at)."""
     variant, experiment, checkpoint = recipe
     kind = variant.split("-")[0]
-    out = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "export", checkpoint)
+    out = export(experiment.exp_dir, tmp_path / "export", checkpoint)
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert set(meta["files"]) == {p.name for p in out.iterdir()} - {"export.json"}
     assert meta["files"]["tokens.txt"]["bytes"] == (out / "tokens.txt").stat().st_size
@@ -193,7 +192,7 @@ def test_an_export_folder_is_checked_against_its_export_json(recipe, tmp_path):
     state["model"] = {name: value + 0.01 if value.is_floating_point() else value
                       for name, value in state["model"].items()}
     torch.save(state, tmp_path / "other.pt")
-    other = FAMILIES[kind].export(experiment.exp_dir, tmp_path / "other", tmp_path / "other.pt")
+    other = export(experiment.exp_dir, tmp_path / "other", tmp_path / "other.pt")
     name = "model.onnx" if kind == "ctc" else "encoder.onnx"
     damaged = tmp_path / "damaged"
     shutil.copytree(out, damaged)
@@ -224,11 +223,11 @@ def test_an_export_folder_is_checked_against_its_export_json(recipe, tmp_path):
 def test_export_without_checkpoint_is_an_error(kind, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     write_tiny_experiment(tmp_path, kind=kind)
-    assert FAMILIES[kind].export_main(f"cat.{kind}.export", [EXP]) == 1
+    assert export_main(f"cat.{kind}.export", [EXP]) == 1
     error = capsys.readouterr().err
     assert "cannot export exp/tiny" in error and "no checkpoint" in error
     assert not (tmp_path / EXP / "export").exists()
     other = "rnnt" if kind == "ctc" else "ctc"
     with pytest.raises(ExportError, match=f"describes a {kind} model; export it with "
                                           "cat.export"):
-        FAMILIES[other].export(EXP)
+        export(EXP, kind=other)

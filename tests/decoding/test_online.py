@@ -15,7 +15,7 @@ import torch
 
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
-from cat.decoding.export import ExportError, OnnxChunkEncoder, read_metadata
+from cat.decoding.export import ExportError, OnnxChunkEncoder, export, read_metadata
 from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
@@ -149,8 +149,7 @@ def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp
                                                            monkeypatch):
     kind, experiment, checkpoint = chunk_experiment
     monkeypatch.chdir(experiment.root)
-    family = ctc_export if kind == "ctc" else rnnt_export
-    out = family.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    out = export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert (meta["chunk_size"], meta["stride"], meta["frames_per_chunk"]) == (4, 16, 19)
     model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))
@@ -168,7 +167,7 @@ def test_onnx_streaming_gives_pytorch_streaming_hypotheses(chunk_experiment, tmp
         assert search.tokens == expected, key
     assert emitted >= 10
     with pytest.raises(ValueError, match="chunk size 9: this model was trained on chunks"):
-        family.export("exp/tiny", tmp_path / "export9", checkpoint, chunk_size=9)
+        export("exp/tiny", tmp_path / "export9", checkpoint, chunk_size=9)
 
 
 @pytest.mark.slow
@@ -181,7 +180,7 @@ def test_sherpa_onnx_online_wenet_ctc_gives_pytorch_streaming_hypotheses(chunk_e
     streaming decoder on the same audio."""
     kind, experiment, checkpoint = chunk_experiment
     monkeypatch.chdir(experiment.root)
-    out = ctc_export.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    out = export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
     meta = read_metadata(out / ctc_export.WENET_CTC_NAME)
     assert {key: meta[key] for key in ("head", "num_blocks", "subsampling_factor",
                                        "right_context")} == {
@@ -250,7 +249,7 @@ def test_a_model_of_limited_left_chunks_refuses_other_runtime_settings(tmp_path,
         {"format": "cat-checkpoint", "version": 1, "model": model.state_dict(), "epoch": 1,
          "step": 1, "meta": {"num_classes": vocab, "settings": training_settings(experiment)}},
         1, 1, dev_loss=1.0)
-    out = ctc_export.export("exp/tiny", tmp_path / "export", chunk_size=4)
+    out = export("exp/tiny", tmp_path / "export", chunk_size=4)
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert meta["wenet_ctc_runtime"] == {"chunk_size": 4, "num_left_chunks": 2,
                                          "num_left_chunks_is": "exact"}
@@ -289,7 +288,7 @@ def test_sherpa_onnx_online_transducer_gives_pytorch_streaming_hypotheses(chunk_
     monkeypatch.chdir(experiment.root)
     # sherpa-onnx's greedy search emits one token per frame at most.
     monkeypatch.setattr("cat.rnnt.stream.MAX_SYMBOLS_PER_FRAME", 1)
-    out = rnnt_export.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    out = export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
     meta = read_metadata(out / rnnt_export.LSTM_LAYOUT_NAME)
     assert (meta["model_type"], meta["T"], meta["decode_chunk_len"]) == ("lstm", "19", "16")
     model, tokenizer = load_model("exp/tiny", checkpoint, torch.device("cpu"))

@@ -1181,14 +1181,13 @@ def test_decode_a_checkpoint_that_outputs_only_blanks(trained_copy):
 
 
 def test_export_without_a_checkpoint(tmp_path, monkeypatch):
-    from cat.ctc import export as ctc_export
-    from cat.decoding.export import ExportError
+    from cat.decoding.export import ExportError, export
 
     monkeypatch.chdir(tmp_path)
     write_tiny_experiment(tmp_path, kind="ctc")
     with pytest.raises(ExportError, match=r"^cannot export exp/tiny: exp/tiny/check: no "
                                           r"checkpoint \(run stage 3 first\)$"):
-        ctc_export.export("exp/tiny")
+        export("exp/tiny")
     assert not (tmp_path / "exp/tiny/export").exists()
 
 

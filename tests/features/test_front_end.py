@@ -99,6 +99,7 @@ def test_sherpa_onnx_factory_methods_run_a_model_of_their_front_end(tmp_path, mo
     sherpa_onnx = pytest.importorskip("sherpa_onnx")
     from cat.ctc import export as ctc_export
     from cat.ctc.stream import CtcChunkSearch
+    from cat.decoding.export import export
     from cat.decoding.online import StreamingRecognizer, streaming_encoder
     from cat.decoding.searcher import load_model
     from cat.testing.audio_experiment import train_audio_experiment
@@ -110,7 +111,7 @@ def test_sherpa_onnx_factory_methods_run_a_model_of_their_front_end(tmp_path, mo
     experiment, checkpoint = train_audio_experiment(tmp_path, configure=configure,
                                                     front_end_name="sherpa-onnx")
     monkeypatch.chdir(experiment.root)
-    out = ctc_export.export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
+    out = export("exp/tiny", tmp_path / "export", checkpoint, chunk_size=4)
     meta = json.loads((out / "export.json").read_text(encoding="utf-8"))
     assert (meta["front_end"], meta["high_freq"], meta["snip_edges"],
             meta["normalize_samples"]) == ("sherpa-onnx", -400.0, 0, 0)
