@@ -1,7 +1,7 @@
 """The package plan of docs/architecture.md holds: every module of `cat/` has a floor, and
 a module imports only modules on floors below its own (or of its own package or module
 floor), counting the imports inside functions and the modules the registry loads by name
-(`cat.models.registry`: heads, streaming searches and exports) as imports of the
+(`cat.models.registry`: heads, streaming searches, exports and stage-2 hooks) as imports of the
 registry."""
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def imports_of(path: Path, root: Path = CAT) -> list[tuple[int, str, bool]]:
 
 def registry_loads() -> dict[str, list[str]]:
     """The modules `cat.models.registry` imports by name: each head's module
-    (`HEADS`, `KIND_HEADS`, `SECTION_HEADS`) and each family's parts (`FAMILIES` x
-    `FAMILY_PARTS`)."""
+    (`HEADS`, `KIND_HEADS`, `SECTION_HEADS`), each family's parts (`FAMILIES` x
+    `FAMILY_PARTS`) and the kinds' stage-2 hooks (`BEFORE_TRAINING`)."""
     from cat.models import registry
 
     loaded = {module for _, module in registry.HEADS.values()}
@@ -113,6 +113,7 @@ def registry_loads() -> dict[str, list[str]]:
                for heads in table.values() for module in heads.values()}
     loaded |= {f"{registry.FAMILIES[registry.DECODES_AS.get(kind, kind)]}.{part}"
                for kind in registry.FAMILIES for part in registry.FAMILY_PARTS}
+    loaded |= set(registry.BEFORE_TRAINING.values())
     return {"models.registry": sorted(name.removeprefix("cat.") for name in loaded)}
 
 

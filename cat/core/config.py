@@ -138,6 +138,14 @@ def check_against_schema(instance: Any, schema: dict[str, Any], source: str) -> 
     raise ConfigError("\n".join(dict.fromkeys(lines)))
 
 
+def schema_defaults(section: str) -> dict[str, Any]:
+    """{key: default} of the keys of config.json section `section` (a `$defs` entry of the
+    schema: 'trainer', 'ctc', ...) that have one: the schema is where a key's default is
+    given, so that code reading an optional key takes it from here."""
+    properties = load_config_schema()["$defs"][section]["properties"]
+    return {key: spec["default"] for key, spec in properties.items() if "default" in spec}
+
+
 def cuside_keys(role: str | None = None) -> dict[str, Any]:
     """{key: default (None without one)} of the `trainer` keys of CUSIDE, those the
     config.json schema marks `x-cuside` (`cat.models.cuside`), in schema order: of `role`

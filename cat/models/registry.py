@@ -24,7 +24,8 @@ present in `HEADS`' order decodes. A model kind (`cat.core.config.model_kind`) c
 head with another module (`KIND_HEADS`: CTC-CRF's CTC head has a graph loss), and so can a key
 of the head's section (`SECTION_HEADS`: `ctc.cr_ctc`, CR-CTC's head). `FAMILIES`
 maps a kind to the package of its streaming search and export (the verbs `python -m
-cat.stream` and `cat.export` find them with `family(kind, part)`).
+cat.stream` and `cat.export` find them with `family(kind, part)`), and `BEFORE_TRAINING` a
+kind to what stage 2 builds for it (`before_training(kind)`: CTC-CRF's denominator graph).
 
 What an encoder and a head provide is declared in `cat.models.encoder` (`Encoder`) and
 `cat.models.heads` (`Head`, `SearchHead`, `Rescorer`) and checked when a model is built.
@@ -44,7 +45,7 @@ the config are never evaluated.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType, ModuleType
 from typing import Any
 
@@ -78,6 +79,10 @@ SECTION_HEADS: Mapping[str, Mapping[str, str]] = MappingProxyType({
 #: package of their streaming search and export.
 FAMILIES: Mapping[str, str] = MappingProxyType({"ctc": "cat.ctc", "rnnt": "cat.rnnt",
                                                 "crf": "cat.crf"})
+#: Model kinds that need something built before training, to the module whose
+#: `prepare(config, train_texts, tokenizer)` stage 2 calls (`before_training`): CTC-CRF's
+#: denominator graph.
+BEFORE_TRAINING: Mapping[str, str] = MappingProxyType({"crf": "cat.crf.stage"})
 #: The modules of a family's package that `family` loads.
 FAMILY_PARTS = ("stream", "export")
 #: Kinds whose searches, streaming and export are another kind's: a CTC-CRF model has the
@@ -116,6 +121,14 @@ def family(kind: str, part: str) -> ModuleType:
         raise ValueError(f"{part!r} is not a family's part; the parts are "
                          f"{', '.join(FAMILY_PARTS)}")
     return importlib.import_module(f"{FAMILIES[DECODES_AS.get(kind, kind)]}.{part}")
+
+
+def before_training(kind: str) -> Callable[..., None] | None:
+    """The `prepare(config, train_texts, tokenizer)` hook of model kind `kind`, what stage 2
+    runs for it after the tokenizer and packs (`BEFORE_TRAINING`); None when the kind
+    needs nothing more."""
+    module = BEFORE_TRAINING.get(kind)
+    return None if module is None else importlib.import_module(module).prepare
 
 
 def build_specaug(config: dict[str, Any]) -> SpecAugment | None:

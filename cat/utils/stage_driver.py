@@ -141,7 +141,7 @@ def prepare(exp_dir: PathLike) -> None:
                      plan.data.get("filter"))
     if not options.dev_large_dataset:
         prepare_pack(plan.section("dev"), options.devset[0], tokenizer, None)
-    prepare_den_graph(plan, tokenizer)
+    prepare_model_kind(plan, tokenizer)
 
 
 def check_front_ends(plan: Plan, directories: Iterable[str]) -> None:
@@ -159,27 +159,18 @@ def check_front_ends(plan: Plan, directories: Iterable[str]) -> None:
                 raise ConfigError(str(error)) from None
 
 
-def prepare_den_graph(plan: Plan, tokenizer: PathLike) -> None:
-    """CTC-CRF (`config.json: trainer.use_crf`): the denominator graph `trainer.den_lm`
-    from the training transcripts (skipped when up to date)."""
-    from cat.core.config import load_config
-    from cat.graph.den_graph import build_for_tokenizer
+def prepare_model_kind(plan: Plan, tokenizer: PathLike) -> None:
+    """What the experiment's model kind needs before training, the hook its family gives the
+    registry (`cat.models.registry.before_training`; CTC-CRF: the denominator graph
+    `trainer.den_lm` from the training transcripts, skipped when up to date)."""
+    from cat.core.config import load_config, model_kind
+    from cat.models.registry import before_training
 
-    trainer = load_config(plan.exp_dir / CONFIG_NAME).get("trainer", {})
-    if not trainer.get("use_crf"):
-        return
-    out = Path(trainer["den_lm"])
-    texts = feature_files(plan.section("train"), ["text"])
-    order = int(trainer.get("den_lm_order", 4))
-    extra = int(trainer.get("den_lm_extra_states", 1000))
-    estimator = trainer.get("den_lm_estimator", "chain")
-    sig = signature("den_lm", order, extra, estimator, files=[*texts, Path(tokenizer)])
-    if is_done(out, sig):
-        logger.info("%s is up to date", out)
-        return
-    build_for_tokenizer(tokenizer, texts, out, order=order, extra_states=extra,
-                        estimator=estimator)
-    mark_done(out, sig)
+    path = plan.exp_dir / CONFIG_NAME
+    config = load_config(path)
+    hook = before_training(model_kind(config, str(path)))
+    if hook is not None:
+        hook(config, feature_files(plan.section("train"), ["text"]), tokenizer)
 
 
 # ----------------------------------------------------------------------------- stage 3
