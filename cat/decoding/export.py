@@ -2,9 +2,10 @@
 model and checkpoint of an experiment (`load_experiment_model`) handed to its family's
 writer (`export`: the family's `export_model`, `cat.ctc.export`, `cat.rnnt.export`), the
 sherpa-onnx recognizer of an export (its family's `sherpa_model_config`), and the chunk
-encoders of its `streaming.onnx`. What the writers share (`export.json`, `tokens.txt`,
-the files' digests, the traces) is `cat.models.onnx_export`, whose names this module
-also offers.
+encoder of its `streaming.onnx` (`onnx_chunk_encoder`: that of the streaming strategy
+`export.json` names, `cat.models.streaming`). What the writers share (`export.json`,
+`tokens.txt`, the files' digests, the traces, `streaming.onnx`) is
+`cat.models.onnx_export`, whose names this module also offers.
 
 An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family
 (`model.onnx` for CTC; `encoder.onnx`, `decoder.onnx`, `joiner.onnx` for RNN-T), their
@@ -37,7 +38,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from cat.core.config import (
@@ -51,11 +51,8 @@ from cat.core.config import (
 from cat.core.io import PathLike
 from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
-from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP
-from cat.models.cuside import CusideChunks
 from cat.models.onnx_export import (  # noqa: F401  (offered here to the runtimes and tests)
     BLANK_SYMBOL,
-    CUSIDE_INPUTS,
     EXPORT_NAME,
     FILES_KEY,
     LOW_FREQ,
@@ -66,12 +63,12 @@ from cat.models.onnx_export import (  # noqa: F401  (offered here to the runtime
     ExportError,
     check_export_files,
     experiment_feature_metadata,
-    export_cuside_streaming,
     export_onnx,
     export_streaming,
     feature_metadata,
     file_digest,
     load_export_metadata,
+    onnx_chunk_encoder,
     onnx_session,
     read_metadata,
     sherpa_feature_config,
@@ -175,85 +172,3 @@ def export_main(command: str, argv: list[str] | None = None) -> int:
         return 1
     print(out)
     return 0
-
-
-class OnnxCusideEncoder(CusideChunks):
-    """A CUSIDE export's `streaming.onnx` as the chunk encoder of
-    `cat.decoding.online.StreamingRecognizer` (`cat.models.cuside.CusideChunks` over the
-    export's step in onnxruntime), what `cat.models.cuside.CusideStreamingEncoder` is in
-    PyTorch."""
-
-    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
-        meta = load_export_metadata(export_dir)
-        self.session = onnx_session(Path(export_dir) / STREAMING_NAME, num_threads)
-        self.stride, self.left = int(meta["stride"]), int(meta["left_frames"])
-        self.right_context, self.right = meta["right_context"], int(meta["right_frames"])
-        self.frame_rate, self.dim = int(meta["subsampling_factor"]), int(meta["feature_dim"])
-        self.state_shape = (int(meta["simu_layers"]), 1, int(meta["simu_hdim"]))
-        self.reset()
-
-    def _reset_state(self) -> None:
-        """A new utterance (the session is kept)."""
-        self.history = np.zeros((1, self.left, self.dim), np.float32)
-        self.state = np.zeros(self.state_shape, np.float32)
-
-    def _step(self, chunk: torch.Tensor, valid: int, right: torch.Tensor, right_valid: int,
-              history_valid: int) -> torch.Tensor:
-        inputs = {"x": chunk.numpy(), "valid": np.array([valid]), "history": self.history,
-                  "history_valid": np.array([history_valid])}
-        if self.right_context == "simulated":
-            inputs["simu_state"] = self.state
-        elif self.right_context == "real":
-            inputs["right"], inputs["right_valid"] = right.numpy(), np.array([right_valid])
-        outputs = self.session.run(None, inputs)
-        self.history = outputs[1]
-        if self.right_context == "simulated":
-            self.state = outputs[2]
-        return torch.from_numpy(outputs[0])
-
-
-def onnx_chunk_encoder(export_dir: PathLike,
-                       num_threads: int = 1) -> OnnxChunkEncoder | OnnxCusideEncoder:
-    """The chunk encoder of an export's `streaming.onnx`: U2's caches or CUSIDE's windows."""
-    meta = load_export_metadata(export_dir)
-    if "chunk_size" not in meta:
-        raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
-    if meta.get("streaming") == "cuside":
-        return OnnxCusideEncoder(export_dir, num_threads)
-    return OnnxChunkEncoder(export_dir, num_threads)
-
-
-class OnnxChunkEncoder:
-    """`streaming.onnx` as the chunk encoder of `cat.decoding.online.StreamingRecognizer`
-    (a `ChunkEncoder`): keeps the caches between calls."""
-
-    lookahead = SUBSAMPLING_OVERLAP
-
-    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
-        export_dir = Path(export_dir)
-        meta = load_export_metadata(export_dir)
-        if "chunk_size" not in meta:
-            raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
-        self.session = onnx_session(export_dir / STREAMING_NAME, num_threads)
-        self.stride = int(meta["stride"])
-        self.shapes = ((int(meta["num_layers"]), 1, 0, int(meta["model_dim"])),
-                       (int(meta["num_layers"]), 1, int(meta["model_dim"]),
-                        int(meta["conv_cache_frames"])))
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new utterance (the session is kept)."""
-        self.attn_cache = torch.zeros(self.shapes[0]).numpy()
-        self.conv_cache = torch.zeros(self.shapes[1]).numpy()
-
-    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
-        out, self.attn_cache, self.conv_cache = self.session.run(
-            None, {"x": feats.numpy(), "attn_cache": self.attn_cache,
-                   "conv_cache": self.conv_cache})
-        return torch.from_numpy(out)
-
-    def finish(self, feats: torch.Tensor) -> torch.Tensor:
-        """The rest of the utterance: encoded when it holds the subsampling's 7 frames."""
-        if feats.size(1) < MIN_INPUT_FRAMES:
-            return torch.zeros(1, 0, 0)
-        return self(feats)

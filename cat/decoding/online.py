@@ -2,18 +2,20 @@
 partial hypotheses, and its command line (`python -m cat.stream`; CAT-style aliases
 `cat.ctc.stream`, `cat.rnnt.stream`).
 
-`StreamingRecognizer` takes a `ChunkEncoder` (`streaming_encoder(model, chunk_size)`: a
-U2 model's `cat.models.chunked.StreamingEncoder` with its caches, a CUSIDE model's
-`cat.models.cuside.CusideStreamingEncoder`; or an export's `streaming.onnx` in
-onnxruntime, `cat.decoding.export.onnx_chunk_encoder`) and a family's chunk search
+`StreamingRecognizer` takes a `ChunkEncoder` (`streaming_encoder(model, chunk_size)`: that
+of the model's streaming strategy, `AsrModel.streaming`, `cat.models.streaming`: U2's
+caches or CUSIDE's windows; or an export's `streaming.onnx` in onnxruntime,
+`cat.decoding.export.onnx_chunk_encoder`) and a family's chunk search
 (`step(encoder_out)`, `tokens`). Stage 1's fbank is computed as the audio comes: a frame's
 window only covers its own samples, so the frames are those of the whole recording however
 the audio is cut. A chunk is encoded as soon as its frames are there (its stride and the
-frames it reads beyond: the subsampling's 3 for U2, a CUSIDE model's real right context);
+frames it reads beyond, `lookahead`: the subsampling's 3 for U2, a CUSIDE model's real
+right context);
 `finish()` encodes what is left. Hypotheses equal those of decoding the whole utterance in
 the same chunks (`python -m cat.decode --chunk-size N`, `AsrModel.set_decode_chunk_size`:
-the chunk-masked forward, CUSIDE's chunked forward). `--right-context simulated | real |
-none` chooses a CUSIDE model's (default: simulated with a simulation network).
+the chunk-masked forward, CUSIDE's chunked forward). `--right-context` chooses among the
+right contexts of strategies that have them (a CUSIDE model's `simulated | real | none`;
+default: simulated with a simulation network).
 
 Latency (`decode_utterance`): the audio is taken as arriving in real time; a chunk can
 start when its last sample has arrived and the previous chunk is done. First-token
@@ -64,15 +66,10 @@ from cat.features.fbank import (
     num_frames,
     read_audio,
 )
-from cat.models.chunked import MIN_INPUT_FRAMES, SUBSAMPLING_OVERLAP, StreamingEncoder
-from cat.models.cuside import RIGHT_CONTEXTS, CusideStreamingEncoder
 from cat.models.registry import check_command, family
+from cat.models.streaming import ChunkEncoder, StreamingError, right_context_choices
 
 logger = logging.getLogger(__name__)
-
-
-class StreamingError(ValueError):
-    """Audio or options a streaming recognizer cannot take; the message says why."""
 
 
 class ChunkSearch(Protocol):
@@ -138,54 +135,12 @@ class FeatureStream:
         return frames
 
 
-class ChunkEncoder(Protocol):
-    """An encoder of chunks as they come, with its state: each call takes `stride` feature
-    frames of a chunk and the `lookahead` frames after it (the next chunk's first ones) and
-    returns the chunk's encoder output [1, T', D]; `finish` takes the rest of the
-    utterance (fewer frames) at its end."""
-
-    stride: int
-    lookahead: int
-
-    def __call__(self, feats: torch.Tensor) -> torch.Tensor: ...
-
-    def finish(self, feats: torch.Tensor) -> torch.Tensor: ...
-
-
-class CachedChunkEncoder:
-    """A `StreamingEncoder` (U2 models) with its caches, as a `ChunkEncoder`: a chunk reads
-    the subsampling's 3 frames of overlap beyond its stride; the rest is encoded when it
-    is at least the subsampling's 7 frames."""
-
-    lookahead = SUBSAMPLING_OVERLAP
-
-    def __init__(self, encoder: StreamingEncoder) -> None:
-        self.encoder, self.stride = encoder, encoder.stride
-        self.attn_cache, self.conv_cache = encoder.initial_state()
-
-    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
-        out, self.attn_cache, self.conv_cache = self.encoder(feats, self.attn_cache,
-                                                             self.conv_cache)
-        return out
-
-    def finish(self, feats: torch.Tensor) -> torch.Tensor:
-        if feats.size(1) < MIN_INPUT_FRAMES:
-            return feats.new_zeros(1, 0, self.encoder.encoder.output_dim)
-        return self(feats)
-
-
 def streaming_encoder(model: Any, chunk_size: int,
                       right_context: str | None = None) -> ChunkEncoder:
-    """The `ChunkEncoder` of `model` in chunks of `chunk_size` encoder frames: a CUSIDE
-    model's (`cat.models.cuside.CusideStreamingEncoder`, with `right_context`), else the
-    chunk-masked U2 encoder's with caches. ValueError for chunks or a right context the
-    model cannot stream with."""
-    if model.chunking is not None:
-        return CusideStreamingEncoder(model.encoder, model.chunking, chunk_size, right_context)
-    if right_context is not None:
-        raise StreamingError(f"right context {right_context!r}: only CUSIDE models "
-                             "(trainer.chunk_size) stream with a right context")
-    return CachedChunkEncoder(StreamingEncoder(model.encoder, chunk_size))
+    """The `ChunkEncoder` of `model` in chunks of `chunk_size` encoder frames, with
+    `right_context`: its streaming strategy's (`AsrModel.streaming`). ValueError for chunks
+    or a right context the model cannot stream with."""
+    return model.streaming.chunk_encoder(chunk_size, right_context)
 
 
 class StreamingRecognizer:
@@ -278,7 +233,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--wav-scp", required=True, help="Kaldi wav.scp of the audio")
     parser.add_argument("--chunk-size", type=int, required=True,
                         help="encoder output frames per chunk (within the trained range)")
-    parser.add_argument("--right-context", choices=RIGHT_CONTEXTS,
+    parser.add_argument("--right-context", choices=right_context_choices(),
                         help="CUSIDE models: each chunk's right context (default: simulated "
                              "with trainer.simu, else real, which waits for its frames)")
     parser.add_argument("--checkpoint", help="checkpoint (default: stage 4's)")
@@ -348,7 +303,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
                                          searcher(model, args.chunk_size), tokenizer, fbank)
         results[key] = decode_utterance(recognizer, samples, rate, args.piece_seconds)
     info = {"checkpoint": str(checkpoint), "chunk_size": args.chunk_size, "runtime": "pytorch"}
-    if model.chunking is not None:
+    if encoder.right_context is not None:
         info["right_context"] = encoder.right_context
     if args.tlg:
         info.update(tlg=args.tlg, lm_weight=args.lm_weight, beam=args.beam,

@@ -1,4 +1,5 @@
-"""Chunk-by-chunk inference of a chunk-trained `ConformerNet` with explicit state.
+"""U2's streaming strategy (`U2Streaming`, `cat.models.streaming`): chunk-by-chunk
+inference of a chunk-trained `ConformerNet` with explicit state.
 
 A model trained with `max_chunk_size` > 0 (and `causal_conv`) gives, on each chunk of
 `chunk_size` output frames, the same output as its full forward with self-attention
@@ -18,6 +19,11 @@ State (batch `B`, `L` cached frames, `layers` blocks, model dimension `D`, kerne
   * `conv_cache` [layers, B, D, K - 1]: each block's depthwise-convolution input of the
     last K - 1 frames (zeros at the start, as the causal convolution's padding).
 
+As a strategy: the PyTorch chunk encoder is `CachedChunkEncoder` (its chunks of several
+streams batch, `encode_batch`), the step `streaming.onnx` traces `StreamingEncoder` (`x`,
+`attn_cache`, `conv_cache` in; the head's output, `attn_cache_out`, `conv_cache_out` out),
+and onnxruntime runs it as `OnnxChunkEncoder`.
+
 Usage:
     streaming = StreamingEncoder(model.encoder, chunk_size=16)
     attn_cache, conv_cache = streaming.initial_state()
@@ -28,16 +34,26 @@ Usage:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from cat.models.encoder import ConformerNet
+from cat.core.io import PathLike
+from cat.models.encoder import MIN_INPUT_FRAMES, ConformerNet
 from cat.models.layer import ConformerBlock, RelPositionMultiHeadAttention
+from cat.models.onnx_export import (
+    STREAMING_NAME,
+    ExportError,
+    load_export_metadata,
+    onnx_session,
+)
+from cat.models.streaming import ChunkEncoderBase, OnnxGraph, StreamingError
 
 # Input frames a 4x conv subsampling needs beyond 4 per output frame.
 SUBSAMPLING_OVERLAP = 3
-MIN_INPUT_FRAMES = 7
 
 
 def _attend(attn: RelPositionMultiHeadAttention, x: torch.Tensor, keys_in: torch.Tensor,
@@ -111,8 +127,10 @@ def _conv_and_ffn_step(block: ConformerBlock, x: torch.Tensor, conv_cache: torch
 
 class StreamingEncoder(nn.Module):
     """Chunk-by-chunk `ConformerNet` (eval mode) for chunks of `chunk_size` output frames;
-    see the module docstring. Raises ValueError for a chunk size the model was not
-    trained for."""
+    see the module docstring, and U2's `StreamingStep`. Raises ValueError for a chunk
+    size the model was not trained for."""
+
+    right_context = None
 
     def __init__(self, encoder: ConformerNet, chunk_size: int) -> None:
         super().__init__()
@@ -181,6 +199,156 @@ class StreamingEncoder(nn.Module):
             attn_states.append(attn)
             conv_states.append(conv)
         return x, torch.stack(attn_states), torch.stack(conv_states)
+
+    def metadata(self) -> dict[str, Any]:
+        """What a runtime needs to cut features into chunks and size the caches."""
+        encoder = self.encoder
+        return {"streaming": U2Streaming.name, "chunk_size": self.chunk_size,
+                "stride": self.stride, "frames_per_chunk": self.frames_per_chunk,
+                "left_chunks": encoder.left_chunks, "num_layers": len(encoder.cells),
+                "model_dim": encoder.output_dim,
+                "conv_cache_frames": encoder.cells[0].conv.depthwise.kernel_size[0] - 1}
+
+    def onnx_graph(self, head: nn.Module, output_name: str, feature_dim: int) -> OnnxGraph:
+        """`streaming.onnx`: one chunk `x` [1, T, F] with `attn_cache` [layers, 1, L, D] and
+        `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
+        `attn_cache_out`, `conv_cache_out`."""
+        attn, conv = self.initial_state()
+        with torch.no_grad():  # an example with a cache: its length is a dynamic axis
+            _, attn, conv = self(torch.randn(1, self.frames_per_chunk, feature_dim), attn, conv)
+        example = (torch.randn(1, self.frames_per_chunk, feature_dim), attn, conv)
+        return OnnxGraph(_HeadStep(self, head), example, ["x", "attn_cache", "conv_cache"],
+                         [output_name, "attn_cache_out", "conv_cache_out"],
+                         {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
+                          "attn_cache_out": {2: "L_out"}})
+
+
+class _HeadStep(nn.Module):
+    """`StreamingEncoder` with a head on its output: what `streaming.onnx` traces."""
+
+    def __init__(self, streaming: StreamingEncoder, head: nn.Module) -> None:
+        super().__init__()
+        self.streaming, self.head = streaming, head
+
+    def forward(self, x: torch.Tensor, attn_cache: torch.Tensor,
+                conv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, attn_cache, conv_cache = self.streaming(x, attn_cache, conv_cache)
+        return self.head(out), attn_cache, conv_cache
+
+
+class CachedChunkEncoder(ChunkEncoderBase):
+    """A `StreamingEncoder` with its caches, as a `cat.models.streaming.ChunkEncoder`: a
+    chunk reads the subsampling's 3 frames of overlap beyond its stride; the rest is
+    encoded when it is at least the subsampling's 7 frames."""
+
+    lookahead = SUBSAMPLING_OVERLAP
+
+    def __init__(self, encoder: StreamingEncoder) -> None:
+        self.encoder, self.stride = encoder, encoder.stride
+        self.attn_cache, self.conv_cache = encoder.initial_state()
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        out, self.attn_cache, self.conv_cache = self.encoder(feats, self.attn_cache,
+                                                             self.conv_cache)
+        return out
+
+    def finish(self, feats: torch.Tensor) -> torch.Tensor:
+        if feats.size(1) < MIN_INPUT_FRAMES:
+            return feats.new_zeros(1, 0, self.encoder.encoder.output_dim)
+        return self(feats)
+
+    @classmethod
+    def encode_batch(cls, encoders: Sequence[CachedChunkEncoder], feats: torch.Tensor
+                     ) -> list[torch.Tensor]:
+        """One encoder call for the chunks `feats` [B, T, F] of `encoders` (of one model and
+        chunk size): their attention caches right-aligned in one padded tensor, masked
+        (`StreamingEncoder`'s `cache_valid`), so each output is the encoder's own."""
+        if len(encoders) < 2:
+            return super().encode_batch(encoders, feats)
+        streaming = encoders[0].encoder
+        caches = [encoder.attn_cache for encoder in encoders]
+        lengths = [cache.size(2) for cache in caches]
+        longest = max(lengths)
+        first = caches[0]
+        attn = first.new_zeros(first.size(0), len(encoders), longest, first.size(3))
+        valid = torch.zeros(len(encoders), longest, dtype=torch.bool)
+        for index, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
+            attn[:, index, longest - length:] = cache[:, 0]
+            valid[index, longest - length:] = True
+        conv = torch.cat([encoder.conv_cache for encoder in encoders], dim=1)
+        out, attn, conv = streaming(feats, attn, conv,
+                                    None if min(lengths) == longest else valid)
+        chunk, keep = out.size(1), streaming.keep
+        for index, (encoder, length) in enumerate(zip(encoders, lengths, strict=True)):
+            kept = length + chunk if keep < 0 else min(keep, length + chunk)
+            encoder.attn_cache = attn[:, index:index + 1, attn.size(2) - kept:]
+            encoder.conv_cache = conv[:, index:index + 1]
+        return list(out)
+
+
+class OnnxChunkEncoder(ChunkEncoderBase):
+    """A U2 export's `streaming.onnx` in onnxruntime as a `ChunkEncoder` (what
+    `CachedChunkEncoder` is in PyTorch): keeps the caches between calls."""
+
+    lookahead = SUBSAMPLING_OVERLAP
+
+    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
+        export_dir = Path(export_dir)
+        meta = load_export_metadata(export_dir)
+        if "chunk_size" not in meta:
+            raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
+        self.session = onnx_session(export_dir / STREAMING_NAME, num_threads)
+        self.stride = int(meta["stride"])
+        self.shapes = ((int(meta["num_layers"]), 1, 0, int(meta["model_dim"])),
+                       (int(meta["num_layers"]), 1, int(meta["model_dim"]),
+                        int(meta["conv_cache_frames"])))
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new utterance (the session is kept)."""
+        self.attn_cache = torch.zeros(self.shapes[0]).numpy()
+        self.conv_cache = torch.zeros(self.shapes[1]).numpy()
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        out, self.attn_cache, self.conv_cache = self.session.run(
+            None, {"x": feats.numpy(), "attn_cache": self.attn_cache,
+                   "conv_cache": self.conv_cache})
+        return torch.from_numpy(out)
+
+    def finish(self, feats: torch.Tensor) -> torch.Tensor:
+        """The rest of the utterance: encoded when it holds the subsampling's 7 frames."""
+        if feats.size(1) < MIN_INPUT_FRAMES:
+            return torch.zeros(1, 0, 0)
+        return self(feats)
+
+
+class U2Streaming:
+    """U2's streaming strategy (`cat.models.streaming.StreamingStrategy`): the encoder's
+    chunk-masked forward run chunk by chunk from caches; no right context."""
+
+    name = "u2"
+    right_contexts: tuple[str, ...] = ()
+
+    def __init__(self, encoder: ConformerNet) -> None:
+        self.encoder = encoder
+
+    def chunk_encoder(self, chunk_size: int, right_context: str | None = None
+                      ) -> CachedChunkEncoder:
+        if right_context is not None:
+            raise StreamingError(f"right context {right_context!r}: {_NO_RIGHT_CONTEXT}")
+        return CachedChunkEncoder(StreamingEncoder(self.encoder, chunk_size))
+
+    def step(self, chunk_size: int, right_context: str | None = None) -> StreamingEncoder:
+        if right_context is not None:
+            raise ExportError(f"right context {right_context!r}: {_NO_RIGHT_CONTEXT}")
+        return StreamingEncoder(self.encoder, chunk_size)
+
+    @staticmethod
+    def onnx_chunk_encoder(export_dir: PathLike, num_threads: int = 1) -> OnnxChunkEncoder:
+        return OnnxChunkEncoder(export_dir, num_threads)
+
+
+_NO_RIGHT_CONTEXT = "only CUSIDE models (trainer.chunk_size) stream with a right context"
 
 
 class KeyValueStreamingEncoder(nn.Module):

@@ -34,6 +34,11 @@ Chunk sizes on the command line (`--chunk-size`) are encoder output frames, as f
 models; the config's are CAT's, feature frames (`chunk_size` 40 at 4x subsampling is
 10 encoder frames).
 
+As the encoder's streaming strategy (`CusideStreaming`, `cat.models.streaming`): the
+PyTorch chunk encoder is `CusideStreamingEncoder`, the step `streaming.onnx` traces
+`CusideStep` (its inputs by right context `CUSIDE_INPUTS`), and onnxruntime runs it as
+`OnnxCusideEncoder`; both chunk encoders are `CusideChunks` over their step.
+
 Usage:
     chunking = ContextChunking(80, frame_rate=8, chunk_size=96, context_size_left=64,
                                context_size_right=32, jitter_range=4, simu=True)
@@ -46,14 +51,26 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from cat.core.config import cuside_keys
+from cat.core.io import PathLike
+from cat.models.onnx_export import (
+    STREAMING_NAME,
+    ExportError,
+    load_export_metadata,
+    onnx_session,
+)
+from cat.models.streaming import ChunkEncoderBase, OnnxGraph
 
 RIGHT_CONTEXTS = ("simulated", "real", "none")
+#: The inputs of a CUSIDE `streaming.onnx` besides the chunk, by right context.
+CUSIDE_INPUTS = {"simulated": ("simu_state",), "real": ("right", "right_valid"), "none": ()}
 
 
 class SimulationNet(nn.Module):
@@ -424,11 +441,61 @@ class CusideStep(nn.Module):
         next_history = torch.cat([history, x], dim=1)[:, x.size(1):]
         return out[:, start:start + self.chunk_size], next_history, state
 
+    def metadata(self) -> dict[str, Any]:
+        """What a runtime needs to cut features into chunks and size the state."""
+        chunking = self.chunking
+        simulation = chunking.simulation
+        return {"streaming": CusideStreaming.name, "chunk_size": self.chunk_size,
+                "stride": self.stride, "right_context": self.right_context,
+                "left_frames": self.left, "right_frames": chunking.context_size_right,
+                "simu_layers": len(simulation.rnns) if simulation is not None else 0,
+                "simu_hdim": simulation.hidden if simulation is not None else 0}
 
-class CusideChunks:
+    def onnx_graph(self, head: nn.Module, output_name: str, feature_dim: int) -> OnnxGraph:
+        """`streaming.onnx`: `x` [1, stride, F], `valid` int64 [1] (frames of `x` that
+        exist), `history` [1, left, F] and `history_valid` int64 [1], then by right context
+        (`CUSIDE_INPUTS`) `simu_state` [layers, 1, H] (simulated) or `right` [1, R, F] and
+        `right_valid` (real) -> `head`'s output of the chunk's encoder frames
+        (`output_name`), `history_out`, and `simu_state_out` (simulated)."""
+        if not self.left:
+            raise ExportError("a CUSIDE model without left context (trainer.context_size_left "
+                              "0) has no history to stream with")
+        mode = self.right_context
+        history, state = self.initial_state()
+        right = self.chunking.context_size_right
+        extra = {"simulated": (state,), "none": (),
+                 "real": (torch.randn(1, right, feature_dim), torch.tensor([right]))}[mode]
+        example = (torch.randn(1, self.stride, feature_dim), torch.tensor([self.stride]),
+                   history, torch.tensor([0]), *extra)
+        outputs = [output_name, "history_out"] + (["simu_state_out"] if mode == "simulated"
+                                                  else [])
+        return OnnxGraph(_HeadStep(self, head), example,
+                         ["x", "valid", "history", "history_valid", *CUSIDE_INPUTS[mode]],
+                         outputs, {})
+
+
+class _HeadStep(nn.Module):
+    """`CusideStep` with a head on its output, inputs by right context: what
+    `streaming.onnx` traces."""
+
+    def __init__(self, step: CusideStep, head: nn.Module) -> None:
+        super().__init__()
+        self.step, self.head = step, head
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor, history: torch.Tensor,
+                history_valid: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mode = self.step.right_context
+        state = rest[0] if mode == "simulated" else None
+        right, right_valid = rest if mode == "real" else (None, None)
+        out, history, state = self.step(x, valid, history, history_valid, state, right,
+                                        right_valid)
+        return (self.head(out), history) + ((state,) if state is not None else ())
+
+
+class CusideChunks(ChunkEncoderBase):
     """What runs a CUSIDE step chunk by chunk as audio comes, a
-    `cat.decoding.online.ChunkEncoder`, whatever runs the step (`CusideStreamingEncoder`:
-    PyTorch; `cat.decoding.export.OnnxCusideEncoder`: the export in onnxruntime): each
+    `cat.models.streaming.ChunkEncoder`, whatever runs the step (`CusideStreamingEncoder`:
+    PyTorch; `OnnxCusideEncoder`: the export in onnxruntime): each
     call takes one chunk of `stride` feature frames followed by `lookahead` more (the real
     right context; none when simulated), hands the step the chunk and that context padded
     to full size with how many of their frames exist, keeps how many left-context frames
@@ -510,3 +577,59 @@ class CusideStreamingEncoder(CusideChunks):
             chunk, torch.tensor([valid]), self.history, torch.tensor([history_valid]),
             self.state, right, torch.tensor([right_valid]))
         return out
+
+
+class OnnxCusideEncoder(CusideChunks):
+    """A CUSIDE export's `streaming.onnx` in onnxruntime as a chunk encoder (`CusideChunks`
+    over the export's step), what `CusideStreamingEncoder` is in PyTorch."""
+
+    def __init__(self, export_dir: PathLike, num_threads: int = 1) -> None:
+        meta = load_export_metadata(export_dir)
+        self.session = onnx_session(Path(export_dir) / STREAMING_NAME, num_threads)
+        self.stride, self.left = int(meta["stride"]), int(meta["left_frames"])
+        self.right_context, self.right = meta["right_context"], int(meta["right_frames"])
+        self.frame_rate, self.dim = int(meta["subsampling_factor"]), int(meta["feature_dim"])
+        self.state_shape = (int(meta["simu_layers"]), 1, int(meta["simu_hdim"]))
+        self.reset()
+
+    def _reset_state(self) -> None:
+        """A new utterance (the session is kept)."""
+        self.history = np.zeros((1, self.left, self.dim), np.float32)
+        self.state = np.zeros(self.state_shape, np.float32)
+
+    def _step(self, chunk: torch.Tensor, valid: int, right: torch.Tensor, right_valid: int,
+              history_valid: int) -> torch.Tensor:
+        inputs = {"x": chunk.numpy(), "valid": np.array([valid]), "history": self.history,
+                  "history_valid": np.array([history_valid])}
+        if self.right_context == "simulated":
+            inputs["simu_state"] = self.state
+        elif self.right_context == "real":
+            inputs["right"], inputs["right_valid"] = right.numpy(), np.array([right_valid])
+        outputs = self.session.run(None, inputs)
+        self.history = outputs[1]
+        if self.right_context == "simulated":
+            self.state = outputs[2]
+        return torch.from_numpy(outputs[0])
+
+
+class CusideStreaming:
+    """CUSIDE's streaming strategy (`cat.models.streaming.StreamingStrategy`): the model's
+    chunks encoded in windows of context (`ContextChunking`), with a right context of
+    `RIGHT_CONTEXTS` (None: the model's default)."""
+
+    name = "cuside"
+    right_contexts = RIGHT_CONTEXTS
+
+    def __init__(self, encoder: nn.Module, chunking: ContextChunking) -> None:
+        self.encoder, self.chunking = encoder, chunking
+
+    def chunk_encoder(self, chunk_size: int, right_context: str | None = None
+                      ) -> CusideStreamingEncoder:
+        return CusideStreamingEncoder(self.encoder, self.chunking, chunk_size, right_context)
+
+    def step(self, chunk_size: int, right_context: str | None = None) -> CusideStep:
+        return CusideStep(self.encoder, self.chunking, chunk_size, right_context)
+
+    @staticmethod
+    def onnx_chunk_encoder(export_dir: PathLike, num_threads: int = 1) -> OnnxCusideEncoder:
+        return OnnxCusideEncoder(export_dir, num_threads)

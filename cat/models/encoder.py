@@ -24,6 +24,8 @@ from cat.models.layer import (
 )
 
 SUBSAMPLINGS = ("conv2d", "conv2d_padded", "vgg2l")
+#: The fewest input frames the 4x subsampling gives an output frame for.
+MIN_INPUT_FRAMES = 7
 
 
 def build_subsampling(kind: str, idim: int, hdim: int,

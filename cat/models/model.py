@@ -46,6 +46,9 @@ What the trainer and decoding use:
   * `encode(feats, feat_lens)`: the encoder output the searches read, full context or in
     the chunks `set_decode_chunk_size(chunk_size, right_context)` asks for (U2's chunk
     mask; CUSIDE's windows with a right context).
+  * `streaming`: the encoder's streaming strategy (`cat.models.streaming`: U2's caches or
+    CUSIDE's windows, as the config trained it), whose chunk encoder decoding and serving
+    stream with and whose step `streaming.onnx` traces.
   * `log_probs(feats, feat_lens) -> (log-probabilities [B, T', V] float32, lengths [B])`
     when the first head gives frame posteriors (`frame_posteriors`: CTC and CTC-CRF),
     what WFST decoding, streaming CTC search and the CTC export read.
@@ -75,7 +78,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cat.models.cuside import ContextChunking
+from cat.models.chunked import U2Streaming
+from cat.models.cuside import ContextChunking, CusideStreaming
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     FramePosteriors,
@@ -91,6 +95,7 @@ from cat.models.heads import (
 )
 from cat.models.specaug import SpecAugment
 from cat.models.stats import Stats
+from cat.models.streaming import StreamingStrategy
 
 #: Key prefixes of checkpoints written before the model had heads, and where they are now.
 OLD_KEY_PREFIXES: Mapping[str, str] = {
@@ -302,6 +307,17 @@ class AsrModel(nn.Module):
             raise ValueError(f"right context {right_context!r}: only CUSIDE models "
                              "(trainer.chunk_size) decode chunks with a right context")
         self.encoder.set_decode_chunk_size(chunk_size)
+
+    @property
+    def streaming(self) -> StreamingStrategy:
+        """How the encoder streams (`cat.models.streaming`), as the config trained it:
+        CUSIDE's windows of context with `chunking` (`trainer.chunk_size`), else U2's
+        chunk-masked encoder with caches (`encoder.kwargs.max_chunk_size`). Its
+        `chunk_encoder`, `step` and right contexts are what decoding, serving and export
+        stream with."""
+        if self.chunking is not None:
+            return CusideStreaming(self.encoder, self.chunking)
+        return U2Streaming(self.encoder)
 
     @property
     def decode_methods(self) -> tuple[str, ...]:

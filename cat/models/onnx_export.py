@@ -1,8 +1,10 @@
 """What the families' ONNX export writers share (`cat.ctc.export`, `cat.rnnt.export`): the
 metadata a runtime needs, `tokens.txt`, tracing a module into ONNX with metadata, writing
 a directory of models atomically with the size and sha256 of every file (`export.json`),
-reading an export back with its files checked, the streaming step `streaming.onnx`
-traces, and the pieces of sherpa-onnx and onnxruntime every runtime of an export uses.
+reading an export back with its files checked, `streaming.onnx` (the step of the model's
+streaming strategy, `cat.models.streaming`, traced; run back by that strategy's chunk
+encoder, `onnx_chunk_encoder`), and the pieces of sherpa-onnx and onnxruntime every
+runtime of an export uses.
 
 An export directory (`exp/<name>/export/` by default) holds the ONNX models of a family,
 their TorchScript traces (`model.pt`, ...; not for `streaming.onnx`), a `tokens.txt`
@@ -34,9 +36,8 @@ import torch
 from cat.core.config import HYPER_NAME, load_hyper
 from cat.core.io import PathLike
 from cat.features.fbank import FbankOptions, experiment_front_end, front_end_name
-from cat.models.chunked import StreamingEncoder
-from cat.models.cuside import CusideStep
 from cat.models.encoder import Encoder
+from cat.models.streaming import ChunkEncoder, StreamingStep, export_strategy
 
 EXPORT_NAME = "export"
 TOKENS_NAME = "tokens.txt"
@@ -248,104 +249,35 @@ STREAMING_NAME = "streaming.onnx"
 
 
 def streaming_step(model: torch.nn.Module, chunk_size: int,
-                   right_context: str | None = None) -> StreamingEncoder | CusideStep:
-    """What `streaming.onnx` traces for chunks of `chunk_size` encoder frames: a CUSIDE
-    model's `CusideStep` (with `right_context`), else the U2 model's `StreamingEncoder`."""
-    if model.chunking is not None:
-        return CusideStep(model.encoder, model.chunking, chunk_size, right_context)
-    if right_context is not None:
-        raise ExportError(f"right context {right_context!r}: only CUSIDE models "
-                          "(trainer.chunk_size) stream with a right context")
-    return StreamingEncoder(model.encoder, chunk_size)
+                   right_context: str | None = None) -> StreamingStep:
+    """What `streaming.onnx` traces for chunks of `chunk_size` encoder frames: the step of
+    the model's streaming strategy (`AsrModel.streaming`), with `right_context`."""
+    return model.streaming.step(chunk_size, right_context)
 
 
-def streaming_metadata(streaming: StreamingEncoder | CusideStep) -> dict[str, Any]:
-    """What a runtime needs to cut features into chunks for `streaming.onnx`."""
-    if isinstance(streaming, CusideStep):
-        chunking = streaming.chunking
-        simulation = chunking.simulation
-        return {"streaming": "cuside", "chunk_size": streaming.chunk_size,
-                "stride": streaming.stride, "right_context": streaming.right_context,
-                "left_frames": streaming.left, "right_frames": chunking.context_size_right,
-                "simu_layers": len(simulation.rnns) if simulation is not None else 0,
-                "simu_hdim": simulation.hidden if simulation is not None else 0}
-    return {"streaming": "u2", "chunk_size": streaming.chunk_size, "stride": streaming.stride,
-            "frames_per_chunk": streaming.frames_per_chunk,
-            "left_chunks": streaming.encoder.left_chunks,
-            "num_layers": len(streaming.encoder.cells), "model_dim": streaming.encoder.output_dim,
-            "conv_cache_frames": streaming.encoder.cells[0].conv.depthwise.kernel_size[0] - 1}
+def streaming_metadata(step: StreamingStep) -> dict[str, Any]:
+    """What a runtime needs to cut features into chunks for `streaming.onnx` (the step's
+    `metadata`, its strategy's name under `streaming` first)."""
+    return step.metadata()
 
 
-def export_streaming(head: torch.nn.Module, streaming: StreamingEncoder | CusideStep,
-                     path: PathLike, output_name: str, metadata: Mapping[str, Any]) -> None:
-    """`streaming.onnx`: one chunk `x` [1, T, 80] with `attn_cache` [layers, 1, L, D] and
-    `conv_cache` [layers, 1, D, K-1] in -> `head`'s output of the chunk (`output_name`),
-    `attn_cache_out`, `conv_cache_out` (see `cat.models.chunked`); for a CUSIDE model
-    `export_cuside_streaming`'s graph."""
-    if isinstance(streaming, CusideStep):
-        export_cuside_streaming(head, streaming, path, output_name, metadata)
-        return
-
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.streaming, self.head = streaming, head
-
-        def forward(self, x: torch.Tensor, attn_cache: torch.Tensor,
-                    conv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out, attn_cache, conv_cache = self.streaming(x, attn_cache, conv_cache)
-            return self.head(out), attn_cache, conv_cache
-
-    attn, conv = streaming.initial_state()
-    with torch.no_grad():  # an example with a cache: its length is a dynamic axis
-        _, attn, conv = streaming(torch.randn(1, streaming.frames_per_chunk,
-                                              int(metadata["feature_dim"])), attn, conv)
-    example = (torch.randn(1, streaming.frames_per_chunk, int(metadata["feature_dim"])),
-               attn, conv)
-    export_onnx(_Step(), example, path, ["x", "attn_cache", "conv_cache"],
-                [output_name, "attn_cache_out", "conv_cache_out"],
-                {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
-                 "attn_cache_out": {2: "L_out"}}, metadata, torchscript=False)
+def export_streaming(head: torch.nn.Module, step: StreamingStep, path: PathLike,
+                     output_name: str, metadata: Mapping[str, Any]) -> None:
+    """`streaming.onnx`: the step with `head` on its output (`output_name`), its inputs,
+    outputs and example as its strategy gives them (`StreamingStep.onnx_graph`)."""
+    graph = step.onnx_graph(head, output_name, int(metadata["feature_dim"]))
+    export_onnx(graph.module, graph.example, path, graph.input_names, graph.output_names,
+                graph.dynamic_axes, metadata, torchscript=False)
 
 
-#: The inputs of a CUSIDE `streaming.onnx` besides the chunk, by right context.
-CUSIDE_INPUTS = {"simulated": ("simu_state",), "real": ("right", "right_valid"), "none": ()}
-
-
-def export_cuside_streaming(head: torch.nn.Module, step: CusideStep, path: PathLike,
-                            output_name: str, metadata: Mapping[str, Any]) -> None:
-    """A CUSIDE model's `streaming.onnx` (`cat.models.cuside.CusideStep`): `x` [1, stride,
-    80], `valid` int64 [1] (frames of `x` that exist), `history` [1, left, 80] and
-    `history_valid` int64 [1], then by right context (`CUSIDE_INPUTS`) `simu_state`
-    [layers, 1, H] (simulated) or `right` [1, R, 80] and `right_valid` (real) -> `head`'s
-    output of the chunk's encoder frames (`output_name`), `history_out`, and
-    `simu_state_out` (simulated)."""
-    if not step.left:
-        raise ExportError("a CUSIDE model without left context (trainer.context_size_left "
-                          "0) has no history to stream with")
-    mode = step.right_context
-    dim = int(metadata["feature_dim"])
-
-    class _Step(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.step, self.head = step, head
-
-        def forward(self, x: torch.Tensor, valid: torch.Tensor, history: torch.Tensor,
-                    history_valid: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            state = rest[0] if mode == "simulated" else None
-            right, right_valid = rest if mode == "real" else (None, None)
-            out, history, state = self.step(x, valid, history, history_valid, state, right,
-                                            right_valid)
-            return (self.head(out), history) + ((state,) if state is not None else ())
-
-    history, state = step.initial_state()
-    extra = {"simulated": (state,), "none": (),
-             "real": (torch.randn(1, step.chunking.context_size_right, dim),
-                      torch.tensor([step.chunking.context_size_right]))}[mode]
-    example = (torch.randn(1, step.stride, dim), torch.tensor([step.stride]), history,
-               torch.tensor([0]), *extra)
-    outputs = [output_name, "history_out"] + (["simu_state_out"] if mode == "simulated" else [])
-    export_onnx(_Step(), example, path, ["x", "valid", "history", "history_valid",
-                                         *CUSIDE_INPUTS[mode]], outputs, {}, metadata,
-                torchscript=False)
+def onnx_chunk_encoder(export_dir: PathLike, num_threads: int = 1) -> ChunkEncoder:
+    """The chunk encoder of an export's `streaming.onnx` in onnxruntime, that of the
+    strategy `export.json` names (`cat.models.streaming.export_strategy`)."""
+    meta = load_export_metadata(export_dir)
+    if "chunk_size" not in meta:
+        raise ExportError(f"{export_dir}: no {STREAMING_NAME} (export with --chunk-size)")
+    try:
+        strategy = export_strategy(meta)
+    except ValueError as error:
+        raise ExportError(f"{Path(export_dir) / METADATA_NAME}: {error}; export again") from None
+    return strategy.onnx_chunk_encoder(export_dir, num_threads)

@@ -20,7 +20,7 @@ import numpy as np
 from cat.decoding.searcher import NO_LABEL, Searcher
 from cat.features.fbank import FbankOptions, compute_fbank
 from cat.loading.batch import Utterance
-from cat.models.chunked import MIN_INPUT_FRAMES
+from cat.models.encoder import MIN_INPUT_FRAMES
 from cat.serving.engine import offset_tokens
 from cat.serving.protocol import Result, Start
 from cat.serving.streaming import hotword_graph

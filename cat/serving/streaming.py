@@ -3,11 +3,11 @@ decoding (`cat.decoding.online`: stage 1's fbank as the audio comes, `FeatureStr
 model's `ChunkEncoder`, `streaming_encoder`; the family's chunk search) for many streams,
 with endpoints and token times.
 
-Batching: a U2 model's chunks (`cat.models.chunked.StreamingEncoder`, which
-`CachedChunkEncoder` wraps) of all ready streams go through one encoder call per step,
-their attention caches padded to the longest and masked (`cache_valid`), so each stream's
-output is its own: a stream alone gives `python -m cat.stream`'s hypothesis. A CUSIDE
-model's windows are encoded a stream at a time.
+Batching: the chunks of all ready streams go to their chunk encoder's `encode_batch`
+(`cat.models.streaming.ChunkEncoder`), each stream's output its own, so a stream alone
+gives `python -m cat.stream`'s hypothesis: U2's chunks go through one encoder call per
+step, their attention caches padded to the longest and masked; CUSIDE's windows are
+encoded a stream at a time.
 
 Endpoints (`cat.serving.endpoint`): after each chunk the hypothesis is aligned to the
 utterance's encoder frames (the first head's `token_frames`, as `--format json` times
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from cat.decoding.context_graph import ContextGraph, parse_hotword_line
-from cat.decoding.online import CachedChunkEncoder, ChunkSearch, FeatureStream, streaming_encoder
+from cat.decoding.online import ChunkSearch, FeatureStream, streaming_encoder
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_times
 from cat.features.fbank import FbankOptions
 from cat.models.ctc_search import ctc_prefix_beam_search
@@ -122,8 +122,7 @@ class StreamingEngine:
         self.fbank, self.rules = fbank, rules
         self.max_batch, self.beam_size = max_batch, beam_size
         self.stride, self.lookahead = probe.stride, probe.lookahead
-        # U2's chunks batch; the module is shared by every stream's CachedChunkEncoder.
-        self.batched = probe.encoder if isinstance(probe, CachedChunkEncoder) else None
+        self.encode_batch = type(probe).encode_batch
         self.sample_rate = fbank.sample_rate
         self.frame_seconds = fbank.frame_shift_ms / 1000
         self.chunk_seconds = self.stride * self.frame_seconds
@@ -164,8 +163,9 @@ class StreamingEngine:
         size = self.stride + self.lookahead
         chunks = [torch.from_numpy(state.pending[:size]) for state in states]
         with torch.inference_mode():
-            if self.batched is not None and len(states) > 1:
-                outputs = self._batched_chunks(states, torch.stack(chunks))
+            if len(states) > 1:
+                outputs = self.encode_batch([state.encoder for state in states],
+                                            torch.stack(chunks))
             else:
                 outputs = [state.encoder(chunk[None])[0] for state, chunk in
                            zip(states, chunks, strict=True)]
@@ -175,29 +175,6 @@ class StreamingEngine:
                 state.consumed += self.stride
                 results.append(self._advance(state, out))
         return results
-
-    def _batched_chunks(self, states: Sequence[StreamState], feats: torch.Tensor
-                        ) -> list[torch.Tensor]:
-        """One U2 encoder call for the chunks `feats` [B, T, F] of `states`: the attention
-        caches right-aligned in one padded tensor, masked."""
-        caches = [state.encoder.attn_cache for state in states]
-        lengths = [cache.size(2) for cache in caches]
-        longest = max(lengths)
-        first = caches[0]
-        attn = first.new_zeros(first.size(0), len(states), longest, first.size(3))
-        valid = torch.zeros(len(states), longest, dtype=torch.bool)
-        for index, (cache, length) in enumerate(zip(caches, lengths, strict=True)):
-            attn[:, index, longest - length:] = cache[:, 0]
-            valid[index, longest - length:] = True
-        conv = torch.cat([state.encoder.conv_cache for state in states], dim=1)
-        out, attn, conv = self.batched(feats, attn, conv,
-                                       None if min(lengths) == longest else valid)
-        chunk, keep = out.size(1), self.batched.keep
-        for index, (state, length) in enumerate(zip(states, lengths, strict=True)):
-            kept = length + chunk if keep < 0 else min(keep, length + chunk)
-            state.encoder.attn_cache = attn[:, index:index + 1, attn.size(2) - kept:]
-            state.encoder.conv_cache = conv[:, index:index + 1]
-        return list(out)
 
     def _advance(self, state: StreamState, out: torch.Tensor) -> list[Result]:
         """Search a chunk's encoder output; the partial result, or the final one at an

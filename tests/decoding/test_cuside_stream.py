@@ -16,11 +16,12 @@ from cat.core.io import read_table
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
 from cat.decoding import online
-from cat.decoding.export import ExportError, OnnxCusideEncoder, export, onnx_chunk_encoder
+from cat.decoding.export import ExportError, export, onnx_chunk_encoder
 from cat.decoding.inference import main as decode_main
 from cat.decoding.online import StreamingRecognizer, streaming_encoder
 from cat.decoding.searcher import load_model
 from cat.features.fbank import compute_fbank
+from cat.models.cuside import OnnxCusideEncoder
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.stream import RnntChunkSearch
 from cat.testing.audio_experiment import train_audio_experiment

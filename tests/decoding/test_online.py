@@ -15,7 +15,7 @@ import torch
 
 from cat.ctc import export as ctc_export
 from cat.ctc.stream import CtcChunkSearch
-from cat.decoding.export import ExportError, OnnxChunkEncoder, export, read_metadata
+from cat.decoding.export import ExportError, export, read_metadata
 from cat.decoding.online import (
     StreamingError,
     StreamingRecognizer,
@@ -24,6 +24,7 @@ from cat.decoding.online import (
 )
 from cat.decoding.searcher import load_model
 from cat.features.fbank import compute_fbank
+from cat.models.chunked import OnnxChunkEncoder
 from cat.models.registry import build_model
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.search import rnnt_greedy_search

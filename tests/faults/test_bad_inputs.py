@@ -1212,8 +1212,8 @@ def test_stream_with_an_untrained_chunk_size():
 
 def test_stream_audio_at_another_sample_rate():
     from cat.ctc.stream import CtcChunkSearch
-    from cat.decoding.online import CachedChunkEncoder, StreamingError, StreamingRecognizer
-    from cat.models.chunked import StreamingEncoder
+    from cat.decoding.online import StreamingError, StreamingRecognizer
+    from cat.models.chunked import CachedChunkEncoder, StreamingEncoder
 
     encoder = CachedChunkEncoder(StreamingEncoder(_streaming_encoder(8), 4))
     model = _streaming_encoder(8)  # any module with a head will do: nothing is encoded

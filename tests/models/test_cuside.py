@@ -16,7 +16,7 @@ from cat.core.config import ConfigError, cuside_keys, load_config_schema, model_
 from cat.decoding.export import (
     METADATA_NAME,
     STREAMING_NAME,
-    export_cuside_streaming,
+    export_streaming,
     feature_metadata,
     onnx_chunk_encoder,
     streaming_metadata,
@@ -332,7 +332,7 @@ def test_the_onnx_step_gives_pytorch_streaming_outputs(right_context, tmp_path):
     step = CusideStep(model.encoder, model.chunking, 3, right_context)
     metadata = {**feature_metadata(model.encoder), **streaming_metadata(step)}
     metadata["feature_dim"] = FEATS
-    export_cuside_streaming(model.ctc, step, tmp_path / STREAMING_NAME, "log_probs", metadata)
+    export_streaming(model.ctc, step, tmp_path / STREAMING_NAME, "log_probs", metadata)
     (tmp_path / METADATA_NAME).write_text(json.dumps(metadata), encoding="utf-8")
     onnx = onnx_chunk_encoder(tmp_path)
     feats = _batch((131,))[0]

@@ -17,6 +17,7 @@ from cat.decoding.export import export_main
 from cat.decoding.inference import main as decode_main
 from cat.decoding.searcher import load_model
 from cat.features.fbank import FbankOptions
+from cat.models.chunked import CachedChunkEncoder
 from cat.serving.endpoint import EndpointRules
 from cat.serving.protocol import Start
 from cat.serving.streaming import StreamingEngine
@@ -77,7 +78,8 @@ def test_streams_at_different_points_batch_as_each_alone(tone, audio):
         model, tokenizer = load_model(experiment.name, checkpoint, torch.device("cpu"))
     engine = StreamingEngine(model, tokenizer, RecordingSearch, CHUNK_SIZE, FbankOptions(),
                              EndpointRules())
-    assert engine.batched is not None  # a U2 model's chunks batch
+    # a U2 model's chunks batch: one encoder call for the ready streams
+    assert engine.encode_batch == CachedChunkEncoder.encode_batch
     samples = list(audio.values())[:3]
     finals, outputs = _run(engine, samples, head_start=1.0)
     for index, one in enumerate(samples):
