@@ -2,7 +2,8 @@
 a module imports only modules on floors below its own (or of its own package or module
 floor), counting the imports inside functions and the modules the registry loads by name
 (`cat.models.registry`: heads, streaming searches, exports and stage-2 hooks) as imports of the
-registry."""
+registry, and the streaming strategies `cat.models.streaming` loads as its imports; and
+the generic streaming code (online decoding, export, serving) names no strategy."""
 
 from __future__ import annotations
 
@@ -114,7 +115,11 @@ def registry_loads() -> dict[str, list[str]]:
     loaded |= {f"{registry.FAMILIES[registry.DECODES_AS.get(kind, kind)]}.{part}"
                for kind in registry.FAMILIES for part in registry.FAMILY_PARTS}
     loaded |= set(registry.BEFORE_TRAINING.values())
-    return {"models.registry": sorted(name.removeprefix("cat.") for name in loaded)}
+    from cat.models import streaming
+
+    return {"models.registry": sorted(name.removeprefix("cat.") for name in loaded),
+            "models.streaming": sorted(module.removeprefix("cat.")
+                                       for module, _ in streaming.STRATEGIES.values())}
 
 
 def alias_commands() -> set[str]:
@@ -317,3 +322,78 @@ def test_a_kind_named_in_generic_code_is_caught(tmp_path):
     assert sorted(family_names(tmp_path)) == [
         "cat/decoding/searcher.py:2: 'cat.rnnt.train'", "cat/decoding/searcher.py:2: 'ctc'",
         "cat/decoding/searcher.py:2: 'rnnt'"]
+
+
+# The encoder owns its streaming: these modules stream any model, asking the model
+# (`AsrModel.streaming`) or the export (`export.json`'s `streaming`) for its strategy.
+STREAMING_GENERIC = ("decoding/online.py", "decoding/export.py", "models/onnx_export.py",
+                     "serving")
+#: The strategies' modules and names (`cat.models.streaming.STRATEGIES`), and what of a
+#: model only one strategy or one encoder has: CUSIDE's `chunking`, U2's chunk settings,
+#: the Conformer's blocks.
+STRATEGY_MODULES = {"models.chunked", "models.cuside"}
+STRATEGY_NAMES = {"u2", "cuside"}
+STRATEGY_ATTRIBUTES = {"chunking", "max_chunk_size", "left_chunks", "cells", "depthwise"}
+
+
+def strategy_leaks(root: Path = CAT, generic: Iterable[str] = STREAMING_GENERIC) -> list[str]:
+    """Where a generic streaming module imports a strategy's module, reads what only a
+    strategy or an encoder has (`STRATEGY_ATTRIBUTES`: e.g. `model.chunking is not None`),
+    or names a strategy in a string (`meta["streaming"] == "cuside"`; docstrings aside)."""
+    paths = sorted(path for name in generic
+                   for path in ([root / name] if name.endswith(".py")
+                                else (root / name).rglob("*.py")))
+    found = []
+    for path in paths:
+        where = f"cat/{path.relative_to(root).as_posix()}"
+        if not path.is_file():  # moved: the check must follow it
+            found.append(f"{where}: missing")
+            continue
+        found += list(dict.fromkeys(f"{where}:{line}: imports cat.{target}"
+                                    for line, target, _ in imports_of(path, root)
+                                    if target in STRATEGY_MODULES))
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        documentation = {id(node.value) for node in ast.walk(tree)
+                         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in STRATEGY_ATTRIBUTES:
+                found.append(f"{where}:{node.lineno}: reads .{node.attr}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and id(node) not in documentation and node.value.lower() in STRATEGY_NAMES):
+                found.append(f"{where}:{node.lineno}: names {node.value!r}")
+    return found
+
+
+def test_the_strategies_are_those_the_check_knows():
+    from cat.models.streaming import STRATEGIES
+
+    assert set(STRATEGIES) == STRATEGY_NAMES
+    assert {module.removeprefix("cat.") for module, _ in STRATEGIES.values()} == \
+        STRATEGY_MODULES
+
+
+def test_generic_streaming_code_names_no_strategy():
+    assert strategy_leaks() == []
+
+
+def test_a_strategy_named_in_generic_streaming_code_is_caught(tmp_path):
+    root = _tree(tmp_path, {
+        "models/cuside.py": "", "models/chunked.py": "",
+        "decoding/online.py": (
+            '"""A CUSIDE model ("cuside") streams in windows: fine in a docstring."""\n'
+            "from cat.models.cuside import CusideStep\n"
+            "def encoder(model):\n"
+            "    if model.chunking is not None:\n"
+            "        return CusideStep(model.encoder)\n"
+            "    from cat.models import chunked\n"
+            "    return chunked.StreamingEncoder(model.encoder)\n"),
+        "serving/engine.py": 'def kind(meta):\n    return meta.get("streaming") == "cuside"\n',
+        "decoding/export.py": "def layers(model):\n    return len(model.encoder.cells)\n",
+    })
+    assert strategy_leaks(root) == [
+        "cat/decoding/export.py:2: reads .cells",
+        "cat/decoding/online.py:2: imports cat.models.cuside",
+        "cat/decoding/online.py:6: imports cat.models.chunked",
+        "cat/decoding/online.py:4: reads .chunking",
+        "cat/models/onnx_export.py: missing",
+        "cat/serving/engine.py:2: names 'cuside'"]
