@@ -89,6 +89,9 @@ class Encoder(Protocol):
     * `normalizer`: the global CMVN it holds (`FeatureNormalizer`), or None;
     * chunk decoding: `set_decode_chunk_size(n)` (0: full context) and the chunk settings
       it was trained with (`max_chunk_size`, `left_chunks`), which streaming checks;
+    * `streaming_strategy`: the name of how it streams chunk by chunk with state
+      (`cat.models.streaming.STRATEGIES`; `AsrModel.streaming` builds it over the encoder,
+      unless the model streams in CUSIDE's windows);
     * `compile_blocks()`: compile its blocks with `torch.compile` (`train.option.compile`).
     """
 
@@ -96,6 +99,7 @@ class Encoder(Protocol):
     normalizer: FeatureNormalizer | None
     max_chunk_size: int
     left_chunks: int
+    streaming_strategy: str
 
     @property
     def frame_rate_factor(self) -> int: ...
@@ -150,8 +154,11 @@ class ConformerNet(nn.Module):
             size streaming accepts).
         left_chunks: earlier chunks a frame may attend to (-1: all).
 
-    Frame rate: 4x from the subsampling times `time_reduction_factor`.
+    Frame rate: 4x from the subsampling times `time_reduction_factor`. Streaming: U2's
+    chunk-masked forward from caches (`cat.models.chunked`).
     """
+
+    streaming_strategy = "u2"
 
     def __init__(self, idim: int, hdim: int, num_cells: int, num_heads: int = 4,
                  kernel_size: int = 15, ffn_mult: int = 4, dropout: float = 0.1,

@@ -78,7 +78,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from cat.models.chunked import U2Streaming
 from cat.models.cuside import ContextChunking, CusideStreaming
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
@@ -95,7 +94,7 @@ from cat.models.heads import (
 )
 from cat.models.specaug import SpecAugment
 from cat.models.stats import Stats
-from cat.models.streaming import StreamingStrategy
+from cat.models.streaming import StreamingStrategy, strategy_class
 
 #: Key prefixes of checkpoints written before the model had heads, and where they are now.
 OLD_KEY_PREFIXES: Mapping[str, str] = {
@@ -311,13 +310,14 @@ class AsrModel(nn.Module):
     @property
     def streaming(self) -> StreamingStrategy:
         """How the encoder streams (`cat.models.streaming`), as the config trained it:
-        CUSIDE's windows of context with `chunking` (`trainer.chunk_size`), else U2's
-        chunk-masked encoder with caches (`encoder.kwargs.max_chunk_size`). Its
+        CUSIDE's windows of context with `chunking` (`trainer.chunk_size`), else the
+        encoder's own strategy (`Encoder.streaming_strategy`: a `ConformerNet`'s U2
+        chunk-masked forward with caches, `encoder.kwargs.max_chunk_size`). Its
         `chunk_encoder`, `step` and right contexts are what decoding, serving and export
         stream with."""
         if self.chunking is not None:
             return CusideStreaming(self.encoder, self.chunking)
-        return U2Streaming(self.encoder)
+        return strategy_class(self.encoder.streaming_strategy)(self.encoder)
 
     @property
     def decode_methods(self) -> tuple[str, ...]:

@@ -14,10 +14,12 @@ A strategy (`StreamingStrategy`) gives
   * `right_contexts`: the right contexts it streams with (none: the chunk alone).
 
 The strategies are named in `STRATEGIES` by the name `export.json` holds under
-`streaming`: U2's chunk-masked encoder with caches (`u2`, `cat.models.chunked`, an encoder
-trained with `max_chunk_size`) and CUSIDE's windows of context (`cuside`,
-`cat.models.cuside`, a model trained with `trainer.chunk_size`). A new strategy is a
-class in its own module and a line here.
+`streaming`: U2's chunk-masked encoder with caches (`u2`, `cat.models.chunked`, a
+`ConformerNet`'s own, `Encoder.streaming_strategy`, trained with `max_chunk_size`) and
+CUSIDE's windows of context (`cuside`, `cat.models.cuside`, a model trained with
+`trainer.chunk_size`, whatever its encoder). A strategy is built over the encoder (CUSIDE's
+also over the model's `ContextChunking`); a new one is a class in its own module and a
+line here.
 """
 
 from __future__ import annotations
