@@ -46,11 +46,16 @@ from cat.models.encoder import MIN_INPUT_FRAMES, ConformerNet
 from cat.models.layer import ConformerBlock, RelPositionMultiHeadAttention
 from cat.models.onnx_export import (
     STREAMING_NAME,
+    WENET_INPUTS,
+    WENET_OUTPUTS,
     ExportError,
+    Refusal,
     load_export_metadata,
     onnx_session,
+    refusal_name,
+    runtime_sizes,
 )
-from cat.models.streaming import ChunkEncoderBase, OnnxGraph, StreamingError
+from cat.models.streaming import ChunkEncoderBase, OnnxGraph, PackedStateStep, StreamingError
 
 # Input frames a 4x conv subsampling needs beyond 4 per output frame.
 SUBSAMPLING_OVERLAP = 3
@@ -221,6 +226,70 @@ class StreamingEncoder(nn.Module):
                          [output_name, "attn_cache_out", "conv_cache_out"],
                          {"x": {1: "T"}, "attn_cache": {2: "L"}, output_name: {1: "T_out"},
                           "attn_cache_out": {2: "L_out"}})
+
+    def packed_state(self, left_chunks: int) -> PackedStateStep:
+        """The chunk with a fixed-size state (`KeyValueStreamingEncoder`'s cache of the last
+        `keep` frames' projected keys and values, its convolution frames, and how many
+        cached frames exist): `keep` is the model's `left_chunks` chunks, else
+        `left_chunks`."""
+        chunk = self.chunk_size
+        step = KeyValueStreamingEncoder(self.encoder, chunk)
+        left = self.encoder.left_chunks
+        keep = chunk * (left if left > 0 else left_chunks)
+        attn, conv = step.initial_state(keep)
+
+        def run(x: torch.Tensor, parts: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            attn, conv, valid = parts
+            cached = attn.size(2)
+            positions = torch.arange(cached + chunk)
+            mask = (positions >= cached - valid.to(torch.int64))[None, None]
+            out, attn, conv = step(x, attn, conv, mask)
+            return out, [attn, conv, torch.clamp(valid + chunk, max=keep)]
+
+        return PackedStateStep(step, [tuple(attn.shape), tuple(conv.shape), (1,)],
+                               self.frames_per_chunk, self.stride, run)
+
+    def wenet_runtime(self, left_chunks: int) -> dict[str, Any]:
+        """The settings a runtime of the `wenet_ctc` layout must use: the chunk size, and
+        `num_left_chunks` exactly the model's `left_chunks`, or at least `left_chunks` for
+        a model trained with all left context."""
+        if self.encoder.left_chunks > 0:
+            return {"chunk_size": self.chunk_size, "num_left_chunks": self.encoder.left_chunks,
+                    "num_left_chunks_is": "exact"}
+        return {"chunk_size": self.chunk_size, "num_left_chunks": left_chunks,
+                "num_left_chunks_is": "minimum"}
+
+    def wenet_graph(self, head: nn.Module, output_name: str, settings: dict[str, Any],
+                    feature_dim: int) -> tuple[OnnxGraph, dict[str, int]]:
+        """The chunk in the `wenet_ctc` layout (`WenetLayoutStep`, `KeyValueStreamingEncoder`:
+        the runtime's cache holds each block's projected keys and values) for a runtime of
+        `settings` (`wenet_runtime`), and the metadata the runtime reads of it (`head`,
+        `num_blocks`, `output_size`, `cnn_module_kernel`, `subsampling_factor`,
+        `right_context`)."""
+        chunk_size = self.chunk_size
+        streaming = KeyValueStreamingEncoder(self.encoder, chunk_size)
+        encoder = self.encoder
+        cell = encoder.cells[0]
+        stride = streaming.streaming.stride
+        wenet = {"head": cell.attn.num_heads, "num_blocks": len(encoder.cells),
+                 "output_size": encoder.output_dim,
+                 "cnn_module_kernel": cell.conv.depthwise.kernel_size[0],
+                 "subsampling_factor": stride // chunk_size,
+                 # A chunk's frames: (chunk - 1) x subsampling + right_context + 1.
+                 "right_context": streaming.streaming.frames_per_chunk - stride
+                 + stride // chunk_size - 1}
+        cache = chunk_size * settings["num_left_chunks"]
+        attn_cache, conv_cache = streaming.initial_state(cache)
+        mask = torch.ones(1, 1, cache + chunk_size, dtype=torch.bool)
+        mask[:, :, :chunk_size] = False
+        example = (torch.randn(1, streaming.streaming.frames_per_chunk, feature_dim),
+                   torch.tensor([cache], dtype=torch.int64),
+                   torch.tensor([cache], dtype=torch.int64), attn_cache, conv_cache, mask)
+        return OnnxGraph(WenetLayoutStep(streaming, head, settings), example, WENET_INPUTS,
+                         [output_name, *WENET_OUTPUTS],
+                         {"x": {1: "T"}, "attn_cache": {2: "R"}, "attn_mask": {2: "M"},
+                          output_name: {1: "T_out"}, "next_att_cache": {2: "R_out"}}), wenet
 
 
 class _HeadStep(nn.Module):
@@ -401,3 +470,35 @@ class KeyValueStreamingEncoder(nn.Module):
             conv_states.append(conv)
         return x, torch.stack(attn_states), torch.stack(conv_states)
 
+
+class WenetLayoutStep(nn.Module):
+    """One chunk in the state layout of sherpa-onnx's online `wenet_ctc` model type (inputs
+    and outputs matched by position, `WENET_INPUTS`; `cat.ctc.export.export_wenet_ctc`),
+    `head` on its output. A runtime of another chunk size than the export's, or whose cache
+    holds other than `StreamingEncoder.wenet_runtime`'s `num_left_chunks` (the model's
+    `left_chunks` exactly; at least `left_chunks` given for a model trained with all left
+    context), is refused (`Refusal`): sherpa-onnx's factory defaults (chunk 16, 4 left
+    chunks) fit neither unless the export was made for them."""
+
+    def __init__(self, streaming: KeyValueStreamingEncoder, head: nn.Module,
+                 settings: dict[str, Any]) -> None:
+        super().__init__()
+        self.streaming, self.head = streaming, head
+        self.chunk_size, self.left_chunks = settings["chunk_size"], settings["num_left_chunks"]
+        self.exact = settings["num_left_chunks_is"] == "exact"
+        self.refusal_name = refusal_name(settings)
+        self.add_module(self.refusal_name, Refusal())
+
+    def forward(self, x: torch.Tensor, offset: torch.Tensor, required_cache_size: torch.Tensor,
+                attn_cache: torch.Tensor, conv_cache: torch.Tensor, attn_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Relative positions need no absolute offset, and the cache's size is its own; both
+        # inputs stay in the graph (a runtime feeds them by position), contributing zero.
+        unused = (offset.sum() + required_cache_size.sum()).to(x.dtype) * 0.0
+        cached, chunk = runtime_sizes(attn_cache, attn_mask)
+        least = chunk * self.left_chunks
+        left_ok = cached == least if self.exact else cached >= least
+        unused = unused + getattr(self, self.refusal_name)((chunk == self.chunk_size) & left_ok)
+        out, attn_cache, conv_cache = self.streaming(x + unused, attn_cache, conv_cache,
+                                                     attn_mask)
+        return self.head(out), attn_cache, conv_cache

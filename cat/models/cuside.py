@@ -62,11 +62,16 @@ from cat.core.config import cuside_keys
 from cat.core.io import PathLike
 from cat.models.onnx_export import (
     STREAMING_NAME,
+    WENET_INPUTS,
+    WENET_OUTPUTS,
     ExportError,
+    Refusal,
     load_export_metadata,
     onnx_session,
+    refusal_name,
+    runtime_sizes,
 )
-from cat.models.streaming import ChunkEncoderBase, OnnxGraph
+from cat.models.streaming import ChunkEncoderBase, OnnxGraph, PackedStateStep
 
 RIGHT_CONTEXTS = ("simulated", "real", "none")
 #: The inputs of a CUSIDE `streaming.onnx` besides the chunk, by right context.
@@ -473,6 +478,58 @@ class CusideStep(nn.Module):
                          ["x", "valid", "history", "history_valid", *CUSIDE_INPUTS[mode]],
                          outputs, {})
 
+    def packed_state(self, left_chunks: int) -> PackedStateStep:
+        """The chunk with a fixed-size state: the history, how many of its frames exist and
+        the simulation's GRU states (simulated right context); a chunk reads its stride
+        and the real right context. `left_chunks` does not apply: the model's left
+        context is its own."""
+        history, state = self.initial_state()
+        stride, keep = self.stride, self.left
+
+        def run(x: torch.Tensor, parts: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            history, valid = parts[0], parts[1]
+            state = parts[2] if len(parts) > 2 else None
+            right = x[:, stride:]
+            out, history, state = self(
+                x[:, :stride], torch.full((1,), stride, dtype=torch.int64), history,
+                valid.to(torch.int64), state, right,
+                torch.full((1,), right.size(1), dtype=torch.int64))
+            valid = torch.clamp(valid + stride, max=keep)
+            return out, [history, valid] + ([state] if state is not None else [])
+
+        lookahead = self.chunking.context_size_right if self.right_context == "real" else 0
+        return PackedStateStep(self, [tuple(history.shape), (1,)] + (
+            [tuple(state.shape)] if state is not None else []), stride + lookahead, stride, run)
+
+    def wenet_runtime(self, left_chunks: int) -> dict[str, Any]:
+        """The settings a runtime of the `wenet_ctc` layout must use: the chunk size, and
+        at least the `num_left_chunks` that hold the model's left context (`left_chunks`,
+        for a model trained with all left context, does not apply)."""
+        return {"chunk_size": self.chunk_size,
+                "num_left_chunks": max(1, -(-self.left // self.chunk_size)),
+                "num_left_chunks_is": "minimum"}
+
+    def wenet_graph(self, head: nn.Module, output_name: str, settings: dict[str, Any],
+                    feature_dim: int) -> tuple[OnnxGraph, dict[str, int]]:
+        """The chunk in the `wenet_ctc` layout (`WenetLayoutStep`: its state in the
+        runtime's caches) for a runtime of `settings` (`wenet_runtime`), and the metadata
+        the runtime reads of it (`wenet_layout`)."""
+        chunk_size = self.chunk_size
+        layout = wenet_layout(self)
+        cache = -(-self.left // chunk_size) * chunk_size
+        mask = torch.ones(1, 1, cache + chunk_size, dtype=torch.bool)
+        mask[:, :, :cache] = False
+        frames = (chunk_size - 1) * layout["subsampling_factor"] + layout["right_context"] + 1
+        example = (torch.randn(1, frames, feature_dim), torch.tensor([cache], dtype=torch.int64),
+                   torch.tensor([cache], dtype=torch.int64),
+                   torch.zeros(1, 1, cache, feature_dim),
+                   torch.zeros(1, 1, layout["output_size"], layout["cnn_module_kernel"] - 1), mask)
+        return OnnxGraph(WenetLayoutStep(self, head, settings), example, WENET_INPUTS,
+                         [output_name, *WENET_OUTPUTS],
+                         {"attn_cache": {2: "R"}, "attn_mask": {2: "M"},
+                          "next_att_cache": {2: "R_out"}}), layout
+
 
 class _HeadStep(nn.Module):
     """`CusideStep` with a head on its output, inputs by right context: what
@@ -490,6 +547,73 @@ class _HeadStep(nn.Module):
         out, history, state = self.step(x, valid, history, history_valid, state, right,
                                         right_valid)
         return (self.head(out), history) + ((state,) if state is not None else ())
+
+
+class WenetLayoutStep(nn.Module):
+    """A CUSIDE model's chunk (`CusideStep`) in sherpa-onnx's online `wenet_ctc` layout
+    (`WENET_INPUTS`), `head` on its output: the runtime's two caches hold its state, which
+    it hands back unread. `attn_cache` [1, 1, R, D] holds the last R >= left feature frames
+    (its `attn_mask` says how many exist: while fewer than `num_left_chunks` chunks have
+    been decoded, `chunks x chunk_size` rows); `conv_cache` [1, 1, D / 2, K - 1] the
+    simulation network's GRU states, flattened."""
+
+    def __init__(self, step: CusideStep, head: nn.Module, settings: dict[str, Any]) -> None:
+        super().__init__()
+        self.step, self.head = step, head
+        simulation = step.chunking.simulation
+        self.state_shape = ((len(simulation.rnns), 1, simulation.hidden)
+                            if step.right_context == "simulated" else None)
+        # The chunk's frames are fixed (its stride), and the cache must hold the left
+        # context: a runtime of another chunk size, or too few left chunks, is refused.
+        self.refusal_name = refusal_name(settings)
+        self.add_module(self.refusal_name, Refusal())
+
+    def forward(self, x: torch.Tensor, offset: torch.Tensor, required_cache_size: torch.Tensor,
+                attn_cache: torch.Tensor, conv_cache: torch.Tensor, attn_mask: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        step = self.step
+        unused = (offset.sum() + required_cache_size.sum()).to(x.dtype) * 0.0
+        runtime_cache, runtime_chunk = runtime_sizes(attn_cache, attn_mask)
+        unused = unused + getattr(self, self.refusal_name)(
+            (runtime_chunk == step.chunk_size) & (runtime_cache >= step.left))
+        rows = attn_cache[0, 0]  # [R, D]
+        cached = rows.size(0)
+        valid_rows = attn_mask[0, 0, :cached].to(torch.int64).sum()
+        history_valid = torch.clamp(valid_rows * step.chunking.frame_rate, max=step.left)
+        state = None
+        if self.state_shape is not None:
+            size = self.state_shape[0] * self.state_shape[2]
+            state = conv_cache.flatten()[:size].reshape(self.state_shape)
+        chunk = x[:, :step.stride] + unused
+        right = x[:, step.stride:]
+        out, _, state = step(chunk, torch.full((1,), step.stride, dtype=torch.int64),
+                             rows[cached - step.left:][None], history_valid.reshape(1), state,
+                             right, torch.full((1,), right.size(1), dtype=torch.int64))
+        next_rows = torch.cat([rows, chunk[0]], dim=0)[chunk.size(1):]
+        next_conv = conv_cache
+        if state is not None:
+            flat = state.flatten()
+            next_conv = torch.cat([flat, conv_cache.flatten()[flat.numel():]]).reshape(
+                conv_cache.shape)
+        return self.head(out), next_rows[None, None], next_conv
+
+
+def wenet_layout(step: CusideStep) -> dict[str, int]:
+    """The `wenet_ctc` metadata of a CUSIDE step's state layout (`WenetLayoutStep`):
+    one block of one head whose rows are feature frames, a convolution cache large enough
+    for the GRU states, and the frames a chunk reads beyond its stride as right context."""
+    dim = step.chunking.feature_dim
+    if dim % 2:
+        raise ExportError(f"{dim}-dim features do not fit sherpa-onnx's wenet_ctc cache rows "
+                          "(2 x output_size)")
+    simulation = step.chunking.simulation
+    state = (len(simulation.rnns) * simulation.hidden
+             if step.right_context == "simulated" else 0)
+    rate = step.chunking.frame_rate
+    lookahead = step.chunking.context_size_right if step.right_context == "real" else 0
+    return {"head": 1, "num_blocks": 1, "output_size": dim // 2,
+            "cnn_module_kernel": 1 + max(1, -(-state // (dim // 2))),
+            "subsampling_factor": rate, "right_context": rate - 1 + lookahead}
 
 
 class CusideChunks(ChunkEncoderBase):

@@ -281,3 +281,37 @@ def onnx_chunk_encoder(export_dir: PathLike, num_threads: int = 1) -> ChunkEncod
     except ValueError as error:
         raise ExportError(f"{Path(export_dir) / METADATA_NAME}: {error}; export again") from None
     return strategy.onnx_chunk_encoder(export_dir, num_threads)
+
+
+# sherpa-onnx's online `wenet_ctc` layout (WeNet's `forward_chunk`): a step's inputs and
+# outputs (after its head's, first), matched by position, and what refuses a runtime of
+# other settings.
+WENET_INPUTS = ["x", "offset", "required_cache_size", "attn_cache", "conv_cache", "attn_mask"]
+WENET_OUTPUTS = ["next_att_cache", "next_conv_cache"]
+
+
+class Refusal(torch.nn.Module):
+    """Zero when `ok`; else a lookup out of range, which stops onnxruntime with an error
+    naming the node, whose scope is the name this module is given (what a runtime must
+    set): sherpa-onnx's factories do not read the settings from the metadata, and other
+    settings give wrong text, not an error."""
+
+    def forward(self, ok: torch.Tensor) -> torch.Tensor:
+        index = (1 - ok.to(torch.int64)).reshape(1)
+        return torch.index_select(torch.zeros(1), 0, index).sum()
+
+
+def runtime_sizes(attn_cache: torch.Tensor, attn_mask: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runtime's cache frames `chunk_size x num_left_chunks` and its `chunk_size`, as
+    tensors the graph computes from its inputs' sizes (not constants of the trace)."""
+    cached = torch.ones_like(attn_cache[0, 0, :, 0]).sum()
+    return cached, torch.ones_like(attn_mask[0, 0], dtype=attn_cache.dtype).sum() - cached
+
+
+def refusal_name(settings: dict[str, Any]) -> str:
+    """The name of the graph's `Refusal`: the runtime settings (`wenet_runtime`) it
+    refuses others than, as onnxruntime's error will show it."""
+    least = "_at_least" if settings["num_left_chunks_is"] == "minimum" else ""
+    return (f"run_with_chunk_size_{settings['chunk_size']}_and_num_left_chunks{least}_"
+            f"{settings['num_left_chunks']}")

@@ -11,7 +11,11 @@ A strategy (`StreamingStrategy`) gives
     outputs, example) `streaming.onnx` traces;
   * `onnx_chunk_encoder(export_dir)`: the `ChunkEncoder` of an export's `streaming.onnx`
     in onnxruntime;
-  * `right_contexts`: the right contexts it streams with (none: the chunk alone).
+  * `right_contexts`: the right contexts it streams with (none: the chunk alone);
+  * the state layouts of sherpa-onnx's online models, which the families' export writers
+    wrap with their heads: one packed state (`StreamingStep.packed_state`, the `lstm`
+    transducer type, `cat.rnnt.export`) and WeNet's caches (`wenet_runtime`,
+    `wenet_graph`, the `wenet_ctc` type, `cat.ctc.export`).
 
 The strategies are named in `STRATEGIES` by the name `export.json` holds under
 `streaming`: U2's chunk-masked encoder with caches (`u2`, `cat.models.chunked`, a
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -93,6 +97,23 @@ class OnnxGraph:
     dynamic_axes: Mapping[str, Mapping[int, str]]
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedStateStep:
+    """A strategy's chunk with all its state in tensors of fixed `shapes`, for runtimes that
+    hand one state back unread (sherpa-onnx's online `lstm` transducer layout,
+    `cat.rnnt.export`): `run(x, state)` takes the `frames` feature frames a chunk reads
+    (its `stride`, then what it reads beyond) and the state's tensors (zeros at the start)
+    and gives the chunk's encoder output and the next state. `module` is what `run` calls,
+    which the traced graph holds."""
+
+    module: torch.nn.Module
+    shapes: list[tuple[int, ...]]
+    frames: int
+    stride: int
+    run: Callable[[torch.Tensor, list[torch.Tensor]],
+                  tuple[torch.Tensor, list[torch.Tensor]]]
+
+
 class StreamingStep(Protocol):
     """One chunk of a strategy's streaming, state in and state out (an `nn.Module`)."""
 
@@ -107,6 +128,22 @@ class StreamingStep(Protocol):
     def onnx_graph(self, head: torch.nn.Module, output_name: str,
                    feature_dim: int) -> OnnxGraph:
         """The step with `head` on its output (named `output_name`) as ONNX traces it."""
+
+    def packed_state(self, left_chunks: int) -> PackedStateStep:
+        """The step with its state of fixed shapes; `left_chunks`: the chunks of left
+        context to keep where the model was trained with all of it."""
+
+    def wenet_runtime(self, left_chunks: int) -> dict[str, Any]:
+        """The settings (`chunk_size`, `num_left_chunks`, `num_left_chunks_is`: exact or
+        minimum) a runtime of sherpa-onnx's online `wenet_ctc` layout (WeNet's
+        `forward_chunk`) must use; `left_chunks` as `packed_state`'s."""
+
+    def wenet_graph(self, head: torch.nn.Module, output_name: str, settings: dict[str, Any],
+                    feature_dim: int) -> tuple[OnnxGraph, dict[str, int]]:
+        """The step with `head` in the `wenet_ctc` layout for a runtime of `settings`
+        (`cat.models.onnx_export.WENET_INPUTS`; one that runs with others is refused), and
+        the layout's metadata the runtime reads (`head`, `num_blocks`, `output_size`,
+        `cnn_module_kernel`, `subsampling_factor`, `right_context`)."""
 
 
 class StreamingStrategy(Protocol):

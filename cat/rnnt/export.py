@@ -32,8 +32,6 @@ import torch
 from torch import nn
 
 from cat.core.io import PathLike
-from cat.models.chunked import SUBSAMPLING_OVERLAP, KeyValueStreamingEncoder
-from cat.models.cuside import CusideStep
 from cat.models.heads import TokenChunkSearch
 from cat.models.onnx_export import (
     STREAMING_NAME,
@@ -51,6 +49,7 @@ from cat.models.onnx_export import (
     write_export,
     write_tokens,
 )
+from cat.models.streaming import StreamingStep
 from cat.rnnt.model import BLANK, LSTMPredictor, StatelessPredictor
 
 MAX_SYMBOLS_PER_FRAME = 3
@@ -130,29 +129,17 @@ class _LstmLayoutStep(nn.Module):
     """A streaming encoder's chunk in the layout of sherpa-onnx's online `lstm` transducer
     type: `x` [1, T, 80], `h` [1, 1, 1] and `c` [1, 1, S] -> `encoder_out` [1, T', J] (through
     the joiner's encoder projection), `next_h`, `next_c`. The runtime hands the two states
-    back unread, zeros at the start; `c` holds the step's own state flattened: a CUSIDE
-    model's left context, how many of its frames exist and the simulation's GRU states
-    (`CusideStep`), or a U2 model's cache of projected keys and values, its convolution
-    frames and how many cached frames exist (`KeyValueStreamingEncoder`)."""
+    back unread, zeros at the start; `c` holds the step's own state flattened, what its
+    streaming strategy keeps (`packed_state`: a CUSIDE model's left context, how many of
+    its frames exist and the simulation's GRU states; a U2 model's cache of projected keys
+    and values, its convolution frames and how many cached frames exist)."""
 
-    def __init__(self, model: nn.Module, streaming: Any) -> None:
+    def __init__(self, model: nn.Module, streaming: StreamingStep) -> None:
         super().__init__()
         self.joiner = model.transducer.joiner
-        self.cuside = isinstance(streaming, CusideStep)
-        if self.cuside:
-            self.step = streaming
-            history, state = streaming.initial_state()
-            self.shapes = [tuple(history.shape), (1,)] + (
-                [tuple(state.shape)] if state is not None else [])
-            self.keep = streaming.left
-        else:
-            self.step = KeyValueStreamingEncoder(model.encoder, streaming.chunk_size)
-            left = model.encoder.left_chunks
-            self.keep = streaming.chunk_size * (left if left > 0 else LSTM_LAYOUT_LEFT_CHUNKS)
-            attn, conv = self.step.initial_state(self.keep)
-            self.shapes = [tuple(attn.shape), tuple(conv.shape), (1,)]
-        self.chunk = streaming.chunk_size
-        self.stride = streaming.stride
+        packed = streaming.packed_state(LSTM_LAYOUT_LEFT_CHUNKS)
+        self.step, self.run, self.shapes = packed.module, packed.run, packed.shapes
+        self.frames, self.stride = packed.frames, packed.stride
         self.size = sum(int(np.prod(shape)) for shape in self.shapes)
 
     def _unpack(self, c: torch.Tensor) -> list[torch.Tensor]:
@@ -165,28 +152,11 @@ class _LstmLayoutStep(nn.Module):
 
     def forward(self, x: torch.Tensor, h: torch.Tensor,
                 c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        parts = self._unpack(c)
-        if self.cuside:
-            history, valid = parts[0], parts[1]
-            state = parts[2] if len(parts) > 2 else None
-            right = x[:, self.stride:]
-            out, history, state = self.step(
-                x[:, :self.stride], torch.full((1,), self.stride, dtype=torch.int64), history,
-                valid.to(torch.int64), state, right,
-                torch.full((1,), right.size(1), dtype=torch.int64))
-            valid = torch.clamp(valid + self.stride, max=self.keep)
-            packed = [history, valid] + ([state] if state is not None else [])
-        else:
-            attn, conv, valid = parts
-            cached = attn.size(2)
-            positions = torch.arange(cached + self.chunk)
-            mask = (positions >= cached - valid.to(torch.int64))[None, None]
-            out, attn, conv = self.step(x, attn, conv, mask)
-            packed = [attn, conv, torch.clamp(valid + self.chunk, max=self.keep)]
+        out, packed = self.run(x, self._unpack(c))
         return self.joiner.project_encoder(out), h, _packed(packed)
 
 
-def export_lstm_layout(model: nn.Module, streaming: Any, path: Path,
+def export_lstm_layout(model: nn.Module, streaming: StreamingStep, path: Path,
                        metadata: dict[str, Any]) -> None:
     """`streaming_encoder_lstm.onnx`: the streaming encoder in sherpa-onnx's online `lstm`
     transducer layout (`_LstmLayoutStep`) with the metadata it reads (`model_type` lstm,
@@ -194,10 +164,7 @@ def export_lstm_layout(model: nn.Module, streaming: Any, path: Path,
     a chunk reads; `decode_chunk_len`, its stride); the export's `decoder.onnx` and
     `joiner.onnx` go with it. Batch 1: streams are decoded one at a time."""
     step = _LstmLayoutStep(model, streaming)
-    frames = (streaming.stride + streaming.chunking.context_size_right
-              if isinstance(streaming, CusideStep) and streaming.right_context == "real"
-              else streaming.stride + (0 if isinstance(streaming, CusideStep)
-                                       else SUBSAMPLING_OVERLAP))
+    frames = step.frames
     layout = {"model_type": "lstm", "num_encoder_layers": 1, "d_model": 1,
               "rnn_hidden_size": step.size, "T": frames, "decode_chunk_len": streaming.stride}
     example = (torch.randn(1, frames, int(metadata["feature_dim"])), torch.zeros(1, 1, 1),
