@@ -25,7 +25,6 @@ from cat.core.io import PathLike
 from cat.ctc.stream import CtcChunkSearch
 from cat.models.ctc_search import ctc_greedy_search
 from cat.models.onnx_export import (
-    METADATA_NAME,
     STREAMING_NAME,
     TOKENS_NAME,
     ExportError,
@@ -41,6 +40,7 @@ from cat.models.onnx_export import (
     write_export,
     write_tokens,
 )
+from cat.models.streaming import export_strategy
 
 MODEL_NAME = "model.onnx"
 #: The streaming model in sherpa-onnx's online `wenet_ctc` layout.
@@ -162,23 +162,9 @@ def sherpa_online_recognizer(export_dir: PathLike, num_left_chunks: int | None =
     if num_left_chunks is None:
         num_left_chunks = int(meta.get(RUNTIME_KEY, {}).get("num_left_chunks",
                                                             DEFAULT_NUM_LEFT_CHUNKS))
-    if meta.get("streaming") == "cuside":
-        needed = -(-int(meta["left_frames"]) // int(meta["chunk_size"]))
-        if num_left_chunks < needed:
-            raise ExportError(f"{export_dir}: the CUSIDE model keeps {meta['left_frames']} "
-                              f"frames of left context in the runtime's cache: "
-                              f"num_left_chunks must be at least {needed}")
-    elif int(meta["left_chunks"]) > 0 and num_left_chunks != int(meta["left_chunks"]):
-        raise ExportError(f"{export_dir}: the model attends to {meta['left_chunks']} earlier "
-                          f"chunks (encoder.kwargs.left_chunks); num_left_chunks must be that, "
-                          f"not {num_left_chunks}")
-    elif int(meta["left_chunks"]) <= 0:
-        least = int(meta.get(RUNTIME_KEY, {}).get("num_left_chunks", 1))
-        if num_left_chunks < least:
-            raise ExportError(f"{export_dir}: the model was trained with all left context "
-                              f"(encoder.kwargs.left_chunks {meta['left_chunks']}); "
-                              f"num_left_chunks must be at least {least} ({METADATA_NAME} "
-                              f"{RUNTIME_KEY}), not {num_left_chunks}")
+    problem = export_strategy(meta).wenet_runtime_problem(meta, num_left_chunks, RUNTIME_KEY)
+    if problem:
+        raise ExportError(f"{export_dir}: {problem}")
     model = native.OnlineModelConfig(
         wenet_ctc=native.OnlineWenetCtcModelConfig(
             model=str(export_dir / WENET_CTC_NAME), chunk_size=int(meta["chunk_size"]),

@@ -34,7 +34,7 @@ Usage:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from cat.core.io import PathLike
 from cat.models.encoder import MIN_INPUT_FRAMES, ConformerNet
 from cat.models.layer import ConformerBlock, RelPositionMultiHeadAttention
 from cat.models.onnx_export import (
+    METADATA_NAME,
     STREAMING_NAME,
     WENET_INPUTS,
     WENET_OUTPUTS,
@@ -415,6 +416,25 @@ class U2Streaming:
     @staticmethod
     def onnx_chunk_encoder(export_dir: PathLike, num_threads: int = 1) -> OnnxChunkEncoder:
         return OnnxChunkEncoder(export_dir, num_threads)
+
+    @staticmethod
+    def wenet_runtime_problem(meta: Mapping[str, Any], num_left_chunks: int,
+                              runtime_key: str) -> str | None:
+        """What is wrong with running an export's `wenet_ctc` layout with `num_left_chunks`
+        (None: nothing): other than the model's `left_chunks`, or fewer than the export's
+        `runtime_key` settings ask for a model trained with all left context."""
+        if int(meta["left_chunks"]) > 0 and num_left_chunks != int(meta["left_chunks"]):
+            return (f"the model attends to {meta['left_chunks']} earlier chunks "
+                    f"(encoder.kwargs.left_chunks); num_left_chunks must be that, not "
+                    f"{num_left_chunks}")
+        if int(meta["left_chunks"]) <= 0:
+            least = int(meta.get(runtime_key, {}).get("num_left_chunks", 1))
+            if num_left_chunks < least:
+                return (f"the model was trained with all left context "
+                        f"(encoder.kwargs.left_chunks {meta['left_chunks']}); num_left_chunks "
+                        f"must be at least {least} ({METADATA_NAME} {runtime_key}), not "
+                        f"{num_left_chunks}")
+        return None
 
 
 _NO_RIGHT_CONTEXT = "only CUSIDE models (trainer.chunk_size) stream with a right context"

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -757,3 +758,14 @@ class CusideStreaming:
     @staticmethod
     def onnx_chunk_encoder(export_dir: PathLike, num_threads: int = 1) -> OnnxCusideEncoder:
         return OnnxCusideEncoder(export_dir, num_threads)
+
+    @staticmethod
+    def wenet_runtime_problem(meta: Mapping[str, Any], num_left_chunks: int,
+                              runtime_key: str) -> str | None:
+        """What is wrong with running an export's `wenet_ctc` layout with `num_left_chunks`
+        (None: nothing): too few chunks to hold the model's left context."""
+        needed = -(-int(meta["left_frames"]) // int(meta["chunk_size"]))
+        if num_left_chunks < needed:
+            return (f"the CUSIDE model keeps {meta['left_frames']} frames of left context in "
+                    f"the runtime's cache: num_left_chunks must be at least {needed}")
+        return None

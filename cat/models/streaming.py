@@ -160,6 +160,13 @@ class StreamingStrategy(Protocol):
     @staticmethod
     def onnx_chunk_encoder(export_dir: Any, num_threads: int = 1) -> ChunkEncoder: ...
 
+    @staticmethod
+    def wenet_runtime_problem(meta: Mapping[str, Any], num_left_chunks: int,
+                              runtime_key: str) -> str | None:
+        """What is wrong with running the `wenet_ctc` layout of an export (`export.json`,
+        `meta`; its runtime settings under `runtime_key`) with `num_left_chunks` (None:
+        nothing)."""
+
 
 def strategy_class(name: str) -> type[StreamingStrategy]:
     """The strategy named `name` (`STRATEGIES`); ValueError for another name."""
