@@ -78,7 +78,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cat.models.cuside import ContextChunking, CusideStreaming
+from cat.models.cuside import ContextChunking
+from cat.models.cuside_streaming import CusideStreaming
 from cat.models.heads import (
     LOSS_NORMALIZATIONS,
     FramePosteriors,

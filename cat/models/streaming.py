@@ -20,7 +20,7 @@ A strategy (`StreamingStrategy`) gives
 The strategies are named in `STRATEGIES` by the name `export.json` holds under
 `streaming`: U2's chunk-masked encoder with caches (`u2`, `cat.models.chunked`, a
 `ConformerNet`'s own, `Encoder.streaming_strategy`, trained with `max_chunk_size`) and
-CUSIDE's windows of context (`cuside`, `cat.models.cuside`, a model trained with
+CUSIDE's windows of context (`cuside`, `cat.models.cuside_streaming`, a model trained with
 `trainer.chunk_size`, whatever its encoder). A strategy is built over the encoder (CUSIDE's
 also over the model's `ContextChunking`); a new one is a class in its own module and a
 line here.
@@ -40,7 +40,7 @@ STREAMING_KEY = "streaming"
 #: Strategy name -> (module, class).
 STRATEGIES: Mapping[str, tuple[str, str]] = {
     "u2": ("cat.models.chunked", "U2Streaming"),
-    "cuside": ("cat.models.cuside", "CusideStreaming"),
+    "cuside": ("cat.models.cuside_streaming", "CusideStreaming"),
 }
 #: The strategy of an export that names none (written before exports named theirs).
 UNNAMED_EXPORT_STRATEGY = "u2"

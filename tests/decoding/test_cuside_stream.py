@@ -21,7 +21,7 @@ from cat.decoding.inference import main as decode_main
 from cat.decoding.online import StreamingRecognizer, streaming_encoder
 from cat.decoding.searcher import load_model
 from cat.features.fbank import compute_fbank
-from cat.models.cuside import OnnxCusideEncoder
+from cat.models.cuside_streaming import OnnxCusideEncoder
 from cat.rnnt import export as rnnt_export
 from cat.rnnt.stream import RnntChunkSearch
 from cat.testing.audio_experiment import train_audio_experiment

@@ -23,13 +23,8 @@ from cat.decoding.export import (
 )
 from cat.decoding.online import StreamingError, streaming_encoder
 from cat.models import cuside
-from cat.models.cuside import (
-    ContextChunking,
-    CusideStep,
-    CusideStreamingEncoder,
-    SimulationNet,
-    build_chunking,
-)
+from cat.models.cuside import ContextChunking, SimulationNet, build_chunking
+from cat.models.cuside_streaming import CusideStep, CusideStreamingEncoder
 from cat.models.registry import build_model, count_parameters
 from cat.testing.training import tiny_model_config
 

@@ -13,7 +13,11 @@ import torch
 
 from cat.models import streaming
 from cat.models.chunked import CachedChunkEncoder, OnnxChunkEncoder, U2Streaming
-from cat.models.cuside import CusideStreaming, CusideStreamingEncoder, OnnxCusideEncoder
+from cat.models.cuside_streaming import (
+    CusideStreaming,
+    CusideStreamingEncoder,
+    OnnxCusideEncoder,
+)
 from cat.models.onnx_export import (
     METADATA_NAME,
     STREAMING_NAME,
