@@ -147,3 +147,21 @@ def test_the_export_of_a_strategy_streams_back_in_onnxruntime(name, tmp_path):
     (tmp_path / METADATA_NAME).write_text(json.dumps(metadata), encoding="utf-8")
     with pytest.raises(ExportError, match="streaming strategy 'u3'"):
         onnx_chunk_encoder(tmp_path)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_packed_state_step_gives_the_chunk_encoders_outputs(name):
+    """`packed_state` (sherpa-onnx's `lstm` layout: one state the runtime hands back) over
+    an utterance's whole chunks: the chunk encoder's outputs."""
+    model = CASES[name][0]()
+    step = model.streaming.step(CHUNK)
+    packed = step.packed_state(16)
+    encoder = model.streaming.chunk_encoder(CHUNK)
+    assert (packed.frames, packed.stride) == (encoder.stride + encoder.lookahead, encoder.stride)
+    feats, state = _feats(200), [torch.zeros(shape) for shape in packed.shapes]
+    with torch.no_grad():
+        for start in range(0, 200 - packed.frames + 1, packed.stride):
+            chunk = feats[:, start:start + packed.frames]
+            out, state = packed.run(chunk, state)
+            assert [tuple(part.shape) for part in state] == packed.shapes
+            torch.testing.assert_close(out, encoder(chunk), atol=1e-5, rtol=1e-5)
