@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from cat.training.cli import run_cli
 
 
-def main(command: str = "cat.train", argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, command: str = "cat.train") -> int:
     """Command-line entry point (see the module docstring), run as `command` (CAT's
     `cat.ctc.train` and `cat.rnnt.train` run it under their names: `cat.core.commands`)."""
     run_cli(command, None if argv is None else list(argv))

@@ -49,7 +49,7 @@ def test_a_verb_and_its_alias_train_decode_and_export_alike(kind, tmp_path, monk
         monkeypatch.chdir(experiment.root)
         family = "rnnt" if kind == "rnnt" else "ctc"
         if how == "verb":
-            cat_train.main("cat.train", [NAME])
+            cat_train.main([NAME])
         else:
             run_verb(f"cat.{family}.train", [NAME])
         decode = [NAME, "--data", "data/fbank/dev", "--out", f"{NAME}/decode", "--device",

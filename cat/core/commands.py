@@ -29,4 +29,4 @@ def verb_module(command: str) -> str:
 def run_verb(command: str, argv: Sequence[str] | None = None) -> int:
     """Run `command`'s verb under that name (see the module docstring); its exit status."""
     main = importlib.import_module(verb_module(command)).main
-    return main(command, None if argv is None else list(argv)) or 0
+    return main(command=command, argv=None if argv is None else list(argv)) or 0
