@@ -10,7 +10,7 @@ Usage:
 
 import sys
 
-from cat.decoding.export import export_main
+from cat.decoding.export import export_main as main
 
 if __name__ == "__main__":
-    sys.exit(export_main("cat.export"))
+    sys.exit(main("cat.export"))

@@ -13,15 +13,18 @@ Usage:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from cat.training.cli import run_cli
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Command-line entry point (see the module docstring)."""
-    run_cli("cat.train", None if argv is None else list(argv))
+def main(argv: Sequence[str] | None = None, command: str = "cat.train") -> int:
+    """Command-line entry point (see the module docstring), run as `command` (CAT's
+    `cat.ctc.train` and `cat.rnnt.train` run it under their names: `cat.core.commands`)."""
+    run_cli(command, None if argv is None else list(argv))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import cat
+from cat.core.commands import verb_module
 
 CAT = Path(cat.__file__).resolve().parent
 
@@ -72,10 +73,12 @@ def _is_main_guard(node: ast.stmt) -> bool:
                     for c in test.comparators))
 
 
-def imports_of(path: Path, root: Path = CAT) -> list[tuple[int, str, bool]]:
+def imports_of(path: Path, root: Path = CAT, by_name: bool = True
+               ) -> list[tuple[int, str, bool]]:
     """(line, module under `cat`, in the `__main__` block) of every import of `cat` in the
     module at `path`, at any depth (functions, `TYPE_CHECKING` blocks): `from cat.x import y`
-    is an import of `x.y` when that is a module, else of `x`."""
+    is an import of `x.y` when that is a module, else of `x`; with `by_name`, a verb that
+    `run_verb` loads is one too."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     main_block = {id(node) for statement in tree.body if _is_main_guard(statement)
                   for node in ast.walk(statement)}
@@ -94,6 +97,9 @@ def imports_of(path: Path, root: Path = CAT) -> list[tuple[int, str, bool]]:
             else:
                 module = node.module or ""
             names = [f"{module}.{alias.name}" for alias in node.names]
+        verb = _verb_run_by_name(node) if by_name else None
+        if verb:
+            names = [verb]
         for name in names:
             parts = name.split(".")
             if parts[0] == "cat" and len(parts) > 1:
@@ -101,6 +107,17 @@ def imports_of(path: Path, root: Path = CAT) -> list[tuple[int, str, bool]]:
                 if target:
                     found.append((node.lineno, target, id(node) in main_block))
     return found
+
+
+def _verb_run_by_name(node: ast.AST) -> str | None:
+    """The verb module a `run_verb("cat.<family>.<verb>")` call loads by name
+    (`cat.core.commands`), else None."""
+    if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_verb"):
+        return None
+    name = node.args[0] if node.args else None
+    if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+        raise AssertionError(f"line {node.lineno}: run_verb takes a literal command name")
+    return verb_module(name.value)
 
 
 def registry_loads() -> dict[str, list[str]]:
@@ -197,6 +214,57 @@ def test_the_families_stand_below_decoding_and_training():
     the registry loads them, and decoding and training use the registry."""
     loaded = [floor_of(module, FLOORS)[1] for module in registry_loads()["models.registry"]]
     assert max(loaded) < FLOORS["models.registry"] < FLOORS["training"] < FLOORS["decoding"]
+
+
+def family_imports_above(family: str, root: Path = CAT) -> list[str]:
+    """The imports, anywhere in the package of `family` (its CAT command names and
+    `__main__` blocks included, as a reader of the import lines sees them), of a module on
+    its floor or above, other than its own package's."""
+    found = []
+    for path in sorted((root / family).rglob("*.py")):
+        for line, target, _ in imports_of(path, root, by_name=False):
+            unit, floor = floor_of(target, FLOORS)
+            if unit != family and floor >= FLOORS[family]:
+                found.append(f"cat/{path.relative_to(root)}:{line}: cat.{target}")
+    return found
+
+
+def test_no_file_of_a_family_imports_decoding_or_training():
+    """Not even CAT's command names (`cat.ctc.decode`) or a `__main__` block: they run their
+    verb by name (`cat.core.commands.run_verb`), so the package as a whole stands below
+    decoding and training."""
+    assert {family: family_imports_above(family) for family in ("ctc", "rnnt", "crf")} == {
+        "ctc": [], "rnnt": [], "crf": []}
+
+
+def test_verbs_are_run_by_name_only_from_commands_and_main_blocks(tmp_path):
+    """`run_verb` loads a verb by name: anywhere else it would hide an upward import."""
+    assert run_verb_outside_commands() == []
+    root = _tree(tmp_path, {
+        "ctc/decode.py": "from cat.core.commands import run_verb\nrun_verb('cat.ctc.decode')\n",
+        "ctc/head.py": "def f():\n    run_verb('cat.ctc.decode')\n",
+        "ctc/stream.py": "if __name__ == '__main__':\n    run_verb('cat.ctc.stream')\n",
+    })
+    assert run_verb_outside_commands(root, commands={"ctc.decode"}) == ["cat/ctc/head.py:2"]
+    assert [target for _, target, _ in imports_of(root / "ctc/stream.py", root)] == []
+    (root / "stream.py").write_text("")
+    assert imports_of(root / "ctc/stream.py", root) == [(2, "stream", True)]
+
+
+def run_verb_outside_commands(root: Path = CAT, commands: Iterable[str] | None = None
+                              ) -> list[str]:
+    """Where `run_verb` is called outside CAT's command modules and `__main__` blocks."""
+    commands = alias_commands() if commands is None else set(commands)
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if module_name(path, root) in commands:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        main_block = {id(node) for statement in tree.body if _is_main_guard(statement)
+                      for node in ast.walk(statement)}
+        found += [f"cat/{path.relative_to(root)}:{node.lineno}" for node in ast.walk(tree)
+                  if _verb_run_by_name(node) and id(node) not in main_block]
+    return found
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

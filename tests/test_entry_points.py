@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from cat import train as cat_train
+from cat.core.commands import run_verb
 from cat.core.config import ConfigError
-from cat.ctc import train as ctc_train
 from cat.decoding.export import export_main
 from cat.decoding.inference import main as decode_main
-from cat.rnnt import train as rnnt_train
 from cat.testing.training import write_tiny_experiment
 from cat.training.checkpoint import load_checkpoint
 
 NAME = "exp/tiny"
-ALIASES = {"ctc": ctc_train, "rnnt": rnnt_train, "u2": ctc_train}
 ATTENTION = {"num_layers": 1, "num_heads": 2, "ffn_dim": 32, "dropout": 0.0,
              "r2l_layers": 1, "reverse_weight": 0.3}
 
@@ -49,8 +47,11 @@ def test_a_verb_and_its_alias_train_decode_and_export_alike(kind, tmp_path, monk
     for how in ("verb", "alias"):
         experiment = _experiment(tmp_path / how, kind)
         monkeypatch.chdir(experiment.root)
-        (cat_train if how == "verb" else ALIASES[kind]).main([NAME])
         family = "rnnt" if kind == "rnnt" else "ctc"
+        if how == "verb":
+            cat_train.main([NAME])
+        else:
+            run_verb(f"cat.{family}.train", [NAME])
         decode = [NAME, "--data", "data/fbank/dev", "--out", f"{NAME}/decode", "--device",
                   "cpu", "--beam-size", "3", "--checkpoint",
                   str(sorted((experiment.exp_dir / "check").glob("ckpt-*.pt"))[-1])]
@@ -111,16 +112,25 @@ def test_an_alias_refuses_another_kind_and_names_the_verb(tmp_path, monkeypatch,
     with pytest.raises(ConfigError, match=r"exp/tiny/config.json: describes a rnnt model, but "
                                           r"cat.ctc.train handles ctc and crf models; run "
                                           r"python -m cat.train"):
-        ctc_train.main([NAME])
+        run_verb("cat.ctc.train", [NAME])
     assert decode_main("cat.ctc.decode", [NAME, "--data", "data/fbank/dev", "--out", "x"]) == 1
     assert ("describes a rnnt model, but cat.ctc.decode handles ctc and crf models; run "
             "python -m cat.decode") in caplog.text
     assert not (experiment.exp_dir / "check").exists()
 
 
-@pytest.mark.parametrize("module", ["cat.train", "cat.decode", "cat.stream", "cat.export"])
-def test_the_verbs_run_as_modules(module):
+@pytest.mark.parametrize("module", ["cat.train", "cat.decode", "cat.stream", "cat.export",
+                                    "cat.ctc.train", "cat.ctc.decode", "cat.ctc.stream",
+                                    "cat.ctc.export", "cat.rnnt.train", "cat.rnnt.decode",
+                                    "cat.rnnt.stream", "cat.rnnt.export"])
+def test_the_verbs_and_cat_s_names_run_as_modules(module):
+    """CAT's names run their verb by name (`cat.core.commands.run_verb`) under their own."""
     result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert f"usage: python -m {module} " in result.stdout
+
+
+def test_a_command_name_is_checked():
+    with pytest.raises(ValueError, match="not a command name"):
+        run_verb("ctc.decode")

@@ -2,7 +2,7 @@
 
 import sys
 
-from cat.decoding.inference import main
+from cat.core.commands import run_verb
 
 if __name__ == "__main__":
-    sys.exit(main("cat.ctc.decode"))
+    sys.exit(run_verb("cat.ctc.decode"))

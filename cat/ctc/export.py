@@ -202,6 +202,6 @@ class OnnxCtcChunkSearch(CtcChunkSearch):
 
 
 if __name__ == "__main__":
-    from cat.decoding.export import export_main
+    from cat.core.commands import run_verb
 
-    sys.exit(export_main("cat.ctc.export"))
+    sys.exit(run_verb("cat.ctc.export"))

@@ -42,6 +42,6 @@ class CtcChunkSearch(TokenChunkSearch):
 ChunkSearch = CtcChunkSearch
 
 if __name__ == "__main__":
-    from cat.decoding.online import main
+    from cat.core.commands import run_verb
 
-    sys.exit(main("cat.ctc.stream"))
+    sys.exit(run_verb("cat.ctc.stream"))

@@ -335,6 +335,6 @@ class OnnxRnntChunkSearch(TokenChunkSearch):
 
 
 if __name__ == "__main__":
-    from cat.decoding.export import export_main
+    from cat.core.commands import run_verb
 
-    sys.exit(export_main("cat.rnnt.export"))
+    sys.exit(run_verb("cat.rnnt.export"))

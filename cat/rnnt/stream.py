@@ -51,6 +51,6 @@ class RnntChunkSearch(TokenChunkSearch):
 ChunkSearch = RnntChunkSearch
 
 if __name__ == "__main__":
-    from cat.decoding.online import main
+    from cat.core.commands import run_verb
 
-    sys.exit(main("cat.rnnt.stream"))
+    sys.exit(run_verb("cat.rnnt.stream"))

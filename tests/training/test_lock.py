@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import cat
-from cat.ctc import train as ctc_train
+from cat.core.commands import run_verb
 from cat.testing.training import write_tiny_experiment
 from cat.training import update
 from cat.training.checkpoint import CheckpointManager
@@ -186,13 +186,13 @@ def test_training_stopped_by_a_signal_exits_75_and_releases_the_lock(tmp_path, m
 
     monkeypatch.setattr(update.Updater, "update", update_then_signal)
     with pytest.raises(SystemExit) as stopped:
-        ctc_train.main([NAME])
+        run_verb("cat.ctc.train", [NAME])
     assert stopped.value.code == STOPPED_EXIT_STATUS
     assert set(holders) == {os.getpid()}
     stopped_at = CheckpointManager(experiment.exp_dir / "check").records[-1]
     assert 3 <= stopped_at["step"] < 10 and stopped_at["dev_loss"] is None
     assert not (experiment.exp_dir / LOCK_NAME).exists()
-    ctc_train.main([NAME, "--resume"])  # the lock is free: the run resumes to its end
+    run_verb("cat.ctc.train", [NAME, "--resume"])  # the lock is free: the run resumes to its end
     assert CheckpointManager(experiment.exp_dir / "check").records[-1]["step"] == 10
     assert not (experiment.exp_dir / LOCK_NAME).exists()
 

@@ -12,10 +12,9 @@ import torch
 
 from cat import train as cat_train
 from cat.core import config as config_module
+from cat.core.commands import run_verb
 from cat.core.config import ConfigError
-from cat.ctc import train as ctc_train
 from cat.formats import prep_wds
-from cat.rnnt import train as rnnt_train
 from cat.testing.training import write_tiny_experiment
 from cat.text.tokenizer import save as save_tokenizer
 from cat.text.tokenizer import train_sentencepiece
@@ -129,7 +128,7 @@ def test_map_style_resume_ends_with_the_same_model(tmp_path, monkeypatch):
             with pytest.raises(FileExistsError, match="pass --resume"):
                 train(NAME, "cat.ctc.train")
             experiment.set_options(max_steps=0)
-            ctc_train.main([NAME, "--resume"])
+            run_verb("cat.ctc.train", [NAME, "--resume"])
         else:
             train(NAME, "cat.ctc.train")
         final[run] = _latest(experiment)
@@ -197,7 +196,7 @@ def test_resume_refuses_changed_data_unless_the_epoch_restarts(tmp_path, monkeyp
     assert repacked.shards_written == 8
     with pytest.raises(DataChangedError, match=r"shard .*data-00000.tar changed \(crc32 "):
         train(NAME, "cat.ctc.train", resume=True)
-    ctc_train.main([NAME, "--resume-restart-epoch"])
+    run_verb("cat.ctc.train", [NAME, "--resume-restart-epoch"])
     summary = json.loads((experiment.exp_dir / "log/epoch-001.json").read_text())
     assert summary["trained"] == 40 and summary["retrained"] == 16
     assert sorted(_utts(experiment, 1)) == experiment.train.keys
@@ -276,7 +275,7 @@ def test_inputs_are_checked_before_training(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"config.json: describes a ctc model, but "
                                           r"cat.rnnt.train handles rnnt models; run python -m "
                                           r"cat.train"):
-        rnnt_train.main([NAME])
+        run_verb("cat.rnnt.train", [NAME])
 
 
 def test_rnnt_training_runs_from_the_command_line(tmp_path, monkeypatch):
@@ -290,12 +289,12 @@ def test_rnnt_training_runs_from_the_command_line(tmp_path, monkeypatch):
     _set_config(experiment, to_ctc)
     with pytest.raises(ConfigError, match=r"config.json: describes a ctc model, but "
                                           r"cat.rnnt.train handles rnnt models"):
-        rnnt_train.main([NAME])
+        run_verb("cat.rnnt.train", [NAME])
     with pytest.raises(ConfigError, match=r"hyper-p.json: train.bin: describes a ctc model, "
                                           r"but cat.rnnt.train handles rnnt models"):
         cat_train.main([NAME])  # the verb trains any kind, but train.bin names the wrong one
     experiment = write_tiny_experiment(tmp_path, kind="rnnt", options={"epochs": 1})
-    rnnt_train.main([NAME])
+    run_verb("cat.rnnt.train", [NAME])
     latest = _latest(experiment)
     assert latest["step"] == 10 and latest["meta"]["train_bin"] == "cat.rnnt.train"
     assert "transducer.predictor.embedding.weight" in latest["model"]
