@@ -11,7 +11,7 @@
 #      front end than Kaldi's (data.front_end: sherpa-onnx) into data/fbank-<front end>/
 #   2  tokenizer and map-style packs (cat.stages.driver prepare); the tar shards the
 #      experiment streams, in the length groups of its hyper-p.json data.shards, of
-#      features or (data.shards.audio) of audio (local/prep_wds.py pack-exp; nothing for a
+#      features or (data.shards.audio) of audio (cat.formats.prep_wds pack-exp; nothing for a
 #      map-style experiment); CTC-CRF (config.json trainer.use_crf): the lexicon (phone)
 #      tokenizer (hyper-p.json tokenizer.type lexicon) and the denominator graph
 #      trainer.den_lm from the training transcripts
@@ -112,7 +112,7 @@ fi
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: tokenizer, packs and shards for $exp"
   run python -m cat.stages.driver prepare "$exp"
-  run python local/prep_wds.py pack-exp "$exp" --nj "$nj" "${cpu_opts[@]}"
+  run python -m cat.formats.prep_wds pack-exp "$exp" --nj "$nj" "${cpu_opts[@]}"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then

@@ -52,7 +52,7 @@ with open(f"{exp}/hyper-p.json", "w", encoding="utf-8") as f:
 EOF
   log "parity ($mode): stages 2-4 of $exp"
   python -m cat.stages.driver prepare "$exp"
-  python local/prep_wds.py pack-exp "$exp" --nj "$nj"
+  python -m cat.formats.prep_wds pack-exp "$exp" --nj "$nj"
   python -m cat.stages.driver train "$exp"
   python -m cat.stages.driver decode "$exp" --nj "$nj"
 done
