@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cat.core.io import read_table
-from cat.utils.wer import score
+from cat.scoring import score
 
 
 def lexicon_words(path: Path) -> list[str]:

@@ -87,7 +87,7 @@ def main() -> None:
     from cat.lm.scorer import WordRescorer
     from cat.lm.text import make_splitter
     from cat.lm.train import load_lm_config
-    from cat.utils.plan import Plan, select_checkpoint
+    from cat.stages.plan import Plan, select_checkpoint
 
     plan = Plan.load(args.exp)
     hyper = load_hyper(Path(args.exp) / "hyper-p.json")

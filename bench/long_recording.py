@@ -64,7 +64,7 @@ import soundfile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cat.core.io import read_table, write_table
-from cat.utils.wer import align, score
+from cat.scoring import align, score
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out" / "long"

@@ -30,8 +30,8 @@ import torch
 from cat.core.config import load_hyper, tokenizer_file
 from cat.core.io import read_table
 from cat.decoding.export import export, sherpa_recognizer
+from cat.scoring import score
 from cat.text.tokenizer import load as load_tokenizer
-from cat.utils.wer import score
 
 
 def _pytorch(exp: str, kind: str, data: str, out: Path,

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cat.core.io import read_table
 from cat.decoding.checkpoint import averaged_checkpoint
 from cat.decoding.searcher import load_model
-from cat.utils.wer import align, tokenize
+from cat.scoring import align, tokenize
 
 
 def read_set(spec: str) -> tuple[str, dict[str, str], dict[str, str]]:

@@ -3,7 +3,7 @@
 
 Each variant is an experiment `exp/gap-<name>` made from a base experiment's
 `config.json` and `hyper-p.json` with a few keys changed (`VARIANTS`); all of them go
-through the recipe's own stages: `cat.utils.stage_driver prepare`, `train` and `decode`
+through the recipe's own stages: `cat.stages.driver prepare`, `train` and `decode`
 (3 best checkpoints by dev loss averaged, prefix beam search 5 on dev and test). Then each
 is decoded greedily at full context (`python -m cat.decode --method greedy`) and, when it
 was chunk-trained, streamed in chunks of 16 and 8 encoder frames from the test audio
@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cat.core.io import read_table
-from cat.utils.wer import score
+from cat.scoring import score
 
 CHUNK = "encoder.kwargs"
 #: name -> (base experiment, config.json changes, hyper-p.json changes); dotted keys.
@@ -158,7 +158,7 @@ def evaluate(exp: Path, python: str) -> dict[str, Any]:
         return {part: cer(read_table(f"data/{part}/text"), exp / "decode" / part / "hyp")
                 for part in ("dev", "test")}
 
-    step("beam5", [python, "-m", "cat.utils.stage_driver", "decode", str(exp), "--nj", "1"],
+    step("beam5", [python, "-m", "cat.stages.driver", "decode", str(exp), "--nj", "1"],
          stage4)
     refs = read_table("data/test/text")
     out = exp / "gap" / "greedy-full"
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     exps = {name: make_experiment(name, args.settings, args.steps) for name in args.variants}
     for exp in exps.values():  # sequential: the packs and features are shared
-        run([python, "-m", "cat.utils.stage_driver", "prepare", str(exp)], exp / "gap.log")
+        run([python, "-m", "cat.stages.driver", "prepare", str(exp)], exp / "gap.log")
     waiting = list(args.variants)
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     trained: dict[str, dict[str, Any]] = {}
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = waiting.pop(0)
                 log = (exps[name] / "gap.log").open("a")
                 process = subprocess.Popen(
-                    [python, "-m", "cat.utils.stage_driver", "train", str(exps[name]),
+                    [python, "-m", "cat.stages.driver", "train", str(exps[name]),
                      "--nproc", "1"], stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True)
                 running[name] = (process, time.monotonic())

@@ -31,7 +31,7 @@ from cat.decoding.export import export, onnx_chunk_encoder
 from cat.decoding.online import StreamingRecognizer, decode_utterance, streaming_encoder
 from cat.decoding.searcher import load_model
 from cat.features.fbank import experiment_front_end, read_audio
-from cat.utils.wer import score
+from cat.scoring import score
 
 
 def main() -> None:

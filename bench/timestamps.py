@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cat.core.io import read_table
 from cat.data.alignment import Word, boundary_errors, make_alignment_set, read_ctm
-from cat.utils.wer import score
+from cat.scoring import score
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -48,7 +48,7 @@ from cat.decoding.checkpoint import select_checkpoint
 from cat.decoding.searcher import load_model
 from cat.decoding.segments import plan_cuts
 from cat.features.fbank import FbankOptions, compute_fbank
-from cat.utils.wer import score
+from cat.scoring import score
 
 OUT = Path(__file__).resolve().parent / "out" / "long"
 

@@ -24,10 +24,11 @@ VERBS = "(verbs)"
 # Bottom to top, as docs/architecture.md draws them. A key is a package, or a module that
 # stands on a floor of its own above its package's; units on one floor do not import each
 # other. The families (their heads, searches, streaming searches) stand below the registry
-# that loads them, and the registry below training and decoding, which use it.
+# that loads them, and the registry below training and decoding, which use it. `utils` holds
+# only the former names of commands (re-exports), so it stands with the verbs.
 FLOORS = {
     "core": 0,
-    "text": 1,
+    "text": 1, "scoring": 1,
     "audio": 2, "lm": 2, "storage": 2,
     "data": 3, "graph": 3,
     "features": 4,
@@ -36,11 +37,11 @@ FLOORS = {
     "ctc": 7, "rnnt": 7,
     "crf": 8,
     "models.registry": 9,
-    "training": 10,
+    "training": 10, "migrate": 10,
     "decoding": 11,
     "shared": 12, "serving": 12,
-    "utils": 13,
-    VERBS: 14,
+    "stages": 13,
+    "utils": 14, VERBS: 14,
     "testing": 15,
 }
 
@@ -349,8 +350,8 @@ def test_generic_code_names_no_model_family():
 # Where a model kind or a family's module may be named in code: the one definition of the
 # kinds (`model_kind`), the registry that maps them to families, and the translation of
 # CAT's own experiment files, whose format names CAT's families.
-NAMING_FAMILIES = {"core/config.py", "models/registry.py", "utils/migrate_config.py",
-                   "utils/migrate_hyper.py"}
+NAMING_FAMILIES = {"core/config.py", "models/registry.py", "migrate/config.py",
+                   "migrate/hyper.py"}
 
 
 def family_names(root: Path = CAT, kinds: tuple[str, ...] = ("ctc", "rnnt", "crf")

@@ -9,9 +9,9 @@
 #      experiment's hyper-p.json data names (none for a training set packed as audio
 #      shards, data.shards.audio, which the loader turns into features); with another
 #      front end than Kaldi's (data.front_end: sherpa-onnx) into data/fbank-<front end>/
-#   2  tokenizer and map-style packs (cat.utils.stage_driver prepare); the tar shards the
+#   2  tokenizer and map-style packs (cat.stages.driver prepare); the tar shards the
 #      experiment streams, in the length groups of its hyper-p.json data.shards, of
-#      features or (data.shards.audio) of audio (local/prep_wds.py pack-exp; nothing for a
+#      features or (data.shards.audio) of audio (cat.formats.prep_wds pack-exp; nothing for a
 #      map-style experiment); CTC-CRF (config.json trainer.use_crf): the lexicon (phone)
 #      tokenizer (hyper-p.json tokenizer.type lexicon) and the denominator graph
 #      trainer.den_lm from the training transcripts
@@ -81,10 +81,10 @@ fi
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   log "Stage 1: fbank features"
   # Only the feature dirs the experiment reads: none for a training set packed as audio.
-  needed=$(python -m cat.utils.stage_driver feature-dirs "$exp")
+  needed=$(python -m cat.stages.driver feature-dirs "$exp")
   # The experiment's front end (hyper-p.json data.front_end): Kaldi's in data/fbank, another
   # in data/fbank-<front end>.
-  front_end=$(python -m cat.utils.stage_driver front-end "$exp")
+  front_end=$(python -m cat.stages.driver front-end "$exp")
   fbank=data/fbank
   [ "$front_end" = kaldi ] || fbank=data/fbank-$front_end
   for part in "$train_set" $test_sets; do
@@ -111,23 +111,23 @@ fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   log "Stage 2: tokenizer, packs and shards for $exp"
-  run python -m cat.utils.stage_driver prepare "$exp"
-  run python local/prep_wds.py pack-exp "$exp" --nj "$nj" "${cpu_opts[@]}"
+  run python -m cat.stages.driver prepare "$exp"
+  run python -m cat.formats.prep_wds pack-exp "$exp" --nj "$nj" "${cpu_opts[@]}"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log "Stage 3: training $exp"
-  run python -m cat.utils.stage_driver train "$exp" --nproc "$nproc" "${train_opts[@]}"
+  run python -m cat.stages.driver train "$exp" --nproc "$nproc" "${train_opts[@]}"
 fi
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
   log "Stage 4: decoding and scoring $exp"
-  run python -m cat.utils.stage_driver decode "$exp" --nj "$nj" "${decode_opts[@]}"
+  run python -m cat.stages.driver decode "$exp" --nj "$nj" "${decode_opts[@]}"
   cat "$exp/RESULTS.md"
 fi
 
 if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
   log "Stage 5: language models and decoding $exp with them"
-  run python -m cat.utils.stage_driver lm "$exp" --nj "$nj" "${decode_opts[@]}"
+  run python -m cat.stages.driver lm "$exp" --nj "$nj" "${decode_opts[@]}"
 fi
 log "Done: stages $stage-$stop_stage"

@@ -15,7 +15,7 @@ An experiment directory `exp/<name>/` holds two JSON files:
 Unknown or misspelled keys are errors naming the file, the key path and the allowed keys,
 e.g. ``hyper-p.json: train.option: unknown key 'large-dataset' (did you mean
 'large_dataset'?); allowed keys: amp, batch_size, ...``. Every configuration JSON the
-toolkit reads (these two, `lm.json`, CAT's files in `cat.utils.migrate`, the schemas)
+toolkit reads (these two, `lm.json`, CAT's files in `cat.migrate`, the schemas)
 goes through `read_json`, where a key given twice in one object is an error naming the
 file, the line and the key path (JSON readers keep the last silently, so
 ``"epochs": 1, "epochs": 3`` would train 3 epochs):

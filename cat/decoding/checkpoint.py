@@ -1,6 +1,6 @@
 """The model an experiment decodes with: checkpoint averaging and stage 4's choice.
 
-`select_checkpoint(exp_dir, hyper)` is what stage 4 (`cat.utils.stage_driver decode`) and
+`select_checkpoint(exp_dir, hyper)` is what stage 4 (`cat.stages.driver decode`) and
 `python -m cat.<family>.decode` without `--checkpoint` decode with: with
 `inference.avgmodel` (`{"mode": "best" | "last", "num": N}`) the average of the N best
 (by dev loss) or last checkpoints of `exp/<name>/check/`, written once to
@@ -11,7 +11,7 @@ they change); without it, the best checkpoint (else the latest).
 tensors are averaged (accumulated in float64, stored in their own dtype); integer and
 boolean tensors, such as BatchNorm's `num_batches_tracked`, are taken from the last file.
 All must hold the same keys with the same shapes and dtypes. `averaged_checkpoint` is the
-file an average is written as (here and by `cat.utils.avgmodel`, its command line): the
+file an average is written as (here and by `cat.decoding.avgmodel`, its command line): the
 weights, `averaged_from`, and the `meta` of the last file, so the average records the
 `config.json` it was trained with as its checkpoints do (a warning names the keys when
 the checkpoints averaged record different ones).

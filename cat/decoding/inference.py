@@ -3,7 +3,7 @@
 
 The model is rebuilt from the experiment's `config.json` and tokenizer and loaded from a
 checkpoint: `--checkpoint` (a training checkpoint, or an average written by
-`cat.utils.avgmodel`), by default the one stage 4 decodes with
+`cat.decoding.avgmodel`), by default the one stage 4 decodes with
 (`cat.decoding.checkpoint.select_checkpoint`: the average `inference.avgmodel` asks for).
 Options default to the experiment's `hyper-p.json: inference.infer.option`, as in
 stage 4; the command line overrides them. Run from the recipe directory (paths in
@@ -61,14 +61,14 @@ with an optional trailing ` :<score>`) and `hotwords_score` (their default bonus
 token, 1.5), see `cat.decoding.context_graph`. A hotwords file that cannot be read, or a
 score in it that is not a number, is an error naming the file (and line).
 
-With language models (`decode_passes`, used by `cat.utils.stage_driver lm`): beam search
+With language models (`decode_passes`, used by `cat.stages.driver lm`): beam search
 with token-level shallow fusion and LODR (`FusionSpec`, `cat.lm.scorer`), several
 first passes (one per fusion setting, e.g. the points of a weight grid) sharing one
 network forward per batch, each writing `hyp`, `nbest.jsonl` (`cat.lm.rescore`) and
 `decode.log` into its own directory. `--lm` etc. on the command line decode one pass.
 
 On a cluster (`decode_set` / `decode_passes` given a `cat.core.launch.Launcher`, as
-`python -m cat.utils.stage_driver decode|lm --cmd "$decode_cmd"` does): the same batches,
+`python -m cat.stages.driver decode|lm --cmd "$decode_cmd"` does): the same batches,
 dealt round-robin to `nj` shares whatever this machine's device, are the tasks of an
 array job (`cat.core.launch.map_calls`, logs `<out>/log/decode.<task>.log`); each task
 resolves `device` on its node (auto: cuda when the node has a GPU) and sends its

@@ -20,6 +20,10 @@ Words are those of `cat.decoding.timestamps.group_words` (a CJK character is a w
 confidence is the probability of a word's least certain token on its best frame. The
 stretches of a long recording decoded alone are joined by `join_parts`.
 
+A format is an entry of `WRITERS` (name -> `Writer`): the function that writes a result
+(its lines, or its document) and the file the format writes besides `hyp`; a new format is
+one entry and its function.
+
 Usage:
     for line in format_lines(results, "ctm"): print(line)
     write_results("exp/x/decode/test", results, "json")  # hyp and hyp.jsonl
@@ -39,10 +43,6 @@ from typing import Any
 from cat.core.io import PathLike, atomic_write
 from cat.decoding.timestamps import TimedUnit, group_words
 
-FORMATS = ("text", "json", "ctm", "srt")
-#: The file each format writes into an output directory besides `hyp` (srt: a folder of
-#: `<key>.srt` files, the key percent-encoded).
-FORMAT_FILES = {"json": "hyp.jsonl", "ctm": "hyp.ctm", "srt": "srt"}
 CUE_PAUSE = 0.8
 CUE_SECONDS = 7.0
 CUE_CHARACTERS = 32
@@ -54,10 +54,15 @@ class ResultFormatError(ValueError):
 
 def check_format(name: str) -> str:
     """`name` if it is one of `FORMATS`, else a ResultFormatError naming them."""
-    if name not in FORMATS:
+    if name not in WRITERS:
         raise ResultFormatError(f"unknown output format {name!r}; allowed: "
-                                f"{', '.join(FORMATS)}")
+                                f"{', '.join(WRITERS)}")
     return name
+
+
+def needs_times(name: str) -> bool:
+    """Whether results in format `name` are decoded with times, pieces and N-best."""
+    return WRITERS[check_format(name)].timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +206,16 @@ def join_windows(key: str, windows: Sequence[tuple[float, Result]], overlap: flo
                             for index, (start, result) in enumerate(windows)], decode)
 
 
+def text_lines(result: Result) -> Iterator[str]:
+    """The `hyp` line of `result`: `<key> <text>`, the key alone for an empty text."""
+    yield f"{result.key} {result.text}" if result.text else result.key
+
+
+def json_lines(result: Result) -> Iterator[str]:
+    """The JSON line of `result` (`json_record`)."""
+    yield json.dumps(json_record(result), ensure_ascii=False)
+
+
 def json_record(result: Result) -> dict[str, Any]:
     """The JSON object of `result` (see the module doc)."""
     record: dict[str, Any] = {"key": result.key, "text": result.text,
@@ -269,44 +284,67 @@ def srt_document(result: Result) -> str:
     return "\n".join(blocks)
 
 
+@dataclasses.dataclass(frozen=True)
+class Writer:
+    """How results are written in one format: `lines` (a result's lines, all results' in
+    one file) or `document` (a result's document, a file per utterance in a folder); `file`,
+    the file or folder besides `hyp` in an output directory (None: `hyp` holds the format);
+    `timed`, whether the results need times, pieces and N-best."""
+
+    file: str | None
+    lines: Callable[[Result], Iterable[str]] | None = None
+    document: Callable[[Result], str] | None = None
+    timed: bool = True
+
+
+#: The output formats, by name (`--format`); srt's folder holds `<key>.srt` files, the key
+#: percent-encoded (`document_path`).
+WRITERS: dict[str, Writer] = {
+    "text": Writer(None, lines=text_lines, timed=False),
+    "json": Writer("hyp.jsonl", lines=json_lines),
+    "ctm": Writer("hyp.ctm", lines=ctm_lines),
+    "srt": Writer("srt", document=srt_document),
+}
+FORMATS = tuple(WRITERS)
+
+
 def format_lines(results: Iterable[Result], name: str) -> Iterator[str]:
-    """The lines of `results` in format `name` (text, json or ctm; srt is a document per
-    utterance: `srt_document`)."""
-    check_format(name)
-    if name == "srt":
-        raise ResultFormatError("srt is a document per utterance, not lines")
+    """The lines of `results` in format `name` (one whose writer writes lines; srt is a
+    document per utterance: `srt_document`)."""
+    writer = WRITERS[check_format(name)]
+    if writer.lines is None:
+        raise ResultFormatError(f"{name} is a document per utterance, not lines")
     for result in results:
-        if name == "text":
-            yield f"{result.key} {result.text}" if result.text else result.key
-        elif name == "json":
-            yield json.dumps(json_record(result), ensure_ascii=False)
-        else:
-            yield from ctm_lines(result)
+        yield from writer.lines(result)
 
 
-def srt_path(out_dir: PathLike, key: str) -> Path:
-    """Where `write_results` puts the subtitles of utterance `key`."""
-    return Path(out_dir) / FORMAT_FILES["srt"] / f"{urllib.parse.quote(key, safe='')}.srt"
+def document_path(out_dir: PathLike, name: str, key: str) -> Path:
+    """Where `write_results` puts the document of utterance `key` in format `name` (one
+    whose writer writes a document per utterance, into its folder)."""
+    folder = WRITERS[check_format(name)].file
+    if folder is None:
+        raise ResultFormatError(f"{name} writes no file besides hyp")
+    return Path(out_dir) / folder / f"{urllib.parse.quote(key, safe='')}.{name}"
 
 
 def write_results(out_dir: PathLike, results: Sequence[Result], name: str) -> list[Path]:
     """Into `out_dir`, `results` (sorted by key) in format `name` besides the `hyp` the
     caller writes: `hyp.jsonl`, `hyp.ctm` or `srt/<key>.srt` (nothing for text); returns the
     paths written."""
-    check_format(name)
+    writer = WRITERS[check_format(name)]
     ordered = sorted(results, key=lambda result: result.key)
-    if name == "text":
+    if writer.file is None:
         return []
-    if name == "srt":
+    if writer.document is not None:
         paths = []
         for result in ordered:
-            path = srt_path(out_dir, result.key)
+            path = document_path(out_dir, name, result.key)
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(path) as f:
-                f.write(srt_document(result))
+                f.write(writer.document(result))
             paths.append(path)
         return paths
-    path = Path(out_dir) / FORMAT_FILES[name]
+    path = Path(out_dir) / writer.file
     with atomic_write(path) as f:
         for line in format_lines(ordered, name):
             f.write(line + "\n")

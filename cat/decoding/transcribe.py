@@ -99,7 +99,14 @@ from cat.decoding.audio import (
     Window,
     recording_features,
 )
-from cat.decoding.results import Part, Result, check_format, join_parts, write_results
+from cat.decoding.results import (
+    Part,
+    Result,
+    check_format,
+    join_parts,
+    needs_times,
+    write_results,
+)
 from cat.decoding.searcher import (
     NO_LABEL,
     DecodeOptions,
@@ -264,7 +271,7 @@ def _pooled_features(pool: Executor, recordings: list[Recording], fbank: FbankOp
 def _window_results(searcher: Searcher, utterances: list[Utterance],
                     output: str, timed: bool = False) -> list[Result]:
     """The results of a batch: with times unless `output` is text and not `timed`."""
-    if output != "text" or timed:
+    if needs_times(output) or timed:
         return searcher.results(utterances)
     if searcher.fusions:
         return [Result(key, hyps[0][0] if hyps else "", nbest=tuple(hyps))

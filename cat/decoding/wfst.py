@@ -8,7 +8,7 @@ characters of a char tokenizer; a word with a unit the tokenizer does not have (
 is left out of L and counted. The model's log-posteriors (the network's log-softmax, for
 CTC-CRF as for CTC) are decoded by kaldi-decoder's FasterDecoder with
 `acoustic_scale / lm_weight`.
-Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.utils.lm_stage`).
+Stage 5 runs it for `inference.lm.settings.<name>.wfst` (`cat.stages.lm`).
 
 `inference.infer.option.tlg` (`python -m cat.decode --tlg DIR --lm-weight W`) decodes a
 feature dir or audio with a graph stage 5 built (`TlgSearcher`, what

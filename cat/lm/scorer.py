@@ -42,7 +42,7 @@ def load_kenlm(path: PathLike) -> Any:
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"language model {path} does not exist (train it first: "
-                                "python -m cat.utils.stage_driver lm <exp>, or run.sh stage 5)")
+                                "python -m cat.stages.driver lm <exp>, or run.sh stage 5)")
     return kenlm.Model(str(path))
 
 

@@ -9,7 +9,7 @@ Files in `exp/<name>/check/`:
                                  (`select("best" | "last", num)`)
 
 A checkpoint is a dict saved with `torch.save` that `torch.load(weights_only=True)` reads
-(tensors, numbers, strings, lists and dicts only), so `cat.utils.avgmodel` can average it:
+(tensors, numbers, strings, lists and dicts only), so `cat.decoding.avgmodel` can average it:
 
     format, version     "cat-checkpoint", 1
     model               state dict of the bare model (no DDP "module." prefix)
@@ -40,7 +40,7 @@ Every file is written to a temporary name and renamed; the list is rewritten (at
 after the new file exists, and only then are pruned files removed. Kept: the `keep` most
 recent checkpoints plus the `keep` best by dev loss.
 
-An average of checkpoints (`cat.decoding.checkpoint`, `cat.utils.avgmodel`) holds `model`,
+An average of checkpoints (`cat.decoding.checkpoint`, `cat.decoding.avgmodel`) holds `model`,
 `averaged_from` and the `meta` of the last checkpoint averaged. `read_model_checkpoint`
 gives the weights and the `config.json` recorded with them (`recorded_config`; None for
 files written before checkpoints recorded it), which decoding compares with the

@@ -1,6 +1,6 @@
 """Starting a training run: ranks on this machine, or a Slurm job over nodes.
 
-Stage 3 (`cat.utils.stage_driver train`) runs `train.bin` (`python -m cat.ctc.train EXP`) in
+Stage 3 (`cat.stages.driver train`) runs `train.bin` (`python -m cat.ctc.train EXP`) in
 one of two ways; the ranks run the same code either way (`cat.training.cli`), joining the
 process group from RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (nccl on
 GPUs, gloo on CPUs):
@@ -118,7 +118,7 @@ def resume_command(exp_dir: str) -> str:
     """How a user resumes a stopped training of `exp_dir` (stage 3 of the recipe, run in
     its directory)."""
     return (f"bash run.sh --stage 3 --exp {shlex.quote(exp_dir)} (or python -m "
-            f"cat.utils.stage_driver train {shlex.quote(exp_dir)} with its options)")
+            f"cat.stages.driver train {shlex.quote(exp_dir)} with its options)")
 
 
 def job_script(train_bin: str, exp_dir: str, cwd: Path) -> str:

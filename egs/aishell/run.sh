@@ -5,7 +5,7 @@
 #   0  data preparation: the release (or a synthetic twin) -> data/{train,dev,test}
 #   1  features: 80-dim fbank -> data/fbank/{train_sp,dev,test} (train speed-perturbed)
 #   2  tokenizer and map-style packs, or tar shards when hyper-p.json sets
-#      train.option.large_dataset (local/prep_wds.py, groups from data.shards)
+#      train.option.large_dataset (cat.formats.prep_wds, groups from data.shards)
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
 #   5  language models (hyper-p.json: inference.lm names them), decoding with them

@@ -8,7 +8,7 @@
 #      test_net,test_meeting} with segments
 #   1  features: 80-dim fbank cut from the long Opus recordings -> data/fbank/<set>
 #   2  tokenizer, map-style dev pack, tar shards of the training set in the length groups
-#      of hyper-p.json data.shards (local/prep_wds.py)
+#      of hyper-p.json data.shards (cat.formats.prep_wds)
 #   3  training (exp/<name>/hyper-p.json + config.json)
 #   4  decoding and CER scoring
 #   5  language models (hyper-p.json: inference.lm names them), decoding with them

@@ -13,11 +13,11 @@ from cat.core.io import write_table
 from cat.crf import stage
 from cat.graph.denominator import load_den_graph
 from cat.models import registry
+from cat.stages.driver import prepare_model_kind
+from cat.stages.plan import Plan
 from cat.testing.training import tiny_model_config
 from cat.text import tokenizer as tk
 from cat.text.lexicon import LexiconTokenizer
-from cat.utils.plan import Plan
-from cat.utils.stage_driver import prepare_model_kind
 
 
 def write_inputs(tmp_path):

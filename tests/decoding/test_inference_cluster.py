@@ -24,9 +24,9 @@ from cat.decoding.inference import (
     read_lengths,
 )
 from cat.lm.ngram import estimate, write_arpa
+from cat.stages import driver
 from cat.testing.audio_experiment import write_audio_experiment
 from cat.training.cli import train
-from cat.utils import stage_driver
 
 EXP = "exp/tiny"
 CHECKPOINT = "exp/tiny/check/avg-best-2.pt"
@@ -128,7 +128,7 @@ def test_failed_task_is_named_with_its_log_and_stage_4_exits_1(recipe, tmp_path,
     data = copy / "data/fbank/test"
     options = DecodeOptions(beam_size=4, nj=2, max_frames=300)
     _corrupt(data, _shares(data, options)[1][0])
-    assert stage_driver.main(["decode", EXP, "--nj", "2",
+    assert driver.main(["decode", EXP, "--nj", "2",
                           "--cmd", "launch.sh --backend local"]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert errors == ["decode: 1 of 2 task(s) failed: task 2 exited with status 1, see "
@@ -158,13 +158,13 @@ def test_stage_4_decodes_again_when_the_hotwords_file_changes(recipe, monkeypatc
                         lambda *args, **kwargs: calls.append(args[1]) or real(*args, **kwargs))
     try:
         hyper_path.write_text(json.dumps(hyper), encoding="utf-8")
-        stage_driver.decode(EXP)
+        driver.decode(EXP)
         decoded = len(calls)
         assert decoded >= 1
-        stage_driver.decode(EXP)
+        driver.decode(EXP)
         assert len(calls) == decoded, "an unchanged hotwords file needs no new decoding"
         hotwords.write_text("你好\n世界 :3\n", encoding="utf-8")
-        stage_driver.decode(EXP)
+        driver.decode(EXP)
         assert len(calls) == 2 * decoded, "an edited hotwords file is decoded again"
     finally:
         hyper_path.write_text(original, encoding="utf-8")

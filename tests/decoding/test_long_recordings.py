@@ -17,6 +17,7 @@ import pytest
 import soundfile
 
 from cat.core.io import read_table
+from cat.scoring import score
 from cat.testing.learned_speech import (
     RATE,
     loop_recording,
@@ -25,7 +26,6 @@ from cat.testing.learned_speech import (
     train_learned_experiment,
     unpaused_recording,
 )
-from cat.utils.wer import score
 from tests.decoding.test_results import parse_srt
 from tests.decoding.test_transcribe import peak_rss_mb
 

@@ -11,17 +11,20 @@ import re
 import pytest
 
 from cat.decoding.results import (
+    WRITERS,
     Part,
     Result,
     ResultFormatError,
     Segment,
+    Writer,
     check_format,
+    document_path,
     format_lines,
     join_parts,
     join_windows,
     json_record,
+    needs_times,
     srt_document,
-    srt_path,
     write_results,
 )
 from cat.decoding.timestamps import TimedUnit
@@ -112,9 +115,28 @@ def test_written_files_and_their_readers(tmp_path):
     (ctm,) = write_results(tmp_path, RESULTS, "ctm")
     assert ctm.name == "hyp.ctm" and len(ctm.read_text().splitlines()) == 5
     paths = write_results(tmp_path, [*RESULTS, timed("A/B.1", ["x"], [0.0])], "srt")
-    assert srt_path(tmp_path, "A/B.1") in paths and srt_path(tmp_path, "A/B.1").parent == \
-        tmp_path / "srt"
-    assert parse_srt(srt_path(tmp_path, "utt-b").read_text())[0][1:3] == (0.2, 0.98)
+    assert document_path(tmp_path, "srt", "A/B.1") == tmp_path / "srt" / "A%2FB.1.srt"
+    assert document_path(tmp_path, "srt", "A/B.1") in paths
+    assert parse_srt(document_path(tmp_path, "srt", "utt-b").read_text())[0][1:3] == (0.2, 0.98)
+
+
+def test_a_new_format_is_one_entry_and_its_function(tmp_path, monkeypatch):
+    """Lines or a document per utterance: the writer's entry is all the format needs."""
+    monkeypatch.setitem(WRITERS, "tsv", Writer("hyp.tsv", lines=lambda result: [
+        f"{result.key}\t{word.text}" for word in result.words()]))
+    monkeypatch.setitem(WRITERS, "txt", Writer("txt", document=lambda result: result.text,
+                                               timed=False))
+    assert list(format_lines(RESULTS[:2], "tsv")) == [
+        "utt-b\t今", "utt-b\t天", "utt-b\t好", "utt-a\thello", "utt-a\tworld"]
+    (tsv,) = write_results(tmp_path, RESULTS, "tsv")
+    assert tsv == tmp_path / "hyp.tsv" and tsv.read_text().splitlines()[0] == "utt-a\thello"
+    assert write_results(tmp_path, RESULTS[:2], "txt") == [
+        tmp_path / "txt" / "utt-a.txt", tmp_path / "txt" / "utt-b.txt"]
+    assert (tmp_path / "txt" / "utt-b.txt").read_text() == "今天好"
+    assert [needs_times(name) for name in ("text", "json", "ctm", "srt", "tsv", "txt")] == [
+        False, True, True, True, True, False]
+    with pytest.raises(ResultFormatError, match="txt is a document per utterance, not lines"):
+        list(format_lines(RESULTS, "txt"))
 
 
 def test_bad_formats_and_missing_times_are_named():

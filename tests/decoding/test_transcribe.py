@@ -25,12 +25,12 @@ from cat.decoding.inference import DecodeOptions, decode_set, main
 from cat.decoding.transcribe import _features, _pooled_features, transcribe
 from cat.features.extract import extract
 from cat.features.fbank import FbankOptions
+from cat.stages import driver
 from cat.testing.audio import make_corrupt_file, write_kaldi_data_dir
 from cat.testing.audio_experiment import write_audio_experiment
 from cat.testing.training import write_tiny_experiment
 from cat.testing.uio import UioUtterance, write_raw_list, write_shard_list, write_uio_shard
 from cat.training.cli import train
-from cat.utils import stage_driver
 from tests.decoding.test_results import parse_srt
 
 EXP = "exp/tiny"
@@ -47,7 +47,7 @@ def trained(request, tmp_path_factory):
         patch.setenv("OMP_NUM_THREADS", "1")
         experiment = write_audio_experiment(root, kind=kind)
         train(EXP, f"cat.{kind}.train")
-        stage_driver.decode(EXP, nj=1)
+        driver.decode(EXP, nj=1)
     hyps = read_table(root / EXP / "decode/test/hyp", allow_empty_value=True)
     # Hypotheses that differ from each other: a wrong feature would show.
     assert len(hyps) == 6 and all(hyps.values()) and len(set(hyps.values())) >= 4, hyps

@@ -42,6 +42,8 @@ from cat.formats.data_list import DataListError
 from cat.loading.reader import DataUnavailableError
 from cat.loading.sources import read_shard
 from cat.loading.tar import CorruptShardError
+from cat.stages import driver
+from cat.stages.driver import DegenerateModelError
 from cat.testing.audio import (
     make_audio_file,
     make_corrupt_file,
@@ -65,8 +67,6 @@ from cat.training.cli import train
 from cat.training.manager import ConfigChangedError
 from cat.training.report import DataChangedError, NonFiniteTrainingError
 from cat.training.update import Updater
-from cat.utils import stage_driver
-from cat.utils.stage_driver import DegenerateModelError
 
 NAME = "exp/tiny"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -1164,7 +1164,7 @@ def test_decode_a_checkpoint_that_outputs_only_blanks(trained_copy):
                                                    r"10 updates\) is degenerate: every "
                                                    r"hypothesis of dev is empty or one token "
                                                    r"repeated"):
-        stage_driver.decode(NAME)
+        driver.decode(NAME)
     results = (trained_copy / NAME / "RESULTS.md").read_text(encoding="utf-8")
     assert "**Not a result**: the model" in results and "(trained for 10 updates)" in results
     # Pipeline smoke tests opt in to recording it: marked, warned, stage 4 ends normally.
@@ -1172,7 +1172,7 @@ def test_decode_a_checkpoint_that_outputs_only_blanks(trained_copy):
     hyper = json.loads(hyper_path.read_text(encoding="utf-8"))
     hyper.setdefault("inference", {}).setdefault("er", {})["allow_degenerate"] = True
     hyper_path.write_text(json.dumps(hyper), encoding="utf-8")
-    assert stage_driver.decode(NAME) == Path(NAME) / "RESULTS.md"
+    assert driver.decode(NAME) == Path(NAME) / "RESULTS.md"
     assert "**Not a result**: the model" in (trained_copy / NAME / "RESULTS.md").read_text(
         encoding="utf-8")
 

@@ -76,8 +76,8 @@ def test_audio_shards_take_kaldis_front_end_only():
 
 
 def test_stage_2_refuses_features_of_another_front_end(tmp_path, monkeypatch):
+    from cat.stages.driver import prepare
     from cat.testing.audio_experiment import write_audio_experiment
-    from cat.utils.stage_driver import prepare
 
     monkeypatch.chdir(tmp_path)
     experiment = write_audio_experiment(tmp_path, epochs=1)

@@ -140,6 +140,8 @@ def test_aishell_recipe_runs_every_stage(tmp_path):
 @pytest.mark.slow
 def test_wenetspeech_recipe_streams_audio_shards_through_every_stage(tmp_path):
     recipe = _recipe_copy(tmp_path, "wenetspeech")
+    # A corpus needs no packer of its own: stage 2 runs the library's.
+    (recipe / "local" / "prep_wds.py").unlink()
     output = _run(recipe, "--synthetic", "true", "--synthetic_hours", "0.06",
                   "--exp", "exp/tiny-ctc")
     # segments cut from the long Opus recordings
@@ -186,6 +188,16 @@ def test_run_sh_help_from_the_repository_root_lists_every_option_with_its_defaul
     # utils/asr.sh's own options, passed on: listed with their defaults.
     assert "passed on to ../../utils/asr.sh" in text
     assert options["test_sets"] == "dev" and options["local_data_opts"] == '""'
+
+
+def test_the_recipes_share_one_shard_packer():
+    """Each recipe's `local/prep_wds.py` (the large-dataset design's name for the packer) is a
+    link to the one in utils/, and the shared stages run the library's packer."""
+    for corpus in ("aishell", "wenetspeech"):
+        local = ROOT / "egs" / corpus / "local" / "prep_wds.py"
+        assert local.is_symlink() and local.resolve() == ROOT / "utils" / "prep_wds.py"
+    stages = (ROOT / "utils" / "asr.sh").read_text(encoding="utf-8")
+    assert "python -m cat.formats.prep_wds pack-exp" in stages and "prep_wds.py" not in stages
 
 
 def test_recipe_passes_further_options_on_to_the_shared_stages(tmp_path):

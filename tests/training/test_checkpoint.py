@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from cat.decoding.avgmodel import average_checkpoints
 from cat.training.checkpoint import (
     LIST_NAME,
     CheckpointManager,
@@ -15,7 +16,6 @@ from cat.training.checkpoint import (
     read_model_state,
     save_checkpoint,
 )
-from cat.utils.avgmodel import average_checkpoints
 
 
 def _state(value: float, step: int) -> dict:

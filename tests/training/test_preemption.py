@@ -1,4 +1,4 @@
-"""Preemption drills on this machine: a signal mid-epoch to stage 3 (`cat.utils.stage_driver
+"""Preemption drills on this machine: a signal mid-epoch to stage 3 (`cat.stages.driver
 train`), which passes it on to the training; the training saves after the update in flight
 and exits with status 75; stage 3 run again resumes: every utterance of the epoch trained
 once, none retrained. (On Slurm: tests/training/test_slurm_training.py.)"""
@@ -39,7 +39,7 @@ def _latest_step(exp_dir: Path) -> int:
 
 
 def _stage3(root: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "cat.utils.stage_driver", "train", NAME, *extra]
+    return [sys.executable, "-m", "cat.stages.driver", "train", NAME, *extra]
 
 
 def _signal_mid_epoch(root: Path, command: list[str], signum: int, after_step: int

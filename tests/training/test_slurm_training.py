@@ -46,7 +46,7 @@ def _environment() -> dict[str, str]:
 
 
 def _stage3(root: Path, nproc: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cat.utils.stage_driver", "train", NAME, "--nproc", str(nproc),
+    command = [sys.executable, "-m", "cat.stages.driver", "train", NAME, "--nproc", str(nproc),
                "--cmd", SLURM_CMD]
     return subprocess.Popen(command, cwd=root, env=_environment(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -51,10 +51,10 @@ with open(f"{exp}/hyper-p.json", "w", encoding="utf-8") as f:
     f.write("\n")
 EOF
   log "parity ($mode): stages 2-4 of $exp"
-  python -m cat.utils.stage_driver prepare "$exp"
-  python local/prep_wds.py pack-exp "$exp" --nj "$nj"
-  python -m cat.utils.stage_driver train "$exp"
-  python -m cat.utils.stage_driver decode "$exp" --nj "$nj"
+  python -m cat.stages.driver prepare "$exp"
+  python -m cat.formats.prep_wds pack-exp "$exp" --nj "$nj"
+  python -m cat.stages.driver train "$exp"
+  python -m cat.stages.driver decode "$exp" --nj "$nj"
 done
 
 python - "$base-parity-map/RESULTS.md" "$base-parity-shards/RESULTS.md" "$max_relative" <<'EOF'

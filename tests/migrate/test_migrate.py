@@ -13,10 +13,10 @@ import pytest
 
 from cat.core import config as config_module
 from cat.core.config import ConfigError
-from cat.utils import migrate as migrate_module
-from cat.utils import migrate_config
-from cat.utils.migrate import count_model_parameters, main, migrate
-from cat.utils.migrate_hyper import data_dir
+from cat.migrate import config as migrate_config
+from cat.migrate import experiment as migrate_module
+from cat.migrate.experiment import count_model_parameters, main, migrate
+from cat.migrate.hyper import data_dir
 
 CAT_EXPS = Path(__file__).with_name("cat_v3")
 # Parameter counts CAT published in each experiment's readme.md (millions).
@@ -351,7 +351,7 @@ def test_new_exp_in_or_over_old_exp_is_refused(tmp_path, new, message):
 def test_migrate_command_refuses_to_overwrite_old_exp(tmp_path):
     old = _copy_cat_exp(tmp_path / "old")
     before = {p.name: p.read_bytes() for p in old.iterdir()}
-    proc = subprocess.run([sys.executable, "-m", "cat.utils.migrate", str(old), str(old),
+    proc = subprocess.run([sys.executable, "-m", "cat.migrate", str(old), str(old),
                            "--force", "--no-count"], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 1

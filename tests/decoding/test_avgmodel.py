@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cat.utils.avgmodel import average_checkpoints, main
+from cat.decoding.avgmodel import average_checkpoints, main
 
 
 def save_checkpoint(path, model: torch.nn.Module, **extra) -> str:

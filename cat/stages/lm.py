@@ -25,7 +25,7 @@ those of the run without `--cmd` (timings aside):
   (`decode-lm/<setting>/log/wfst-<set>.<task>.log`).
 
 Usage:
-    python -m cat.utils.stage_driver lm exp/synth-ctc-short --nj 2
+    python -m cat.stages.driver lm exp/synth-ctc-short --nj 2
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from cat.core.config import (
 from cat.core.io import PathLike, atomic_write
 from cat.core.launch import Launcher, map_calls
 from cat.core.stages import is_done, mark_done, signature
-from cat.utils.plan import Plan, select_checkpoint, set_name
+from cat.stages.plan import Plan, select_checkpoint, set_name
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +174,8 @@ class LMRun:
         """Error rate of `hyps`; those of a phone model's searches (not `words`, as WFST
         decoding gives) against the references in phones."""
         from cat.core.io import read_table
-        from cat.utils.plan import phone_references
-        from cat.utils.wer import score
+        from cat.scoring import score
+        from cat.stages.plan import phone_references
 
         refs = read_table(Path(data_dir) / "text", allow_empty_value=True)
         phones = None if words else phone_references(self.plan, refs)
@@ -290,7 +290,7 @@ def decode_setting(run: LMRun, name: str, setting: dict[str, Any] | None,
     from cat.lm.scorer import WordRescorer
     from cat.lm.text import make_splitter
     from cat.lm.train import load_lm_config
-    from cat.utils.wer import format_summary
+    from cat.scoring import format_summary
 
     if setting is not None and "wfst" in setting:
         return _decode_wfst(run, name, setting["wfst"], weights, test)
@@ -539,7 +539,7 @@ def _tune_wfst(run: LMRun, name: str, wfst: dict[str, Any], dev: str) -> dict[st
 def _decode_wfst(run: LMRun, name: str, wfst: dict[str, Any], weights: dict[str, Any],
                  test: str) -> tuple[Any, float]:
     from cat.lm.rescore import write_hyp
-    from cat.utils.wer import format_summary
+    from cat.scoring import format_summary
 
     target = run.root / name / set_name(test)
     weight = weights["wfst"]["lm_weight"]

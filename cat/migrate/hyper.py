@@ -1,5 +1,5 @@
 """CAT v3 `hyper-p.json` into this toolkit's: data names, tokenizer, training and inference
-options (`cat.utils.migrate`, whose docstring says how data names map)."""
+options (`cat.migrate`, whose docstring says how data names map)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from cat.core.config import HYPER_NAME, ConfigError
 from cat.formats.tables import FrameRange
-from cat.utils.migrate_record import Recorder, option_key
+from cat.migrate.record import Recorder, option_key
 
 TOKENIZER_TYPES = {"SentencePieceTokenizer": "sentencepiece", "JiebaTokenizer": "jieba",
                    "JiebaComposeLexiconTokenizer": "lexicon"}
@@ -417,7 +417,7 @@ def _migrate_inference(inference: dict[str, Any], record: Recorder) -> dict[str,
 
 
 #: Placeholder of `inference.infer.option.chunk_size` for CAT's `streaming: true`, which
-#: `cat.utils.migrate.migrate` replaces with the CUSIDE chunk in encoder frames.
+#: `cat.migrate.migrate` replaces with the CUSIDE chunk in encoder frames.
 STREAMING_CHUNK = -1
 
 

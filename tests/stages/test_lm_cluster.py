@@ -18,10 +18,10 @@ from cat.core.config import CONFIG_NAME, HYPER_NAME, load_config
 from cat.core.io import read_table
 from cat.core.launch import ENDED, Launcher
 from cat.models.registry import build_model
+from cat.stages.lm import decode_lm
 from cat.testing.audio_experiment import write_audio_experiment
 from cat.text.tokenizer import load as load_tokenizer
 from cat.training.checkpoint import CheckpointManager
-from cat.utils.lm_stage import decode_lm
 
 pytest.importorskip("kenlm")
 pytest.importorskip("kaldifst")

@@ -9,7 +9,7 @@ import pytest
 
 from cat.core.config import ConfigError, load_config, validate_hyper
 from cat.lm.train import load_lm_config
-from cat.utils.lm_stage import _grid, _pass_name, decode_lm, train_lm
+from cat.stages.lm import _grid, _pass_name, decode_lm, train_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """The record of a CAT v3 migration: what happened to each key of CAT's two files
-(`cat.utils.migrate`, which writes it as `migration.txt`)."""
+(`cat.migrate`, which writes it as `migration.txt`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """CAT v3 `config.json` into this toolkit's: SpecAugment, encoder, predictor, joiner,
-trainer (CTC-CRF keys included) and scheduler (`cat.utils.migrate`)."""
+trainer (CTC-CRF keys included) and scheduler (`cat.migrate`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from cat.core.config import CONFIG_NAME, ConfigError, load_config_schema
-from cat.utils.migrate_record import Recorder
+from cat.migrate.record import Recorder
 
 # Keys of CAT's `trainer` section that only its CTC-CRF loss reads. They are mapped to
 # config.json `trainer.<key>` as soon as the config schema defines them there, and

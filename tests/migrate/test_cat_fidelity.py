@@ -1,6 +1,6 @@
 """The shipped experiments derived from CAT's agree with CAT's own files, key by key.
 
-Each CAT file (`cat_v3/`, verbatim) is migrated (`cat.utils.migrate`) and compared with the
+Each CAT file (`cat_v3/`, verbatim) is migrated (`cat.migrate`) and compared with the
 shipped experiment after schema defaults are filled in on both sides; every difference
 must be named in `INTENDED` (or `COMMON`) with its reason, and every entry there must
 still be a difference.
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cat.core.config import as_list, load_config_schema, read_json, train_option_defaults
-from cat.utils.migrate import migrate
+from cat.migrate.experiment import migrate
 
 CAT_EXPS = Path(__file__).with_name("cat_v3")
 RECIPES = Path(__file__).parents[2] / "egs"

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cat.core.io import TableError
-from cat.utils.wer import ScoreResult, align, format_summary, main, score, tokenize
+from cat.scoring import ScoreResult, align, format_summary, main, score, tokenize
 
 
 def reference_edit_distance(ref: list[str], hyp: list[str]) -> int:
