@@ -29,6 +29,7 @@ VERBS = "(verbs)"
 FLOORS = {
     "core": 0,
     "text": 1, "scoring": 1,
+    "significance": 2,
     "audio": 2, "lm": 2, "storage": 2,
     "data": 3, "graph": 3,
     "features": 4,
