@@ -13,8 +13,34 @@ from torch import nn
 
 from cat.lm.scorer import Fusion, sequence_score
 from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
-from cat.models.heads import NBest, SearchHead, ctc_losses, init_blank_bias, pad_hyps
+from cat.models.heads import (
+    DecodeMethod,
+    DecodeOption,
+    NBest,
+    SearchHead,
+    ctc_losses,
+    init_blank_bias,
+    pad_hyps,
+)
 from cat.models.spans import Span, ctc_token_frames
+
+#: A weight of a rescoring method's score (the same setting as the attention decoder's).
+WEIGHT = {"type": "number", "minimum": 0}
+#: The decoding methods a CTC head offers (`cat.models.heads.DecodeMethod`): its searches
+#: as a model's first head, and `joint_rescoring` as a transducer's auxiliary head.
+DECODE_METHODS = {
+    "greedy": DecodeMethod("the best token of each frame, repeats merged and blanks "
+                           "removed"),
+    "beam": DecodeMethod("prefix beam search"),
+    "joint_rescoring": DecodeMethod(
+        "transducers with an auxiliary CTC head: the N-best of both heads' beam searches "
+        "ranked by ctc_weight x the CTC head's + decoder_weight x the transducer's "
+        "log-likelihood",
+        {"ctc_weight": DecodeOption(WEIGHT, 0.5, "weight of the CTC head's "
+                                                 "log-likelihood"),
+         "decoder_weight": DecodeOption(WEIGHT, 1.0, "weight of the transducer's "
+                                                     "log-likelihood")}),
+}
 
 
 class CTCHead(nn.Linear):
@@ -36,7 +62,7 @@ class CTCHead(nn.Linear):
     search_methods = ("greedy", "beam")
     search_settings: tuple[str, ...] = ()
     rescoring_method = "joint_rescoring"
-    rescoring_weights = ("ctc_weight", "decoder_weight")
+    rescoring_weights = tuple(DECODE_METHODS[rescoring_method].options)
 
     def __init__(self, input_dim: int, num_classes: int, dropout: float = 0.0,
                  blank_init_prob: float = 0.5) -> None:

@@ -300,4 +300,4 @@ def test_search_settings_reach_only_the_searches_that_take_them():
     rescoring = DecodeOptions.from_dict({"method": "attention_rescoring",
                                          "reverse_weight": 0.3}, "hyper-p.json")
     assert rescoring.search_settings(("ctc_weight", "reverse_weight"), "config.json") == {
-        "ctc_weight": rescoring.ctc_weight, "reverse_weight": 0.3}
+        "ctc_weight": rescoring.option("ctc_weight"), "reverse_weight": 0.3}
