@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from cat.core.io import PathLike
+from cat.ctc.search import ctc_greedy_search
 from cat.ctc.stream import CtcChunkSearch
 from cat.models.chunked import KeyValueStreamingEncoder
-from cat.models.ctc_search import ctc_greedy_search
 from cat.models.cuside import CusideStep
 from cat.models.onnx_export import (
     METADATA_NAME,

@@ -1,7 +1,7 @@
 """Heads over the encoder output: their interfaces (`Head`, `SearchHead`, `Rescorer`,
 `FramePosteriors`, `ProgressHead`, which `cat.models.model.AsrModel` uses), the declaration
 of the decoding methods they offer (`DecodeMethod`, `DecodeOption`), and what heads
-share: CTC losses, loss normalisation, batch checks, blank-heavy output init, training
+share: loss normalisation, batch checks, blank-heavy output init, training
 progress (`Progress`). The heads live with their own code: the CTC head in `cat.ctc.head`,
 CR-CTC's in `cat.ctc.crctc`, the transducer's in `cat.rnnt.model`, CTC-CRF's in
 `cat.crf.model`, the attention decoder's in `cat.models.attention`.
@@ -138,10 +138,16 @@ class FramePosteriors(Protocol):
     (TLG) decoding and streaming CTC search consume, through the model's `log_probs`
     when this head is its first.
 
-    * `log_probs(hidden [B, T', D]) -> [B, T', V] float32`.
+    * `log_probs(hidden [B, T', D]) -> [B, T', V] float32`;
+    * `search_log_probs(log_probs, lengths, beam_size, fusion) -> an N-best list per
+      utterance`: its beam search of log-probabilities it gave (streaming with hotwords
+      searches those of the chunks so far).
     """
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def search_log_probs(self, log_probs: torch.Tensor, lengths: torch.Tensor,
+                         beam_size: int, fusion: Fusion | None = None) -> list[NBest]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,25 +218,6 @@ def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tens
         row = int(bad.any(dim=1).nonzero()[0])
         raise ValueError(f"labels of utterance {row} in the batch hold ids outside "
                          f"[1, {num_classes}) (0 is blank): {labels[row][valid[row]].tolist()}")
-
-
-def ctc_min_frames(labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
-    """Frames CTC needs for each label sequence: length + number of adjacent repeats."""
-    valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
-    repeats = (labels[:, 1:] == labels[:, :-1]) & valid[:, 1:]
-    return label_lens + repeats.sum(dim=1)
-
-
-def ctc_losses(log_probs: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
-               label_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-utterance CTC losses (blank 0) of log-probabilities [B, T', V], and which
-    utterances are infeasible (fewer frames than `ctc_min_frames`: loss 0, no gradient)."""
-    if log_probs.size(1) == 0:
-        # ctc_loss rejects an empty time axis; a frame nobody may use keeps it defined.
-        log_probs = nn.functional.pad(log_probs, (0, 0, 0, 1))
-    losses = nn.functional.ctc_loss(log_probs.transpose(0, 1), labels, lengths, label_lens,
-                                    blank=0, reduction="none", zero_infinity=True)
-    return losses, lengths < ctc_min_frames(labels, label_lens)
 
 
 def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:
