@@ -469,3 +469,84 @@ def test_a_strategy_named_in_generic_streaming_code_is_caught(tmp_path):
         "cat/decoding/online.py:4: reads .chunking",
         "cat/models/onnx_export.py: missing",
         "cat/serving/engine.py:2: names 'cuside'"]
+# The generic decoding modules that must name no decoding method or option of a head: the
+# heads declare them (`DECODE_METHODS`), the registry collects them and the searcher merges
+# them without naming one.
+METHOD_FREE = ("decoding/searcher.py", "decoding/inference.py")
+#: How the heads' modules spell their methods, options and search internals, checked
+#: besides what they declare now (`registry.decode_methods`), so that the check cannot pass
+#: by a declaration going.
+HEAD_DECODING_WORDS = ("blank_penalty", "attention_rescoring", "joint_rescoring",
+                       "ctc_weight", "decoder_weight", "reverse_weight", "prefix_beam",
+                       "prefix beam", "token_topk", "max_symbols_per_frame")
+#: The methods every decoding head has (`cat.models.heads.SearchHead`), which generic
+#: decoding may name.
+EVERY_HEAD_METHODS = ("greedy", "beam")
+
+
+def declared_decoding_words() -> set[str]:
+    """The methods (all but `EVERY_HEAD_METHODS`) and options the heads declare."""
+    from cat.models.registry import decode_methods
+
+    words = set()
+    for _, method, declaration in decode_methods():
+        words |= {method, *declaration.options} - set(EVERY_HEAD_METHODS)
+    return words
+
+
+def method_names(root: Path = CAT, files: Iterable[str] = METHOD_FREE,
+                 words: Iterable[str] = HEAD_DECODING_WORDS) -> list[str]:
+    """`<file>:<line>: <word>` for every one of `words` in the text of `files` (code,
+    strings, docstrings and comments alike), as a whole word."""
+    import re
+
+    pattern = re.compile(r"(?<![\w])(" + "|".join(sorted(map(re.escape, words), key=len,
+                                                               reverse=True)) + r")(?![\w])")
+    found = []
+    for name in files:
+        for number, line in enumerate((root / name).read_text(encoding="utf-8").splitlines(),
+                                      1):
+            found += [f"cat/{name}:{number}: {match}" for match in pattern.findall(line)]
+    return found
+
+
+def test_generic_decoding_names_no_method_or_option_of_a_head():
+    """`cat.decoding.searcher` and `cat.decoding.inference` reach the heads' methods and
+    options only through the registry: no method or option of a head is spelt there."""
+    assert method_names() == []
+    assert method_names(words=declared_decoding_words()) == []
+
+
+def test_the_heads_declare_the_methods_and_options_they_take():
+    """What a head's search and rescoring take is what its module declares; the names the
+    check above looks for include every declared one."""
+    from cat.models.heads import Rescorer, SearchHead
+    from cat.models.registry import build_model, decode_methods
+    from tests.models.test_attention import u2_config
+    from tests.models.test_registry import rnnt_config
+
+    declared = {(head, method): set(declaration.options)
+                for head, method, declaration in decode_methods()}
+    assert declared_decoding_words() - set(HEAD_DECODING_WORDS) == set()
+    rnnt_ctc = {**rnnt_config(), "ctc": {"weight": 0.3}}
+    for config in (u2_config(), rnnt_ctc):
+        model = build_model(config, num_classes=6)
+        for name, head in model.heads.items():
+            if isinstance(head, SearchHead):
+                for method in head.search_methods:
+                    assert declared[name, method] == set(head.search_settings), (name, method)
+            if isinstance(head, Rescorer):
+                assert declared[name, head.rescoring_method] == set(head.rescoring_weights)
+
+
+def test_a_method_named_in_generic_decoding_is_caught(tmp_path):
+    (tmp_path / "decoding").mkdir()
+    (tmp_path / "decoding" / "searcher.py").write_text(
+        '"""Greedy or beam search."""\n'
+        'if options.method == "attention_rescoring":  # weights: ctc_weight\n'
+        '    penalty = options.blank_penalty_scale\n')
+    (tmp_path / "decoding" / "inference.py").write_text("# a prefix beam search\n")
+    assert method_names(tmp_path) == [
+        "cat/decoding/searcher.py:2: attention_rescoring",
+        "cat/decoding/searcher.py:2: ctc_weight",
+        "cat/decoding/inference.py:1: prefix beam"]

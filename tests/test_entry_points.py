@@ -94,7 +94,7 @@ def _check_nbest_rescoring(experiment) -> None:
     for method, weight in (("beam", 1.0), ("attention_rescoring", 0.0), ("attention_rescoring",
                                                                           1.0)):
         options = DecodeOptions(method=method, beam_size=3, device="cpu",
-                                ctc_weight=1.0, decoder_weight=weight)
+                                method_options={"ctc_weight": 1.0, "decoder_weight": weight})
         searcher = Searcher(NAME, checkpoint, options, "cpu", [None])
         lists[method, weight] = [dict(hyps) for _, hyps in searcher.nbest(batch)[0]]
     beam = lists["beam", 1.0]

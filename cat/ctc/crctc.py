@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from cat.ctc.head import CTCHead
-from cat.models.heads import Progress, ctc_losses
+from cat.ctc.head import CTCHead, ctc_losses
+from cat.models.heads import Progress
 
 
 def consistency_losses(log_probs: torch.Tensor, lengths: torch.Tensor,

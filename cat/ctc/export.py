@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from cat.core.io import PathLike
+from cat.ctc.search import ctc_greedy_search
 from cat.ctc.stream import CtcChunkSearch
-from cat.models.ctc_search import ctc_greedy_search
 from cat.models.onnx_export import (
     STREAMING_NAME,
     TOKENS_NAME,

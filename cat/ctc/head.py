@@ -11,10 +11,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from cat.ctc.align import ctc_token_frames
+from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
 from cat.lm.scorer import Fusion, sequence_score
-from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
-from cat.models.heads import NBest, SearchHead, ctc_losses, init_blank_bias, pad_hyps
-from cat.models.spans import Span, ctc_token_frames
+from cat.models.heads import (
+    DecodeMethod,
+    DecodeOption,
+    NBest,
+    SearchHead,
+    init_blank_bias,
+    pad_hyps,
+)
+from cat.models.spans import Span
+
+#: A weight of a rescoring method's score (the same setting as the attention decoder's).
+WEIGHT = {"type": "number", "minimum": 0}
+#: The decoding methods a CTC head offers (`cat.models.heads.DecodeMethod`): its searches
+#: as a model's first head, and `joint_rescoring` as a transducer's auxiliary head.
+DECODE_METHODS = {
+    "greedy": DecodeMethod("the best token of each frame, repeats merged and blanks "
+                           "removed"),
+    "beam": DecodeMethod("prefix beam search"),
+    "joint_rescoring": DecodeMethod(
+        "transducers with an auxiliary CTC head: the N-best of both heads' beam searches "
+        "ranked by ctc_weight x the CTC head's + decoder_weight x the transducer's "
+        "log-likelihood",
+        {"ctc_weight": DecodeOption(WEIGHT, 0.5, "weight of the CTC head's "
+                                                 "log-likelihood"),
+         "decoder_weight": DecodeOption(WEIGHT, 1.0, "weight of the transducer's "
+                                                     "log-likelihood")}),
+}
 
 
 class CTCHead(nn.Linear):
@@ -24,7 +50,7 @@ class CTCHead(nn.Linear):
     searches read); `log_probs` gives float32 log-probabilities (dropout in training mode);
     `losses` per-utterance CTC losses (`ctc_losses`).
 
-    As a model's first head it searches (greedy, prefix beam: `cat.models.ctc_search`); as
+    As a model's first head it searches (greedy, prefix beam: `cat.ctc.search`); as
     an auxiliary head (a transducer's) it offers `joint_rescoring`: the union of the first
     head's N-best and its own prefix beam N-best, ranked by `ctc_weight` x its
     log-likelihood + `decoder_weight` x the first head's, each summed over all alignments
@@ -36,7 +62,7 @@ class CTCHead(nn.Linear):
     search_methods = ("greedy", "beam")
     search_settings: tuple[str, ...] = ()
     rescoring_method = "joint_rescoring"
-    rescoring_weights = ("ctc_weight", "decoder_weight")
+    rescoring_weights = tuple(DECODE_METHODS[rescoring_method].options)
 
     def __init__(self, input_dim: int, num_classes: int, dropout: float = 0.0,
                  blank_init_prob: float = 0.5) -> None:
@@ -71,12 +97,18 @@ class CTCHead(nn.Linear):
     def nbest(self, hidden: torch.Tensor, lengths: torch.Tensor, beam_size: int,
               fusion: Fusion | None = None) -> list[NBest]:
         """Prefix beam search's N-best lists, with `fusion` when given."""
-        return ctc_prefix_beam_search(self.log_probs(hidden), lengths, beam_size, fusion=fusion)
+        return self.search_log_probs(self.log_probs(hidden), lengths, beam_size, fusion)
+
+    def search_log_probs(self, log_probs: torch.Tensor, lengths: torch.Tensor,
+                         beam_size: int, fusion: Fusion | None = None) -> list[NBest]:
+        """Prefix beam search's N-best lists of frame log-probabilities [B, T', V] (those
+        `log_probs` gave, e.g. chunk by chunk), with `fusion` when given."""
+        return ctc_prefix_beam_search(log_probs, lengths, beam_size, fusion=fusion)
 
     def token_frames(self, hidden: torch.Tensor, lengths: torch.Tensor,
                      hyps: list[list[int]]) -> list[list[Span]]:
         """Each token's spike on the Viterbi alignment of `hyps` to the log-probabilities
-        (`cat.models.spans.ctc_token_frames`)."""
+        (`cat.ctc.align.ctc_token_frames`)."""
         return ctc_token_frames(self.log_probs(hidden), lengths, hyps)
 
     @torch.no_grad()
@@ -117,6 +149,25 @@ def _joint_rank(ctc: CTCHead, first: SearchHead, hidden: torch.Tensor, candidate
                   for score, hyp in zip(scores, hyps, strict=True)]
     ranked = sorted(zip(hyps, scores, strict=True), key=lambda pair: -pair[1])
     return [(list(hyp), score) for hyp, score in ranked]
+
+
+def ctc_min_frames(labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
+    """Frames CTC needs for each label sequence: length + number of adjacent repeats."""
+    valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
+    repeats = (labels[:, 1:] == labels[:, :-1]) & valid[:, 1:]
+    return label_lens + repeats.sum(dim=1)
+
+
+def ctc_losses(log_probs: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
+               label_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-utterance CTC losses (blank 0) of log-probabilities [B, T', V], and which
+    utterances are infeasible (fewer frames than `ctc_min_frames`: loss 0, no gradient)."""
+    if log_probs.size(1) == 0:
+        # ctc_loss rejects an empty time axis; a frame nobody may use keeps it defined.
+        log_probs = nn.functional.pad(log_probs, (0, 0, 0, 1))
+    losses = nn.functional.ctc_loss(log_probs.transpose(0, 1), labels, lengths, label_lens,
+                                    blank=0, reduction="none", zero_infinity=True)
+    return losses, lengths < ctc_min_frames(labels, label_lens)
 
 
 def build_head(config: dict[str, Any], encoder_dim: int, num_classes: int,

@@ -12,7 +12,7 @@ import sys
 import torch
 from torch import nn
 
-from cat.models.ctc_search import BLANK
+from cat.ctc.search import BLANK
 from cat.models.heads import TokenChunkSearch
 
 

@@ -137,10 +137,11 @@ from cat.decoding.results import (
 )
 from cat.decoding.searcher import (
     NO_LABEL,
-    OPTIONS_SCHEMA,
     DecodeOptions,
     DecodeSummary,
     FusionSpec,
+    method_options,
+    options_schema,
     plan_batches,
     searcher_for,
     write_hyp,
@@ -315,7 +316,7 @@ def decode_passes(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike,
         write_nbest(out_dir / NBEST_NAME, nbest)
         write_hyp(out_dir / "hyp", ((key, hyps[0][0] if hyps else "") for key, hyps in nbest))
         report = {"data": str(data_dir), "checkpoint": str(checkpoint),
-                  **dataclasses.asdict(options), "device": device, "workers": len(shares),
+                  **options.record(), "device": device, "workers": len(shares),
                   **_backend(launcher),
                   "fusion": dataclasses.asdict(spec) if spec is not None else None,
                   "num_utts": summary.num_utts, "audio_seconds": round(audio, 2),
@@ -380,7 +381,7 @@ def decode_set(exp_dir: PathLike, data_dir: PathLike, checkpoint: PathLike, out_
     write_hyp(out_dir / "hyp", ((result.key, result.text) for result in results))
     write_results(out_dir, results, output)
     report = {"data": str(data_dir), "checkpoint": str(checkpoint),
-              **dataclasses.asdict(options), "device": device, "workers": workers,
+              **options.record(), "device": device, "workers": workers,
               **_backend(launcher), "format": output,
               "fusion": dataclasses.asdict(spec) if spec is not None else None,
               "num_utts": summary.num_utts,
@@ -446,13 +447,17 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                            "--max-segment); the windows are cut between tokens near the "
                            "middle of the overlap (default %(default)g)")
     options = parser.add_argument_group("options (default: hyper-p.json inference.infer.option)")
+    methods = parser.add_argument_group(
+        "options of the decoding methods, each method's meaning as its head declares it "
+        "(default: hyper-p.json inference.infer.option)")
     # Help and choices come from the option schema, the one definition of these options.
-    defaults = DecodeOptions()
-    for name, spec in OPTIONS_SCHEMA["properties"].items():
+    defaults, declared = DecodeOptions(), method_options()
+    for name, spec in options_schema()["properties"].items():
         kind = {"integer": int, "number": float}.get(spec.get("type"), str)
-        options.add_argument("--" + name.replace("_", "-"), type=kind, choices=spec.get("enum"),
-                             help=f"{spec['description']} (built-in default: "
-                                  f"{getattr(defaults, name)})")
+        default = declared[name].default if name in declared else getattr(defaults, name)
+        (methods if name in declared else options).add_argument(
+            "--" + name.replace("_", "-"), type=kind, choices=spec.get("enum"),
+            help=f"{spec['description']} (built-in default: {default})")
     options.add_argument("--allow-config-change", action="store_true",
                          help="decode although config.json changed since the checkpoint was "
                               "trained (the changed keys are logged)")
@@ -550,7 +555,7 @@ def main(command: str, argv: Sequence[str] | None = None) -> int:
     hyper = load_hyper(hyper_path)
     try:
         options = DecodeOptions.of_experiment(hyper, str(hyper_path), {
-            **{name: getattr(args, name) for name in OPTIONS_SCHEMA["properties"]},
+            **{name: getattr(args, name) for name in options_schema()["properties"]},
             "allow_config_change": args.allow_config_change or None})
     except ConfigError as error:
         logger.error("%s", error)

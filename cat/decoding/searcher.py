@@ -3,11 +3,22 @@ length, and `Searcher`, one process's model decoding batches of utterances.
 
 `DecodeOptions` come from `hyper-p.json: inference.infer.option` (what stage 4 uses),
 overridden by the command line (`DecodeOptions.of_experiment`); besides the search
-options there (`OPTIONS_SCHEMA`), `allow_config_change` accepts a `config.json` changed
-since training (`ACCEPT_SCHEMA`). `load_model` builds the experiment's model and loads a
-checkpoint into it after comparing its config with the one the checkpoint records
-(`cat.decoding.checkpoint.check_model_config`): a changed key is an error naming it
-unless the change is accepted. `Searcher` decodes a batch with the model's `decode`
+options there (`options_schema()`), `allow_config_change` accepts a `config.json` changed
+since training (`ACCEPT_SCHEMA`).
+
+The decoding methods and their options are the heads': each head's module declares the
+methods it offers (`DECODE_METHODS`, `cat.models.heads.DecodeMethod`) and the registry
+collects them (`cat.models.registry.decode_methods`); this module merges them into the
+`method` choices and the methods' options (`method_options()`), beside the options every
+decode has (`COMMON_OPTIONS`), and names no method of its own but `greedy` and `beam`, the
+searches every decoding head has. The keys of `hyper-p.json` and of the command line are
+flat: a key two methods take is one setting, of one schema and default, which each method
+declares with its own meaning (`--help` lists them per method).
+
+`load_model` builds the experiment's model and loads a checkpoint into it after comparing
+its config with the one the checkpoint records (`cat.decoding.checkpoint.
+check_model_config`): a changed key is an error naming it unless the change is accepted.
+`Searcher` decodes a batch with the model's `decode`
 (`cat.models.model.AsrModel`: greedy, beam search or a rescoring method, best hypothesis),
 or with its `nbest` lists once per shallow-fusion setting (`FusionSpec`, `cat.lm.scorer`)
 after one network forward. `plan_batches` groups utterances of similar length within a
@@ -31,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,85 +67,118 @@ from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_tim
 from cat.features.fbank import experiment_front_end
 from cat.lm.scorer import CombinedFusion, Fusion, ShallowFusion, TokenLM
 from cat.loading.batch import Utterance, collate
-from cat.models.registry import build_model
+from cat.models.heads import DecodeOption
+from cat.models.registry import build_model, decode_methods
 from cat.text.tokenizer import load as load_tokenizer
 from cat.training.checkpoint import load_model_state, model_interface, read_model_checkpoint
 
 NO_LABEL = np.zeros(0, np.int32)
-OPTIONS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "method": {"enum": ["greedy", "beam", "attention_rescoring", "joint_rescoring"],
-                   "description": "search algorithm: greedy, beam search (prefix beam "
-                                  "search for CTC), attention_rescoring (the prefix "
-                                  "beam's N-best ranked again by the attention decoder; "
-                                  "CTC models with an 'attention' head), or "
-                                  "joint_rescoring (transducers with an auxiliary CTC "
-                                  "head: the N-best of both heads' beam searches ranked by "
-                                  "ctc_weight x the CTC head's + decoder_weight x the "
-                                  "transducer's log-likelihood)"},
-        "beam_size": {"type": "integer", "minimum": 1, "maximum": 1000,
-                      "description": "beam width: hypotheses kept per step"},
-        "ctc_weight": {"type": "number", "minimum": 0,
-                       "description": "attention_rescoring: weight of the search's "
-                                      "score; joint_rescoring: of the CTC head's "
-                                      "log-likelihood"},
-        "decoder_weight": {"type": "number", "minimum": 0,
-                           "description": "attention_rescoring: weight of the decoders' "
-                                          "score (log probability); joint_rescoring: of "
-                                          "the transducer's log-likelihood"},
-        "reverse_weight": {"type": "number", "minimum": 0, "maximum": 1,
-                           "description": "attention_rescoring: share of the right to left "
-                                          "decoder in the decoder's score (default: the "
-                                          "training's attention.reverse_weight)"},
-        "hotwords": {"type": "string", "minLength": 1,
-                     "description": "beam searches: a file of phrases to favour (contextual "
-                                    "biasing), one per line, each with an optional trailing "
-                                    "' :<score per token>' (relative to the recipe directory)"},
-        "hotwords_score": {"type": "number", "minimum": -MAX_PHRASE_BONUS,
-                           "maximum": MAX_PHRASE_BONUS,
-                           "description": "hotwords: the bonus per token of a phrase that "
-                                          "gives no score of its own (a phrase's bonus, "
-                                          "times its tokens, at most 1000 either way)"},
-        "blank_penalty": {"type": "number", "minimum": 0,
-                          "description": "transducer searches: a constant taken from the "
-                                         "blank logit at every step (sherpa-onnx's "
-                                         "blank_penalty); trades deletions for insertions"},
-        "chunk_size": {"type": "integer", "minimum": 0, "maximum": 10000,
-                       "description": "decode in chunks of this many encoder frames (0: full "
-                                      "context): the forward of a U2 model with its chunk "
-                                      "mask, the chunked forward of a CUSIDE model; what "
-                                      "streaming (python -m cat.stream) gives with that "
-                                      "chunk size"},
-        "right_context": {"enum": ["simulated", "real", "none"],
-                          "description": "CUSIDE models in chunks: each chunk's right context "
-                                         "(default: simulated with trainer.simu, else real)"},
-        "tlg": {"type": "string", "minLength": 1,
-                "description": "WFST decoding of the frame posteriors of a CTC model (CTC "
-                               "and CRF alike) with the TLG graph in this directory (TLG.fst "
-                               "and words.json, which stage 5 builds for each wfst setting) "
-                               "instead of the model's searches; word-level results and "
-                               "times"},
-        "lm_weight": {"type": "number", "exclusiveMinimum": 0,
-                      "description": "tlg: the word LM's weight (stage 5's weights.json)"},
-        "wfst_beam": {"type": "number", "exclusiveMinimum": 0,
-                      "description": "tlg: the WFST decoder's beam"},
-        "nj": {"type": "integer", "minimum": 1, "maximum": 1024,
-               "description": "CPU decoding processes, each decoding a share of the batches"},
-        "max_frames": {"type": "integer", "minimum": 1, "maximum": 100000000,
-                       "description": "padded input frames per batch (utterances sorted by "
-                                      "length)"},
-        "batch_size": {"type": "integer", "minimum": 1, "maximum": 100000,
-                       "description": "utterances per batch at most"},
-        "device": {"enum": ["auto", "cpu", "cuda"],
-                   "description": "where to decode; auto: CUDA when available"},
-    },
+#: The options of every decode, whatever the model's heads; `method` and the methods' own
+#: options are what the heads declare (`options_schema`).
+COMMON_OPTIONS: dict[str, Any] = {
+    "beam_size": {"type": "integer", "minimum": 1, "maximum": 1000,
+                  "description": "beam width: hypotheses kept per step"},
+    "hotwords": {"type": "string", "minLength": 1,
+                 "description": "beam searches: a file of phrases to favour (contextual "
+                                "biasing), one per line, each with an optional trailing "
+                                "' :<score per token>' (relative to the recipe directory)"},
+    "hotwords_score": {"type": "number", "minimum": -MAX_PHRASE_BONUS,
+                       "maximum": MAX_PHRASE_BONUS,
+                       "description": "hotwords: the bonus per token of a phrase that "
+                                      "gives no score of its own (a phrase's bonus, "
+                                      "times its tokens, at most 1000 either way)"},
+    "chunk_size": {"type": "integer", "minimum": 0, "maximum": 10000,
+                   "description": "decode in chunks of this many encoder frames (0: full "
+                                  "context): the forward of a U2 model with its chunk "
+                                  "mask, the chunked forward of a CUSIDE model; what "
+                                  "streaming (python -m cat.stream) gives with that "
+                                  "chunk size"},
+    "right_context": {"enum": ["simulated", "real", "none"],
+                      "description": "CUSIDE models in chunks: each chunk's right context "
+                                     "(default: simulated with trainer.simu, else real)"},
+    "tlg": {"type": "string", "minLength": 1,
+            "description": "WFST decoding of the frame posteriors of a CTC model (CTC "
+                           "and CRF alike) with the TLG graph in this directory (TLG.fst "
+                           "and words.json, which stage 5 builds for each wfst setting) "
+                           "instead of the model's searches; word-level results and "
+                           "times"},
+    "lm_weight": {"type": "number", "exclusiveMinimum": 0,
+                  "description": "tlg: the word LM's weight (stage 5's weights.json)"},
+    "wfst_beam": {"type": "number", "exclusiveMinimum": 0,
+                  "description": "tlg: the WFST decoder's beam"},
+    "nj": {"type": "integer", "minimum": 1, "maximum": 1024,
+           "description": "CPU decoding processes, each decoding a share of the batches"},
+    "max_frames": {"type": "integer", "minimum": 1, "maximum": 100000000,
+                   "description": "padded input frames per batch (utterances sorted by "
+                                  "length)"},
+    "batch_size": {"type": "integer", "minimum": 1, "maximum": 100000,
+                   "description": "utterances per batch at most"},
+    "device": {"enum": ["auto", "cpu", "cuda"],
+               "description": "where to decode; auto: CUDA when available"},
 }
 
 
+def _grouped(meanings: list[tuple[str, str, str]]) -> list[tuple[list[str], list[str], str]]:
+    """(methods, heads, description) of (head, method, description) triples, those with
+    the same description together, in order."""
+    groups: dict[str, tuple[list[str], list[str], str]] = {}
+    for head, method, description in meanings:
+        methods, heads, _ = groups.setdefault(description, ([], [], description))
+        methods.extend([method] if method not in methods else [])
+        heads.extend([head] if head not in heads else [])
+    return list(groups.values())
+
+
+def declared_methods() -> dict[str, str]:
+    """Every decoding method a head declares (`cat.models.registry.decode_methods`), in
+    the registry's order: {method: what it does, per head that offers it}."""
+    meanings: dict[str, list[str]] = {}
+    for head, method, declaration in decode_methods():
+        meanings.setdefault(method, []).append(f"{head}: {declaration.description}")
+    return {method: "; ".join(texts) for method, texts in meanings.items()}
+
+
+def method_options() -> dict[str, DecodeOption]:
+    """The options the heads' decoding methods declare, one per key (the key of
+    `hyper-p.json` and of the command line): its schema, default and `unused` reason, which
+    every method that declares the key must give alike (a ValueError naming the key and
+    the heads otherwise), and what each method means by it (the description lists them,
+    `<methods> (<head>): <meaning>; ...`)."""
+    first: dict[str, tuple[str, DecodeOption]] = {}
+    meanings: dict[str, list[tuple[str, str, str]]] = {}
+    for head, method, declaration in decode_methods():
+        for key, option in declaration.options.items():
+            seen = first.setdefault(key, (f"{head}'s {method}", option))
+            if (dict(seen[1].schema), seen[1].default, seen[1].unused) != (
+                    dict(option.schema), option.default, option.unused):
+                raise ValueError(f"decoding option {key!r}: {seen[0]} and {head}'s {method} "
+                                 "declare it with another schema, default or unused "
+                                 "reason; a key is one setting of hyper-p.json and the "
+                                 "command line")
+            meanings.setdefault(key, []).append((head, method, option.description))
+    return {key: dataclasses.replace(option, description="; ".join(
+        f"{' and '.join(methods)} ({', '.join(heads)}): {description}"
+        for methods, heads, description in _grouped(meanings[key])))
+        for key, (_, option) in first.items()}
+
+
+def options_schema() -> dict[str, Any]:
+    """The JSON schema of `inference.infer.option`'s decoding options (and of the decoding
+    command line's flags): `method`, one of the methods the heads declare, the methods'
+    options (`method_options`) and `COMMON_OPTIONS`."""
+    methods = declared_methods()
+    method = {"enum": list(methods),
+              "description": "search algorithm, as the model's heads offer it: "
+                             + ", ".join(f"{name} ({text})" for name, text in methods.items())}
+    declared = {key: {**option.schema, "description": option.description}
+                for key, option in method_options().items()}
+    return {"type": "object", "additionalProperties": False,
+            "properties": {"method": method, "beam_size": COMMON_OPTIONS["beam_size"],
+                           **declared, **COMMON_OPTIONS}}
+
+
 #: Options of `inference.infer.option` that are not search options (and not on the
-#: decoding command line, whose flags are those of OPTIONS_SCHEMA).
+#: decoding command line, whose flags are those of `options_schema()`).
 ACCEPT_SCHEMA: dict[str, Any] = {
     "allow_config_change": {
         "type": "boolean",
@@ -146,16 +190,14 @@ ACCEPT_SCHEMA: dict[str, Any] = {
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """See `OPTIONS_SCHEMA` and `ACCEPT_SCHEMA`."""
+    """See `COMMON_OPTIONS` and `ACCEPT_SCHEMA`; `method_options`: the options of the
+    heads' decoding methods that were given (`method_options()` declares them, `option`
+    reads one)."""
 
     method: str = "beam"
     beam_size: int = 10
-    ctc_weight: float = 0.5
-    decoder_weight: float = 1.0
-    reverse_weight: float | None = None
     hotwords: str | None = None
     hotwords_score: float = 1.5
-    blank_penalty: float = 0.0
     chunk_size: int = 0
     right_context: str | None = None
     tlg: str | None = None
@@ -166,6 +208,7 @@ class DecodeOptions:
     batch_size: int = 64
     device: str = "auto"
     allow_config_change: bool = False
+    method_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.hotwords is not None and self.tlg is not None:
@@ -175,14 +218,23 @@ class DecodeOptions:
         if self.hotwords is not None and self.method == "greedy":
             raise ValueError("hotwords need a beam search (method 'beam' or one of the "
                              "rescoring methods), not greedy")
+        if self.method_options:
+            unknown = sorted(set(self.method_options) - set(method_options()))
+            if unknown:
+                raise ValueError(f"{', '.join(unknown)}: no decoding method declares it; "
+                                 f"the methods' options are "
+                                 f"{', '.join(method_options())}")
 
     @classmethod
     def from_dict(cls, options: dict[str, Any], source: str) -> DecodeOptions:
-        schema = {**OPTIONS_SCHEMA,
-                  "properties": {**OPTIONS_SCHEMA["properties"], **ACCEPT_SCHEMA}}
+        schema = options_schema()
+        schema["properties"].update(ACCEPT_SCHEMA)
         check_against_schema(options, schema, source)
+        declared = method_options()
         try:
-            return cls(**options)
+            return cls(**{key: value for key, value in options.items() if key not in declared},
+                       method_options={key: value for key, value in options.items()
+                                       if key in declared})
         except ValueError as error:
             raise ConfigError(f"{source}: {error}") from None
 
@@ -195,16 +247,34 @@ class DecodeOptions:
         options.update({key: value for key, value in overrides.items() if value is not None})
         return cls.from_dict(options, f"{source}: inference.infer.option")
 
+    def option(self, name: str) -> Any:
+        """The value of the methods' option `name`: the one given, else its declared
+        default (KeyError for a name no method declares)."""
+        if name in self.method_options:
+            return self.method_options[name]
+        return method_options()[name].default
+
     def search_settings(self, accepted: Sequence[str], source: str) -> dict[str, Any]:
         """The keyword arguments of a model's `decode` and `nbest` for `method`: the options
         named by `accepted` (what the model takes with this method:
-        `AsrModel.method_settings`, e.g. a rescoring head's weights, a transducer's
-        `blank_penalty`). A setting given a value its search does not take (a blank
-        penalty for a model without a blank logit) is a ValueError naming `source`."""
-        if self.blank_penalty and "blank_penalty" not in accepted:
-            raise ValueError(f"{source}: blank_penalty: this model's searches have no "
-                             f"blank logit to lower (a transducer's have)")
-        return {name: getattr(self, name) for name in accepted}
+        `AsrModel.method_settings`, the options its heads' methods declare). An option
+        given a value other than its default that the model's method does not take, and
+        whose declaration gives a reason for refusing it (`DecodeOption.unused`), is a
+        ValueError naming `source`, the option and the reason."""
+        declared = method_options()
+        for name, value in self.method_options.items():
+            reason = declared[name].unused
+            if reason is not None and name not in accepted and value != declared[name].default:
+                raise ValueError(f"{source}: {name}: {reason}")
+        return {name: self.option(name) for name in accepted}
+
+    def record(self) -> dict[str, Any]:
+        """The options as `decode.log` records them: `method`, `beam_size`, every option of
+        the methods (its default when not given), then the others."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                  if field.name != "method_options"}
+        first = {key: values.pop(key) for key in ("method", "beam_size")}
+        return {**first, **{name: self.option(name) for name in method_options()}, **values}
 
     def resolved_device(self) -> str:
         """`cpu` or `cuda` (`auto`: cuda when torch sees a GPU)."""
@@ -405,8 +475,8 @@ class Searcher:
 
     def nbest(self, utterances: Sequence[Utterance]) -> list[list[tuple[str, NBest]]]:
         """Per fusion spec, (key, N-best list) of each utterance (beam search with the
-        spec's LM and the hotwords, ranked again by the attention decoder with method
-        `attention_rescoring`)."""
+        spec's LM and the hotwords, ranked again by another head with a rescoring
+        method)."""
         with torch.inference_mode():
             start = time.perf_counter()
             batch = collate(utterances)

@@ -2,8 +2,8 @@
 
 A model whose first head can align hypotheses to the encoder frames (a `TokenAligner`)
 gives each token's frame span and log-probability on the best alignment of that hypothesis;
-the spans, the `TokenAligner` protocol and the CTC heads' `ctc_token_frames` are
-`cat.models.spans`' (below the model families, which give them), re-exported here.
+the spans and the `TokenAligner` protocol are `cat.models.spans`' (below the model
+families, which give them), re-exported here.
 
 Aligning the chosen hypothesis after the search, rather than tracking frames inside each
 search, gives every method the same definition (greedy, beam, hotwords, attention and
@@ -35,7 +35,6 @@ from collections.abc import Sequence
 
 from cat.models.spans import Span as Span
 from cat.models.spans import TokenAligner as TokenAligner
-from cat.models.spans import ctc_token_frames as ctc_token_frames
 
 #: Seconds per feature frame (stage 1's 10 ms shift).
 FRAME_SHIFT_SECONDS = 0.01

@@ -518,7 +518,7 @@ def write_outputs(transcript: Transcript, out_dir: PathLike) -> None:
     summary = transcript.summary
     report: dict[str, Any] = {
         "data": transcript.name, "checkpoint": transcript.checkpoint,
-        **dataclasses.asdict(transcript.options),
+        **transcript.options.record(),
         "device": transcript.device, "workers": transcript.workers,
         "format": transcript.output,
         "fusion": dataclasses.asdict(transcript.fusion) if transcript.fusion else None,

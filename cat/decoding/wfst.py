@@ -43,12 +43,7 @@ from cat.core.io import PathLike, atomic_write
 from cat.decoding.context_graph import read_hotword_phrases
 from cat.decoding.results import Result
 from cat.decoding.searcher import NO_LABEL, DecodeOptions, FusionSpec, Searcher, plan_batches
-from cat.decoding.timestamps import (
-    FRAME_SHIFT_SECONDS,
-    TimedUnit,
-    ctc_token_frames,
-    token_times,
-)
+from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TimedUnit, token_times
 from cat.formats.tables import read_feature_index
 from cat.graph.tlg import (
     ChunkDecoder,
@@ -275,15 +270,17 @@ class TlgSearcher(Searcher):
 
     def _paths(self, utterances: list[Utterance]
                ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[str], list[int]]]]:
+        """The encoder output and lengths of a batch (what the first head aligns), and the
+        best path of each utterance's log-posteriors (`model.log_probs`' values)."""
         batch = collate(utterances)
         with torch.inference_mode():
-            log_probs, lengths = self.model.log_probs(batch.feats.to(self.device),
-                                                      batch.feat_lens.to(self.device))
-        log_probs = log_probs.cpu()
+            hidden, lengths = self.model.encode(batch.feats.to(self.device),
+                                                batch.feat_lens.to(self.device))
+            log_probs = self.model.first_head.log_probs(hidden).cpu()
         paths = [decode_path(self.graph, log_probs[i, :int(lengths[i])].numpy(),
                              lm_weight=self.options.lm_weight, beam=self.options.wfst_beam)
                  for i in range(len(utterances))]
-        return log_probs, lengths.cpu(), paths
+        return hidden, lengths, paths
 
     def best(self, utterances: list[Utterance]) -> list[tuple[str, str]]:
         _, _, paths = self._paths(utterances)
@@ -291,9 +288,13 @@ class TlgSearcher(Searcher):
                                                                    strict=True)]
 
     def results(self, utterances: list[Utterance], timestamps: bool = True) -> list[Result]:
-        log_probs, lengths, paths = self._paths(utterances)
-        spans = ctc_token_frames(log_probs, lengths, [units for _, units in paths]) \
-            if timestamps else [None] * len(paths)
+        hidden, lengths, paths = self._paths(utterances)
+        spans: list[Any] = [None] * len(paths)
+        if timestamps:
+            with torch.inference_mode():
+                # The units' spikes on the forced alignment, as the head aligns its searches'.
+                spans = self.model.first_head.token_frames(hidden, lengths,
+                                                           [units for _, units in paths])
         factor = int(self.model.encoder.frame_rate_factor)
         results = []
         for index, (utterance, (words, units)) in enumerate(zip(utterances, paths,

@@ -36,9 +36,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from cat.models.heads import DecodeMethod, DecodeOption
 from cat.models.layer import lengths_to_padding_mask
 
 SOS = EOS = 0  # the CTC blank: never a label
+
+#: A weight of a rescoring method's score (the same setting as joint rescoring's).
+WEIGHT = {"type": "number", "minimum": 0}
+#: The decoding method the attention decoder offers (`cat.models.heads.DecodeMethod`).
+DECODE_METHODS = {
+    "attention_rescoring": DecodeMethod(
+        "CTC models with an 'attention' head: the prefix beam's N-best ranked again by the "
+        "attention decoder",
+        {"ctc_weight": DecodeOption(WEIGHT, 0.5, "weight of the search's score"),
+         "decoder_weight": DecodeOption(WEIGHT, 1.0, "weight of the decoders' score (log "
+                                                     "probability)"),
+         "reverse_weight": DecodeOption(
+             {"type": "number", "minimum": 0, "maximum": 1}, None,
+             "share of the right to left decoder in the decoder's score (default: the "
+             "training's attention.reverse_weight)")}),
+}
 
 
 class PositionalEncoding(nn.Module):
@@ -133,7 +150,7 @@ class AttentionHead(nn.Module):
     stat_name = "att"
     ctc_alignment = False
     rescoring_method = "attention_rescoring"
-    rescoring_weights = ("ctc_weight", "decoder_weight", "reverse_weight")
+    rescoring_weights = tuple(DECODE_METHODS[rescoring_method].options)
 
     def __init__(self, dim: int, num_classes: int, num_layers: int = 3, num_heads: int = 4,
                  ffn_dim: int = 1024, dropout: float = 0.1, r2l_layers: int = 0,

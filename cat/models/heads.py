@@ -1,6 +1,7 @@
 """Heads over the encoder output: their interfaces (`Head`, `SearchHead`, `Rescorer`,
-`FramePosteriors`, `ProgressHead`, which `cat.models.model.AsrModel` uses), and what heads
-share: CTC losses, loss normalisation, batch checks, blank-heavy output init, training
+`FramePosteriors`, `ProgressHead`, which `cat.models.model.AsrModel` uses), the declaration
+of the decoding methods they offer (`DecodeMethod`, `DecodeOption`), and what heads
+share: loss normalisation, batch checks, blank-heavy output init, training
 progress (`Progress`). The heads live with their own code: the CTC head in `cat.ctc.head`,
 CR-CTC's in `cat.ctc.crctc`, the transducer's in `cat.rnnt.model`, CTC-CRF's in
 `cat.crf.model`, the attention decoder's in `cat.models.attention`.
@@ -33,6 +34,37 @@ LOSS_NORMALIZATIONS = ("utterance", "token")
 NBest = list[tuple[list[int], float]]
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeOption:
+    """A setting of a decoding method, as the method that takes it declares it.
+
+    `hyper-p.json: inference.infer.option` and the decoding command line (`--<key>`) hold
+    one value per key, so a key several methods take (`DECODE_METHODS` of two heads) is one
+    setting: its `schema` (the JSON schema of the value, bounds included) and `default` are
+    the same in every declaration, and each method says what it means for it
+    (`description`). `unused`: why a value other than the default is an error for a model
+    whose method does not take the setting (None: such a value is ignored)."""
+
+    schema: Mapping[str, Any]
+    default: Any
+    description: str
+    unused: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMethod:
+    """A decoding method a head offers, what its module's `DECODE_METHODS` ({method name:
+    DecodeMethod}) declares and the registry collects (`cat.models.registry.
+    decode_methods`): a search of the first head (its `search_methods`; the settings its
+    `search` and `nbest` take are its `search_settings`), or a ranking of the first head's
+    N-best by another head (a `Rescorer`'s `rescoring_method`, its `rescoring_weights`).
+    `description`: what the method does with this head; `options`: the settings it takes
+    ({key: DecodeOption})."""
+
+    description: str
+    options: Mapping[str, DecodeOption] = dataclasses.field(default_factory=dict)
+
+
 @runtime_checkable
 class Head(Protocol):
     """A head over the encoder output (`cat.models.model.AsrModel` holds one or more).
@@ -61,7 +93,8 @@ class SearchHead(Head, Protocol):
     """A head that decodes (a model's first head: CTC, CTC-CRF or transducer).
 
     * `search_methods`: its own methods (`greedy`, `beam`); `search_settings`: the names of
-      the `DecodeOptions` its searches take as `**settings` (e.g. `blank_penalty`);
+      the decoding options its searches take as `**settings` (a transducer's blank
+      penalty), as its module's `DECODE_METHODS` declares them (`DecodeMethod`);
     * `search(hidden, lengths, method, beam_size, **settings) -> token ids per utterance`;
     * `nbest(hidden, lengths, beam_size, fusion, **settings) -> an N-best list (token ids,
       score) per utterance`, with shallow fusion (and hotwords) when `fusion` is given;
@@ -88,7 +121,8 @@ class Rescorer(Protocol):
     """A head that ranks the first head's N-best again (decoding method
     `rescoring_method`): `rescore(hidden, lengths, nbest, first, fusion, beam_size,
     **weights) -> N-best lists`, `first` being the model's first head (a `SearchHead`),
-    `weights` the `DecodeOptions` named by `rescoring_weights`."""
+    `weights` the decoding options named by `rescoring_weights` (its module's
+    `DECODE_METHODS[rescoring_method]` declares them)."""
 
     rescoring_method: str
     rescoring_weights: tuple[str, ...]
@@ -104,10 +138,16 @@ class FramePosteriors(Protocol):
     (TLG) decoding and streaming CTC search consume, through the model's `log_probs`
     when this head is its first.
 
-    * `log_probs(hidden [B, T', D]) -> [B, T', V] float32`.
+    * `log_probs(hidden [B, T', D]) -> [B, T', V] float32`;
+    * `search_log_probs(log_probs, lengths, beam_size, fusion) -> an N-best list per
+      utterance`: its beam search of log-probabilities it gave (streaming with hotwords
+      searches those of the chunks so far).
     """
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def search_log_probs(self, log_probs: torch.Tensor, lengths: torch.Tensor,
+                         beam_size: int, fusion: Fusion | None = None) -> list[NBest]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,25 +218,6 @@ def check_batch(feats: torch.Tensor, feat_lens: torch.Tensor, labels: torch.Tens
         row = int(bad.any(dim=1).nonzero()[0])
         raise ValueError(f"labels of utterance {row} in the batch hold ids outside "
                          f"[1, {num_classes}) (0 is blank): {labels[row][valid[row]].tolist()}")
-
-
-def ctc_min_frames(labels: torch.Tensor, label_lens: torch.Tensor) -> torch.Tensor:
-    """Frames CTC needs for each label sequence: length + number of adjacent repeats."""
-    valid = torch.arange(labels.size(1), device=labels.device)[None, :] < label_lens[:, None]
-    repeats = (labels[:, 1:] == labels[:, :-1]) & valid[:, 1:]
-    return label_lens + repeats.sum(dim=1)
-
-
-def ctc_losses(log_probs: torch.Tensor, lengths: torch.Tensor, labels: torch.Tensor,
-               label_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-utterance CTC losses (blank 0) of log-probabilities [B, T', V], and which
-    utterances are infeasible (fewer frames than `ctc_min_frames`: loss 0, no gradient)."""
-    if log_probs.size(1) == 0:
-        # ctc_loss rejects an empty time axis; a frame nobody may use keeps it defined.
-        log_probs = nn.functional.pad(log_probs, (0, 0, 0, 1))
-    losses = nn.functional.ctc_loss(log_probs.transpose(0, 1), labels, lengths, label_lens,
-                                    blank=0, reduction="none", zero_infinity=True)
-    return losses, lengths < ctc_min_frames(labels, label_lens)
 
 
 def init_blank_bias(head: nn.Linear, blank_prob: float) -> None:

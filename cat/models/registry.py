@@ -26,12 +26,16 @@ of the head's section (`SECTION_HEADS`: `ctc.cr_ctc`, CR-CTC's head). `FAMILIES`
 maps a kind to the package of its streaming search and export (the verbs `python -m
 cat.stream` and `cat.export` find them with `family(kind, part)`), and `BEFORE_TRAINING` a
 kind to what stage 2 builds for it (`before_training(kind)`: CTC-CRF's denominator graph).
+A head's module declares the decoding methods the head offers and their options
+(`DECODE_METHODS`, `cat.models.heads.DecodeMethod`); `decode_methods()` collects them for
+decoding's options, command line and `hyper-p.json` check (`cat.decoding.searcher`).
 
 What an encoder and a head provide is declared in `cat.models.encoder` (`Encoder`) and
 `cat.models.heads` (`Head`, `SearchHead`, `Rescorer`) and checked when a model is built.
-Adding a head: its module (with `build_head`), an entry here, its config section in the
-schema; a head that needs more than one forward of the batch or the training progress says
-so itself (`ProgressHead`: CR-CTC's second view, a loss warmed up with the step).
+Adding a head: its module (with `build_head`, and `DECODE_METHODS` when it decodes or
+rescores), an entry here, its config section in the schema; a head that needs more than
+one forward of the batch or the training progress says so itself
+(`ProgressHead`: CR-CTC's second view, a loss warmed up with the step).
 
 Usage::
 
@@ -54,7 +58,7 @@ from torch import nn
 from cat.core.config import ConfigError, validate_config
 from cat.models.cuside import build_chunking
 from cat.models.encoder import ConformerNet, Encoder
-from cat.models.heads import Head, build_component
+from cat.models.heads import DecodeMethod, Head, build_component
 from cat.models.model import AsrModel
 from cat.models.specaug import SpecAugment
 
@@ -129,6 +133,32 @@ def before_training(kind: str) -> Callable[..., None] | None:
     needs nothing more."""
     module = BEFORE_TRAINING.get(kind)
     return None if module is None else importlib.import_module(module).prepare
+
+
+def head_modules() -> dict[str, list[str]]:
+    """Head name -> the modules its head can be built with (`HEADS`, then `KIND_HEADS` and
+    `SECTION_HEADS`), in `HEADS`' order."""
+    modules: dict[str, list[str]] = {}
+    for name, (_, module) in HEADS.items():
+        variants = [table[name] for table in (*KIND_HEADS.values(), *SECTION_HEADS.values())
+                    if name in table]
+        modules[name] = list(dict.fromkeys([module, *variants]))
+    return modules
+
+
+def decode_methods() -> list[tuple[str, str, DecodeMethod]]:
+    """(head name, method, declaration) of every decoding method a head can offer: the
+    `DECODE_METHODS` of the modules of `head_modules()`, in `HEADS`' order (a module
+    that declares none, or the same declarations as one before it, adds nothing: CTC-CRF's
+    and CR-CTC's heads decode as the CTC head)."""
+    found: list[tuple[str, str, DecodeMethod]] = []
+    for name, modules in head_modules().items():
+        for module in modules:
+            for method, declaration in getattr(importlib.import_module(module),
+                                               "DECODE_METHODS", {}).items():
+                if not any(seen is declaration for _, _, seen in found):
+                    found.append((name, method, declaration))
+    return found
 
 
 def build_specaug(config: dict[str, Any]) -> SpecAugment | None:

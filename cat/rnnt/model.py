@@ -40,7 +40,13 @@ import torchaudio
 from torch import nn
 
 from cat.lm.scorer import ShallowFusion
-from cat.models.heads import build_component, init_blank_bias, pad_hyps
+from cat.models.heads import (
+    DecodeMethod,
+    DecodeOption,
+    build_component,
+    init_blank_bias,
+    pad_hyps,
+)
 from cat.models.spans import Span
 from cat.rnnt.align import rnnt_token_frames
 from cat.rnnt.search import rnnt_greedy_search, rnnt_modified_beam_search
@@ -216,6 +222,20 @@ def simple_losses(am_logits: torch.Tensor, lm_logits: torch.Tensor, labels: torc
         lengths.clamp(min=1).int(), label_lens.int(), blank=BLANK, reduction="none",
         fused_log_softmax=False)
 
+#: The blank penalty of both searches (`cat.rnnt.search`), sherpa-onnx's setting of that name.
+BLANK_PENALTY = DecodeOption(
+    {"type": "number", "minimum": 0}, 0.0,
+    "a constant taken from the blank logit at every step (sherpa-onnx's blank_penalty); "
+    "trades deletions for insertions",
+    unused="this model's searches have no blank logit to lower (a transducer's have)")
+#: The decoding methods a transducer head offers (`cat.models.heads.DecodeMethod`).
+DECODE_METHODS = {
+    "greedy": DecodeMethod("greedy search, up to 3 symbols a frame",
+                           {"blank_penalty": BLANK_PENALTY}),
+    "beam": DecodeMethod("modified beam search (one symbol a frame)",
+                         {"blank_penalty": BLANK_PENALTY}),
+}
+
 
 class TransducerHead(nn.Module):
     """The transducer head: predictor and joiner over the encoder output, trained with
@@ -238,8 +258,8 @@ class TransducerHead(nn.Module):
     stat_name = "rnnt"
     ctc_alignment = False
     search_methods = ("greedy", "beam")
-    #: The search settings (`DecodeOptions`) `search` and `nbest` take.
-    search_settings = ("blank_penalty",)
+    #: The decoding options `search` and `nbest` take (`DECODE_METHODS`).
+    search_settings = tuple(DECODE_METHODS["beam"].options)
 
     def __init__(self, encoder_dim: int, predictor: nn.Module, joiner: JointNet,
                  simple_loss_scale: float = 0.0) -> None:

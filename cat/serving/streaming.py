@@ -33,7 +33,6 @@ from cat.decoding.context_graph import ContextGraph, parse_hotword_line
 from cat.decoding.online import ChunkSearch, FeatureStream, streaming_encoder
 from cat.decoding.timestamps import FRAME_SHIFT_SECONDS, TokenAligner, token_times
 from cat.features.fbank import FbankOptions
-from cat.models.ctc_search import ctc_prefix_beam_search
 from cat.serving.endpoint import EndpointRules
 from cat.serving.engine import offset_tokens
 from cat.serving.protocol import Result, Start
@@ -44,7 +43,8 @@ class HotwordChunkSearch:
     """CTC prefix beam search over the frames so far with a connection's hotwords (the
     model's first head gives frame posteriors): after each chunk the utterance's
     log-probabilities are searched again, so the hypothesis is that of
-    `ctc_prefix_beam_search` of them, with the context graph as its fusion."""
+    the head's prefix beam search of them (`search_log_probs`), with the context graph as
+    its fusion."""
 
     def __init__(self, model: Any, graph: ContextGraph, beam_size: int) -> None:
         self.head, self.graph, self.beam_size = model.first_head, graph, beam_size
@@ -54,8 +54,8 @@ class HotwordChunkSearch:
     def step(self, encoder_out: torch.Tensor) -> None:
         self.log_probs.append(self.head.log_probs(encoder_out[None])[0])
         frames = torch.cat(self.log_probs)
-        nbest = ctc_prefix_beam_search(frames[None], torch.tensor([frames.size(0)]),
-                                       self.beam_size, fusion=self.graph)[0]
+        nbest = self.head.search_log_probs(frames[None], torch.tensor([frames.size(0)]),
+                                           self.beam_size, self.graph)[0]
         self.tokens = list(nbest[0][0]) if nbest else []
 
     def finish(self) -> None:

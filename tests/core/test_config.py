@@ -160,12 +160,12 @@ def _unbounded_sizes(schema: dict) -> list[str]:
 def test_every_size_key_has_a_maximum(name):
     """A mistyped size (CUSIDE's trainer.chunk_size 10^9 padded every batch to a chunk of
     6 GB) is refused by name, with the key and the bound, before anything is allocated."""
-    from cat.decoding.searcher import ACCEPT_SCHEMA, OPTIONS_SCHEMA
+    from cat.decoding.searcher import ACCEPT_SCHEMA, options_schema
 
     schemas = {"hyper-p": config.HYPER_SCHEMA_PATH, "config": config.CONFIG_SCHEMA_PATH,
                "lm": Path(cat.__file__).parent / "lm" / "schemas" / "lm.schema.json"}
-    schema = ({**OPTIONS_SCHEMA, "properties": {**OPTIONS_SCHEMA["properties"],
-                                                **ACCEPT_SCHEMA}}
+    decoding = options_schema()
+    schema = ({**decoding, "properties": {**decoding["properties"], **ACCEPT_SCHEMA}}
               if name == "decoding options" else
               json.loads(schemas[name].read_text(encoding="utf-8")))
     assert _unbounded_sizes(schema) == []

@@ -10,10 +10,11 @@ import pytest
 import soundfile as sf
 import torch
 
+from cat.ctc.align import ctc_token_frames
 from cat.data import alignment, synth
 from cat.data.alignment import Word, boundary_errors, make_alignment_set, read_ctm
 from cat.decoding.results import Result, format_lines
-from cat.decoding.timestamps import ctc_token_frames, token_times
+from cat.decoding.timestamps import token_times
 
 
 @pytest.fixture(scope="module")

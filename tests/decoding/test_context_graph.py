@@ -17,6 +17,7 @@ import soundfile
 import torch
 
 from cat import train as cat_train
+from cat.ctc.search import ctc_prefix_beam_search
 from cat.decoding.context_graph import ContextGraph, HotwordsError, read_hotwords
 from cat.decoding.inference import FusionSpec, decode_passes
 from cat.decoding.inference import main as decode_main
@@ -24,11 +25,10 @@ from cat.decoding.searcher import DecodeOptions
 from cat.lm.ngram import estimate, write_arpa
 from cat.lm.rescore import NBEST_NAME, read_nbest
 from cat.lm.scorer import CombinedFusion
-from cat.models.ctc_search import ctc_prefix_beam_search
 from cat.rnnt.search import rnnt_modified_beam_search
 from cat.testing.training import write_tiny_experiment
 from cat.text.tokenizer import UNK_ID
-from tests.models.test_ctc_search import BigramFusion, brute_force_labelings, random_log_probs
+from tests.ctc.test_search import BigramFusion, brute_force_labelings, random_log_probs
 from tests.rnnt.test_search import brute_force_sequences, components
 
 A, B, C, X = 1, 2, 3, 9

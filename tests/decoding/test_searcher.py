@@ -17,7 +17,7 @@ import pytest
 import soundfile
 import torch
 
-from cat.core.config import load_experiment
+from cat.core.config import ConfigError, load_experiment
 from cat.decoding.audio import from_files
 from cat.decoding.checkpoint import ModelConfigChangedError, select_checkpoint
 from cat.decoding.export import export_main
@@ -300,4 +300,66 @@ def test_search_settings_reach_only_the_searches_that_take_them():
     rescoring = DecodeOptions.from_dict({"method": "attention_rescoring",
                                          "reverse_weight": 0.3}, "hyper-p.json")
     assert rescoring.search_settings(("ctc_weight", "reverse_weight"), "config.json") == {
-        "ctc_weight": rescoring.ctc_weight, "reverse_weight": 0.3}
+        "ctc_weight": rescoring.option("ctc_weight"), "reverse_weight": 0.3}
+
+
+#: `decode.log`'s record of the options before the heads declared theirs: every option
+#: with its built-in default.
+RECORDED_DEFAULTS = {
+    "method": "beam", "beam_size": 10, "ctc_weight": 0.5, "decoder_weight": 1.0,
+    "reverse_weight": None, "hotwords": None, "hotwords_score": 1.5, "blank_penalty": 0.0,
+    "chunk_size": 0, "right_context": None, "tlg": None, "lm_weight": 1.0, "wfst_beam": 16.0,
+    "nj": 1, "max_frames": 40000, "batch_size": 64, "device": "auto",
+    "allow_config_change": False}
+
+
+@pytest.mark.parametrize("hyper", sorted(Path(__file__).resolve().parents[2].glob(
+    "egs/*/exp/*/hyper-p.json")), ids=lambda path: f"{path.parts[-4]}/{path.parts[-2]}")
+def test_the_recipes_decoding_options_read_as_before(hyper):
+    """Every recipe's `inference.infer.option` validates, and decodes with the settings it
+    gave before the options were the heads' (what `decode.log` records, default or not)."""
+    given = json.loads(hyper.read_text())["inference"]["infer"].get("option", {})
+    options = DecodeOptions.from_dict(given, str(hyper))
+    assert options.record() == {**RECORDED_DEFAULTS, **given}
+    assert set(options.method_options) <= {"ctc_weight", "decoder_weight", "reverse_weight",
+                                           "blank_penalty"}
+
+
+def test_a_key_two_methods_take_is_one_setting_with_each_methods_meaning():
+    """`ctc_weight` and `decoder_weight` weigh other scores in attention rescoring (the
+    search's, the attention decoder's) than in joint rescoring (the CTC head's, the
+    transducer's): one key each, one default, and the help names both meanings."""
+    from cat.decoding.searcher import method_options, options_schema
+
+    options = method_options()
+    assert options["ctc_weight"].description == (
+        "joint_rescoring (ctc): weight of the CTC head's log-likelihood; "
+        "attention_rescoring (attention): weight of the search's score")
+    assert options["blank_penalty"].description.startswith("greedy and beam (transducer): ")
+    schema = options_schema()["properties"]
+    assert schema["method"]["enum"] == ["greedy", "beam", "joint_rescoring",
+                                        "attention_rescoring"]
+    assert schema["decoder_weight"] == {"type": "number", "minimum": 0,
+                                        "description": options["decoder_weight"].description}
+    with pytest.raises(ConfigError, match=r"hyper-p\.json: ctc_weight: -1 is less than the "
+                                          r"minimum of 0"):
+        DecodeOptions.from_dict({"ctc_weight": -1}, "hyper-p.json")
+    with pytest.raises(ConfigError, match=r"unknown key 'blank_weight'.* blank_penalty, "):
+        DecodeOptions.from_dict({"blank_weight": 1.0}, "hyper-p.json")
+    with pytest.raises(ValueError, match="blank_weight: no decoding method declares it"):
+        DecodeOptions(method_options={"blank_weight": 1.0})
+
+
+def test_heads_declaring_one_key_differently_are_refused(monkeypatch):
+    from cat.decoding import searcher
+    from cat.models.heads import DecodeMethod, DecodeOption
+
+    declared = [
+        ("ctc", "joint_rescoring", DecodeMethod("x", {"ctc_weight": DecodeOption(
+            {"type": "number", "minimum": 0}, 0.5, "weight of the CTC head's")})),
+        ("attention", "attention_rescoring", DecodeMethod("y", {"ctc_weight": DecodeOption(
+            {"type": "number", "minimum": 0}, 0.3, "weight of the search's")}))]
+    monkeypatch.setattr(searcher, "decode_methods", lambda: declared)
+    with pytest.raises(ValueError, match="'ctc_weight': ctc's joint_rescoring and "
+                                         "attention's attention_rescoring declare it"):
+        searcher.method_options()

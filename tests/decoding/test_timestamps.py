@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from cat.decoding.timestamps import (
-    TOKEN_TAIL_SECONDS,
-    TimedUnit,
-    ctc_token_frames,
-    group_words,
-    token_times,
-)
-from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
+from cat.ctc.align import ctc_token_frames
+from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
+from cat.decoding.timestamps import TOKEN_TAIL_SECONDS, TimedUnit, group_words, token_times
 
 
 def spiky_log_probs(num_frames: int, vocab: int, spikes: list[tuple[int, int, int]],

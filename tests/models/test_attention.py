@@ -7,8 +7,8 @@ import torch
 
 from cat.core.config import ConfigError, validate_config
 from cat.core.config import load_config_schema as load_schema
+from cat.ctc.search import ctc_prefix_beam_search
 from cat.models.attention import AttentionHead, rescore, teacher_forcing
-from cat.models.ctc_search import ctc_prefix_beam_search
 from cat.models.registry import build_model
 from tests.models.test_registry import (
     _constructor_defaults,

@@ -319,7 +319,7 @@ def test_joint_rescoring_ranks_both_searches_lists_by_the_weighted_log_likelihoo
     transducer's and the CTC head's N-best, each scored ctc_weight x CTC + decoder_weight x
     transducer log-likelihood over all alignments, best first; without a CTC head the
     method does not exist."""
-    from cat.models.ctc_search import ctc_prefix_beam_search
+    from cat.ctc.search import ctc_prefix_beam_search
     from cat.models.registry import build_model
     from tests.models.test_registry import rnnt_config
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cat.models.ctc_search import ctc_greedy_search, ctc_prefix_beam_search
+from cat.ctc.search import ctc_greedy_search, ctc_prefix_beam_search
 
 
 def random_log_probs(batch: int, frames: int, vocab: int, seed: int,
