@@ -128,11 +128,13 @@ from cat.decoding.checkpoint import (
 from cat.decoding.context_graph import HotwordsError
 from cat.decoding.results import (
     FORMATS,
+    WRITERS,
     Result,
     ResultFormatError,
     check_format,
     format_lines,
-    srt_document,
+    formats_help,
+    needs_times,
     write_results,
 )
 from cat.decoding.searcher import (
@@ -185,10 +187,10 @@ def _decode_batches(exp_dir: str, checkpoint: str, scp: str, batches: list[list[
     results: list[Result] = []
     for keys in batches:
         utterances = _utterances(features, keys)
-        if output == "text" and spec is None:
+        if not needs_times(output) and spec is None:
             results += [Result(key, text) for key, text in searcher.best(utterances)]
         else:
-            results += searcher.results(utterances, timestamps=output != "text")
+            results += searcher.results(utterances, timestamps=needs_times(output))
         advance(len(keys))
     return results
 
@@ -417,10 +419,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", help="output directory (hyp, decode.log; required with "
                                       "--data; audio: else key/text lines on stdout)")
     parser.add_argument("--format", default="text",
-                        help=f"what the results hold and how they are written, one of "
-                             f"{', '.join(FORMATS)}: text lines (default), JSON lines with "
-                             "tokens, times and N-best, Kaldi CTM, SRT subtitles (with --out: "
-                             "hyp.jsonl, hyp.ctm or srt/<key>.srt besides hyp)")
+                        help=f"what the results hold and how they are written (default text): "
+                             f"{formats_help()}")
     long = parser.add_argument_group("long recordings (audio)")
     segmenting = Segmenting()
     long.add_argument("--max-segment", type=float, default=segmenting.max_segment,
@@ -509,12 +509,13 @@ def _transcribe(args: argparse.Namespace, checkpoint: Path, options: DecodeOptio
                             output=args.format, segmenting=segmenting)
     if args.out:
         write_outputs(transcript, args.out)
-    elif args.format == "srt":
+    elif (document := WRITERS[args.format].document) is not None:
         if len(transcript.results) != 1:
-            raise ResultFormatError(f"--format srt without --out writes the subtitles of one "
-                                    f"utterance, {audio.name} has {len(transcript.results)}: "
-                                    "give --out (srt/<key>.srt each)")
-        sys.stdout.write(srt_document(transcript.results[0]))
+            raise ResultFormatError(
+                f"--format {args.format} without --out writes the document of one utterance, "
+                f"{audio.name} has {len(transcript.results)}: give --out "
+                f"({WRITERS[args.format].file}/<key>.{args.format} each)")
+        sys.stdout.write(document(transcript.results[0]))
     else:
         for line in format_lines(transcript.results, args.format):
             print(line)

@@ -289,21 +289,23 @@ class Writer:
     """How results are written in one format: `lines` (a result's lines, all results' in
     one file) or `document` (a result's document, a file per utterance in a folder); `file`,
     the file or folder besides `hyp` in an output directory (None: `hyp` holds the format);
-    `timed`, whether the results need times, pieces and N-best."""
+    `timed`, whether the results need times, pieces and N-best; `help`, what it holds (for
+    `--format`'s help)."""
 
     file: str | None
     lines: Callable[[Result], Iterable[str]] | None = None
     document: Callable[[Result], str] | None = None
     timed: bool = True
+    help: str = ""
 
 
 #: The output formats, by name (`--format`); srt's folder holds `<key>.srt` files, the key
 #: percent-encoded (`document_path`).
 WRITERS: dict[str, Writer] = {
-    "text": Writer(None, lines=text_lines, timed=False),
-    "json": Writer("hyp.jsonl", lines=json_lines),
-    "ctm": Writer("hyp.ctm", lines=ctm_lines),
-    "srt": Writer("srt", document=srt_document),
+    "text": Writer(None, lines=text_lines, timed=False, help="text lines"),
+    "json": Writer("hyp.jsonl", lines=json_lines, help="JSON lines with tokens, times and N-best"),
+    "ctm": Writer("hyp.ctm", lines=ctm_lines, help="Kaldi CTM"),
+    "srt": Writer("srt", document=srt_document, help="SRT subtitles"),
 }
 FORMATS = tuple(WRITERS)
 
@@ -325,6 +327,15 @@ def document_path(out_dir: PathLike, name: str, key: str) -> Path:
     if folder is None:
         raise ResultFormatError(f"{name} writes no file besides hyp")
     return Path(out_dir) / folder / f"{urllib.parse.quote(key, safe='')}.{name}"
+
+
+def formats_help() -> str:
+    """What each format holds and, with an output directory, where it goes (`--format`)."""
+    return "; ".join(
+        f"{name}: {writer.help}"
+        + ("" if writer.file is None else
+           f" ({writer.file}{'/<key>.' + name if writer.document else ''} besides hyp)")
+        for name, writer in WRITERS.items())
 
 
 def write_results(out_dir: PathLike, results: Sequence[Result], name: str) -> list[Path]:

@@ -187,7 +187,7 @@ def test_results_as_json_ctm_and_srt(recipe, tmp_path, capsys, caplog):
 
     caplog.clear()
     assert main("cat.decode", [EXP, "--audio", *wavs[:2], "--format", "srt"]) == 1
-    assert "--format srt without --out writes the subtitles of one utterance, command line " \
+    assert "--format srt without --out writes the document of one utterance, command line " \
            "audio files has 2" in caplog.text
     with pytest.raises(SystemExit):
         main("cat.decode", [EXP, "--audio", *wavs, "--format", "xml"])
