@@ -1,7 +1,7 @@
 """Compare two systems' error rates on one test set: paired bootstrap intervals.
 
-Usage: python -m cat.significance --cer data/test/text exp/a/decode/test.txt \
-           exp/b/decode/test.txt
+Usage: python -m cat.significance --cer data/test/text exp/synth-ctc/decode/test/hyp \
+           exp/synth-crctc/decode/test/hyp
 
 The utterances are resampled with replacement (Bisani and Ney, 2004: the same resampled
 set for both systems, so the difference keeps their pairing), `--samples` times with a
@@ -127,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the comparison of `hyp_b` against `hyp_a`."""
     args = build_parser().parse_args(argv)
     unit = "char" if args.cer else "word"
-    refs = read_table(args.ref)
-    result = compare(refs, read_table(args.hyp_a), read_table(args.hyp_b), unit,
-                     args.samples, args.seed)
+    refs, hyps_a, hyps_b = (read_table(path, allow_empty_value=True)
+                            for path in (args.ref, args.hyp_a, args.hyp_b))
+    result = compare(refs, hyps_a, hyps_b, unit, args.samples, args.seed)
     print(format_comparison(result, (args.hyp_a, args.hyp_b), unit))
     return 0
 

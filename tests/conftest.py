@@ -140,6 +140,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         return None
     from xdist.scheduler import LoadGroupScheduling
 
+    # Hand units out in the collection's order (longest first, above), not by how many
+    # tests each holds (xdist's default reordering).
+    config.option.loadscopereorder = False
+
     class UnitScheduling(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scheduling_unit(nodeid)

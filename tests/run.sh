@@ -31,7 +31,10 @@ git ls-files -z -- '*.sh' .ci/run | xargs -0 shellcheck -x
 echo "== pytest"
 cpus=$(nproc 2>/dev/null || echo 2)
 workers=${CAT_TEST_WORKERS:-$(( cpus + 1 < 3 ? 3 : (cpus + 1 > 8 ? 8 : cpus + 1) ))}
-parallel=(-n "$workers" --dist loadgroup)
+parallel=()
+if python -c "import xdist" 2>/dev/null; then  # installed by tools/install.sh --dev
+  parallel=(-n "$workers" --dist loadgroup)
+fi
 for arg in "$@"; do
   path=${arg%%::*}
   case $arg in

@@ -132,5 +132,6 @@ def test_the_verbs_and_cat_s_names_run_as_modules(module):
 
 
 def test_a_command_name_is_checked():
-    with pytest.raises(ValueError, match="not a command name"):
-        run_verb("ctc.decode")
+    for name in ("ctc.decode", "catx.decode", "cat."):
+        with pytest.raises(ValueError, match="not a command name"):
+            run_verb(name)

@@ -67,3 +67,13 @@ def test_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "%CER with 95 % paired-bootstrap intervals (100 resamples of 200 utterances" in out
     assert f"P({hyp_b} better): 1.000" in out
+
+
+def test_command_line_takes_empty_hypotheses(tmp_path, capsys):
+    """An empty result is a key alone on its line (the text format's), as scoring reads it."""
+    ref, hyp_a, hyp_b = (tmp_path / name for name in ("ref", "a", "b"))
+    ref.write_text("u1 你好\nu2 我们\n", encoding="utf-8")
+    hyp_a.write_text("u1 你好\nu2\n", encoding="utf-8")
+    hyp_b.write_text("u1 你好\nu2 我们\n", encoding="utf-8")
+    assert main(["--cer", "--samples", "50", str(ref), str(hyp_a), str(hyp_b)]) == 0
+    assert f"{hyp_a}: 50.00" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 def verb_module(command: str) -> str:
     """The verb module that runs `command` (`cat.ctc.decode` -> `cat.decode`)."""
     package, _, verb = command.rpartition(".")
-    if not package.startswith("cat") or not verb:
+    if not (package == "cat" or package.startswith("cat.")) or not verb:
         raise ValueError(f"{command!r} is not a command name (cat.<verb> or "
                          "cat.<family>.<verb>)")
     return f"cat.{verb}"

@@ -23,7 +23,7 @@ config.json: the `ctc` section's `cr_ctc` (keys and defaults:
 icefall's defaults: `cr_loss_scale` 0.2, a linear warm-up over 2,000 batches, and more time
 masking than without CR-CTC (its `time_mask_ratio` 2.5: 2.5 times the masks and 2.5 times
 the largest masked fraction), which here is the `specaug` section's `num_time_masks` and
-`max_time_mask_ratio`.
+`max_time_mask_ratio` (each mask is still at most `max_time_mask_width` frames).
 """
 
 from __future__ import annotations
